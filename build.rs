@@ -1,0 +1,13 @@
+//! Generates the gRPC code from `proto/` with protox, so that no system `protoc` is needed, and
+//! writes the file descriptor set that server reflection serves.
+
+use prost::Message;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    println!("cargo:rerun-if-changed=proto");
+    let fds = protox::compile(["turnstile/v1/turn.proto"], ["proto"])?;
+    let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
+    std::fs::write(out_dir.join("turnstile_descriptor.bin"), fds.encode_to_vec())?;
+    tonic_prost_build::configure().compile_fds(fds)?;
+    Ok(())
+}
