@@ -1,1 +1,2 @@
+pub mod activity;
 pub mod grpc;

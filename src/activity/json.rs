@@ -1,0 +1,787 @@
+//! Lossless conversion between the activity types and Bot Framework JSON (camelCase members).
+//!
+//! Channels and the Bot Framework SDKs send members no schema names, explicit `null`s, empty
+//! lists, and now and then a value of the wrong shape. A gateway that parsed strictly would
+//! either reject such activities or drop the odd parts; we want neither, so the conversion
+//! follows one rule:
+//!
+//! > A known member goes into its typed field only if the typed field writes back exactly the
+//! > same JSON. Everything else is kept verbatim in `properties` under its JSON name.
+//!
+//! Concretely: a string field takes only a string, a bool field only a bool, a list only a
+//! non-empty array whose every item fits, a sub-type only an object (whose own odd members then go
+//! to the sub-type's `properties`), a free-form value anything but `null`, and
+//! `TextHighlight.occurrence` only a number that [`number_to_json`] writes back unchanged (so `1`
+//! is typed but `1.0` is not). Hence `Activity::from_json(v)?.to_json() == v` for every JSON
+//! object `v`.
+//!
+//! When writing, a typed field that is set wins over a `properties` entry of the same JSON name.
+//! [`Activity::from_json`] never produces both; code that sets a typed field on a parsed activity
+//! means the typed value.
+
+use serde_json::Value;
+
+use super::{
+    Activity, Attachment, CardAction, ChannelAccount, ConversationAccount, ConversationReference,
+    JsonMap, MessageReaction, SemanticAction, SuggestedActions, TextHighlight,
+};
+
+/// JSON that cannot be an activity (or one of its parts) at all.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ActivityJsonError {
+    /// Activities and their parts are JSON objects; anything else has no members to read.
+    #[error("{what} must be a JSON object, found {found}")]
+    NotAnObject {
+        /// The type that was being read, e.g. `Activity`.
+        what: &'static str,
+        /// The JSON kind found instead, e.g. `array`.
+        found: &'static str,
+    },
+}
+
+/// The largest magnitude below which every integer is exactly representable as an `f64`.
+const MAX_SAFE_INTEGER: f64 = 9_007_199_254_740_992.0; // 2^53
+
+/// Writes an `f64` as the JSON number a reader most likely sent.
+///
+/// Integral values within ±2^53 become JSON integers (so `1` read as `1.0` is written as `1`);
+/// other finite values stay floats, and so does `-0.0`, which no integer can represent.
+/// Non-finite values have no JSON form and become `null`.
+pub fn number_to_json(x: f64) -> Value {
+    if !x.is_finite() {
+        return Value::Null;
+    }
+    let negative_zero = x == 0.0 && x.is_sign_negative();
+    if x.fract() == 0.0 && x.abs() <= MAX_SAFE_INTEGER && !negative_zero {
+        // Exact: integral and within ±2^53, hence within i64.
+        Value::from(x as i64)
+    } else {
+        serde_json::Number::from_f64(x).map_or(Value::Null, Value::Number)
+    }
+}
+
+fn json_kind(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    }
+}
+
+fn object(value: Value, what: &'static str) -> Result<JsonMap, ActivityJsonError> {
+    match value {
+        Value::Object(map) => Ok(map),
+        other => Err(ActivityJsonError::NotAnObject {
+            what,
+            found: json_kind(&other),
+        }),
+    }
+}
+
+// Readers: each moves `value` into `slot` if the typed form writes it back unchanged, and hands
+// it back otherwise so that the caller keeps it in `properties`.
+
+fn read_string(slot: &mut Option<String>, value: Value) -> Result<(), Value> {
+    match value {
+        Value::String(s) => {
+            *slot = Some(s);
+            Ok(())
+        }
+        other => Err(other),
+    }
+}
+
+fn read_bool(slot: &mut Option<bool>, value: Value) -> Result<(), Value> {
+    match value {
+        Value::Bool(b) => {
+            *slot = Some(b);
+            Ok(())
+        }
+        other => Err(other),
+    }
+}
+
+fn read_number(slot: &mut Option<f64>, value: Value) -> Result<(), Value> {
+    if let Value::Number(n) = &value
+        && let Some(x) = n.as_f64()
+        && number_to_json(x) == value
+    {
+        *slot = Some(x);
+        Ok(())
+    } else {
+        Err(value)
+    }
+}
+
+/// Any value but `null`: a typed `None` could not write an explicit `null` back.
+fn read_value(slot: &mut Option<Value>, value: Value) -> Result<(), Value> {
+    if value.is_null() {
+        Err(value)
+    } else {
+        *slot = Some(value);
+        Ok(())
+    }
+}
+
+fn read_object<T>(
+    slot: &mut Option<T>,
+    value: Value,
+    convert: fn(JsonMap) -> T,
+) -> Result<(), Value> {
+    match value {
+        Value::Object(map) => {
+            *slot = Some(convert(map));
+            Ok(())
+        }
+        other => Err(other),
+    }
+}
+
+/// A non-empty array whose items all `fit`; an empty list could not write `[]` back.
+fn read_list<T>(
+    slot: &mut Vec<T>,
+    value: Value,
+    fits: fn(&Value) -> bool,
+    convert: fn(Value) -> Option<T>,
+) -> Result<(), Value> {
+    match value {
+        Value::Array(items) if !items.is_empty() && items.iter().all(fits) => {
+            // Every item fits, so `convert` accepts every item and nothing is filtered out.
+            *slot = items.into_iter().filter_map(convert).collect();
+            Ok(())
+        }
+        other => Err(other),
+    }
+}
+
+fn string_item(value: Value) -> Option<String> {
+    match value {
+        Value::String(s) => Some(s),
+        _ => None,
+    }
+}
+
+fn object_item(value: Value) -> Option<JsonMap> {
+    match value {
+        Value::Object(map) => Some(map),
+        _ => None,
+    }
+}
+
+fn object_list<T>(slot: &mut Vec<T>, value: Value, convert: fn(JsonMap) -> T) -> Result<(), Value> {
+    match value {
+        Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_object) => {
+            *slot = items
+                .into_iter()
+                .filter_map(object_item)
+                .map(convert)
+                .collect();
+            Ok(())
+        }
+        other => Err(other),
+    }
+}
+
+/// Builds one JSON object: `properties` first, then the typed fields that are set, which
+/// overwrite `properties` entries of the same name.
+struct Writer(JsonMap);
+
+impl Writer {
+    fn new(properties: &JsonMap) -> Self {
+        Writer(properties.clone())
+    }
+
+    fn string(&mut self, key: &str, value: &Option<String>) {
+        if let Some(s) = value {
+            self.0.insert(key.to_owned(), Value::String(s.clone()));
+        }
+    }
+
+    fn bool(&mut self, key: &str, value: Option<bool>) {
+        if let Some(b) = value {
+            self.0.insert(key.to_owned(), Value::Bool(b));
+        }
+    }
+
+    fn number(&mut self, key: &str, value: Option<f64>) {
+        if let Some(x) = value {
+            self.0.insert(key.to_owned(), number_to_json(x));
+        }
+    }
+
+    fn value(&mut self, key: &str, value: &Option<Value>) {
+        if let Some(v) = value {
+            self.0.insert(key.to_owned(), v.clone());
+        }
+    }
+
+    fn object<T>(&mut self, key: &str, value: &Option<T>, convert: fn(&T) -> JsonMap) {
+        if let Some(v) = value {
+            self.0.insert(key.to_owned(), Value::Object(convert(v)));
+        }
+    }
+
+    fn list<T>(&mut self, key: &str, items: &[T], convert: fn(&T) -> Value) {
+        if !items.is_empty() {
+            self.0
+                .insert(key.to_owned(), items.iter().map(convert).collect());
+        }
+    }
+
+    fn finish(self) -> JsonMap {
+        self.0
+    }
+}
+
+fn map_json(map: &JsonMap) -> Value {
+    Value::Object(map.clone())
+}
+
+/// `from_json`/`to_json` for a type whose members are read by `from_map`/`to_map`.
+macro_rules! json_object {
+    ($ty:ident) => {
+        impl $ty {
+            #[doc = concat!("Reads a `", stringify!($ty), "` from Bot Framework JSON, keeping")]
+            /// whatever the typed fields cannot carry exactly in `properties`.
+            ///
+            /// # Errors
+            ///
+            /// [`ActivityJsonError::NotAnObject`] if `value` is not a JSON object.
+            pub fn from_json(value: Value) -> Result<Self, ActivityJsonError> {
+                Ok(Self::from_map(object(value, stringify!($ty))?))
+            }
+
+            /// Writes Bot Framework JSON: the typed fields that are set, merged with
+            /// `properties`.
+            pub fn to_json(&self) -> Value {
+                Value::Object(self.to_map())
+            }
+        }
+    };
+}
+
+json_object!(Activity);
+json_object!(ChannelAccount);
+json_object!(ConversationAccount);
+json_object!(MessageReaction);
+json_object!(Attachment);
+json_object!(SuggestedActions);
+json_object!(CardAction);
+json_object!(ConversationReference);
+json_object!(TextHighlight);
+json_object!(SemanticAction);
+
+impl Activity {
+    pub(crate) fn from_map(map: JsonMap) -> Self {
+        let mut a = Activity::default();
+        for (key, value) in map {
+            let kept = match key.as_str() {
+                "type" => read_string(&mut a.activity_type, value),
+                "id" => read_string(&mut a.id, value),
+                "timestamp" => read_string(&mut a.timestamp, value),
+                "localTimestamp" => read_string(&mut a.local_timestamp, value),
+                "localTimezone" => read_string(&mut a.local_timezone, value),
+                "serviceUrl" => read_string(&mut a.service_url, value),
+                "channelId" => read_string(&mut a.channel_id, value),
+                "from" => read_object(&mut a.from, value, ChannelAccount::from_map),
+                "conversation" => {
+                    read_object(&mut a.conversation, value, ConversationAccount::from_map)
+                }
+                "recipient" => read_object(&mut a.recipient, value, ChannelAccount::from_map),
+                "textFormat" => read_string(&mut a.text_format, value),
+                "attachmentLayout" => read_string(&mut a.attachment_layout, value),
+                "membersAdded" => {
+                    object_list(&mut a.members_added, value, ChannelAccount::from_map)
+                }
+                "membersRemoved" => {
+                    object_list(&mut a.members_removed, value, ChannelAccount::from_map)
+                }
+                "reactionsAdded" => {
+                    object_list(&mut a.reactions_added, value, MessageReaction::from_map)
+                }
+                "reactionsRemoved" => {
+                    object_list(&mut a.reactions_removed, value, MessageReaction::from_map)
+                }
+                "topicName" => read_string(&mut a.topic_name, value),
+                "historyDisclosed" => read_bool(&mut a.history_disclosed, value),
+                "locale" => read_string(&mut a.locale, value),
+                "text" => read_string(&mut a.text, value),
+                "speak" => read_string(&mut a.speak, value),
+                "inputHint" => read_string(&mut a.input_hint, value),
+                "summary" => read_string(&mut a.summary, value),
+                "suggestedActions" => {
+                    read_object(&mut a.suggested_actions, value, SuggestedActions::from_map)
+                }
+                "attachments" => object_list(&mut a.attachments, value, Attachment::from_map),
+                "entities" => object_list(&mut a.entities, value, |map| map),
+                "channelData" => read_value(&mut a.channel_data, value),
+                "action" => read_string(&mut a.action, value),
+                "replyToId" => read_string(&mut a.reply_to_id, value),
+                "label" => read_string(&mut a.label, value),
+                "valueType" => read_string(&mut a.value_type, value),
+                "value" => read_value(&mut a.value, value),
+                "name" => read_string(&mut a.name, value),
+                "relatesTo" => {
+                    read_object(&mut a.relates_to, value, ConversationReference::from_map)
+                }
+                "code" => read_string(&mut a.code, value),
+                "expiration" => read_string(&mut a.expiration, value),
+                "importance" => read_string(&mut a.importance, value),
+                "deliveryMode" => read_string(&mut a.delivery_mode, value),
+                "listenFor" => read_list(&mut a.listen_for, value, Value::is_string, string_item),
+                "textHighlights" => {
+                    object_list(&mut a.text_highlights, value, TextHighlight::from_map)
+                }
+                "semanticAction" => {
+                    read_object(&mut a.semantic_action, value, SemanticAction::from_map)
+                }
+                "callerId" => read_string(&mut a.caller_id, value),
+                _ => Err(value),
+            };
+            if let Err(value) = kept {
+                a.properties.insert(key, value);
+            }
+        }
+        a
+    }
+
+    pub(crate) fn to_map(&self) -> JsonMap {
+        let mut w = Writer::new(&self.properties);
+        w.string("type", &self.activity_type);
+        w.string("id", &self.id);
+        w.string("timestamp", &self.timestamp);
+        w.string("localTimestamp", &self.local_timestamp);
+        w.string("localTimezone", &self.local_timezone);
+        w.string("serviceUrl", &self.service_url);
+        w.string("channelId", &self.channel_id);
+        w.object("from", &self.from, ChannelAccount::to_map);
+        w.object(
+            "conversation",
+            &self.conversation,
+            ConversationAccount::to_map,
+        );
+        w.object("recipient", &self.recipient, ChannelAccount::to_map);
+        w.string("textFormat", &self.text_format);
+        w.string("attachmentLayout", &self.attachment_layout);
+        w.list("membersAdded", &self.members_added, ChannelAccount::to_json);
+        w.list(
+            "membersRemoved",
+            &self.members_removed,
+            ChannelAccount::to_json,
+        );
+        w.list(
+            "reactionsAdded",
+            &self.reactions_added,
+            MessageReaction::to_json,
+        );
+        w.list(
+            "reactionsRemoved",
+            &self.reactions_removed,
+            MessageReaction::to_json,
+        );
+        w.string("topicName", &self.topic_name);
+        w.bool("historyDisclosed", self.history_disclosed);
+        w.string("locale", &self.locale);
+        w.string("text", &self.text);
+        w.string("speak", &self.speak);
+        w.string("inputHint", &self.input_hint);
+        w.string("summary", &self.summary);
+        w.object(
+            "suggestedActions",
+            &self.suggested_actions,
+            SuggestedActions::to_map,
+        );
+        w.list("attachments", &self.attachments, Attachment::to_json);
+        w.list("entities", &self.entities, map_json);
+        w.value("channelData", &self.channel_data);
+        w.string("action", &self.action);
+        w.string("replyToId", &self.reply_to_id);
+        w.string("label", &self.label);
+        w.string("valueType", &self.value_type);
+        w.value("value", &self.value);
+        w.string("name", &self.name);
+        w.object("relatesTo", &self.relates_to, ConversationReference::to_map);
+        w.string("code", &self.code);
+        w.string("expiration", &self.expiration);
+        w.string("importance", &self.importance);
+        w.string("deliveryMode", &self.delivery_mode);
+        w.list("listenFor", &self.listen_for, |s| Value::String(s.clone()));
+        w.list(
+            "textHighlights",
+            &self.text_highlights,
+            TextHighlight::to_json,
+        );
+        w.object(
+            "semanticAction",
+            &self.semantic_action,
+            SemanticAction::to_map,
+        );
+        w.string("callerId", &self.caller_id);
+        w.finish()
+    }
+}
+
+impl ChannelAccount {
+    pub(crate) fn from_map(map: JsonMap) -> Self {
+        let mut a = ChannelAccount::default();
+        for (key, value) in map {
+            let kept = match key.as_str() {
+                "id" => read_string(&mut a.id, value),
+                "name" => read_string(&mut a.name, value),
+                "aadObjectId" => read_string(&mut a.aad_object_id, value),
+                "role" => read_string(&mut a.role, value),
+                _ => Err(value),
+            };
+            if let Err(value) = kept {
+                a.properties.insert(key, value);
+            }
+        }
+        a
+    }
+
+    pub(crate) fn to_map(&self) -> JsonMap {
+        let mut w = Writer::new(&self.properties);
+        w.string("id", &self.id);
+        w.string("name", &self.name);
+        w.string("aadObjectId", &self.aad_object_id);
+        w.string("role", &self.role);
+        w.finish()
+    }
+}
+
+impl ConversationAccount {
+    pub(crate) fn from_map(map: JsonMap) -> Self {
+        let mut c = ConversationAccount::default();
+        for (key, value) in map {
+            let kept = match key.as_str() {
+                "id" => read_string(&mut c.id, value),
+                "name" => read_string(&mut c.name, value),
+                "isGroup" => read_bool(&mut c.is_group, value),
+                "conversationType" => read_string(&mut c.conversation_type, value),
+                "tenantId" => read_string(&mut c.tenant_id, value),
+                "role" => read_string(&mut c.role, value),
+                "aadObjectId" => read_string(&mut c.aad_object_id, value),
+                _ => Err(value),
+            };
+            if let Err(value) = kept {
+                c.properties.insert(key, value);
+            }
+        }
+        c
+    }
+
+    pub(crate) fn to_map(&self) -> JsonMap {
+        let mut w = Writer::new(&self.properties);
+        w.string("id", &self.id);
+        w.string("name", &self.name);
+        w.bool("isGroup", self.is_group);
+        w.string("conversationType", &self.conversation_type);
+        w.string("tenantId", &self.tenant_id);
+        w.string("role", &self.role);
+        w.string("aadObjectId", &self.aad_object_id);
+        w.finish()
+    }
+}
+
+impl MessageReaction {
+    pub(crate) fn from_map(map: JsonMap) -> Self {
+        let mut r = MessageReaction::default();
+        for (key, value) in map {
+            let kept = match key.as_str() {
+                "type" => read_string(&mut r.kind, value),
+                _ => Err(value),
+            };
+            if let Err(value) = kept {
+                r.properties.insert(key, value);
+            }
+        }
+        r
+    }
+
+    pub(crate) fn to_map(&self) -> JsonMap {
+        let mut w = Writer::new(&self.properties);
+        w.string("type", &self.kind);
+        w.finish()
+    }
+}
+
+impl Attachment {
+    pub(crate) fn from_map(map: JsonMap) -> Self {
+        let mut a = Attachment::default();
+        for (key, value) in map {
+            let kept = match key.as_str() {
+                "contentType" => read_string(&mut a.content_type, value),
+                "contentUrl" => read_string(&mut a.content_url, value),
+                "content" => read_value(&mut a.content, value),
+                "name" => read_string(&mut a.name, value),
+                "thumbnailUrl" => read_string(&mut a.thumbnail_url, value),
+                _ => Err(value),
+            };
+            if let Err(value) = kept {
+                a.properties.insert(key, value);
+            }
+        }
+        a
+    }
+
+    pub(crate) fn to_map(&self) -> JsonMap {
+        let mut w = Writer::new(&self.properties);
+        w.string("contentType", &self.content_type);
+        w.string("contentUrl", &self.content_url);
+        w.value("content", &self.content);
+        w.string("name", &self.name);
+        w.string("thumbnailUrl", &self.thumbnail_url);
+        w.finish()
+    }
+}
+
+impl SuggestedActions {
+    pub(crate) fn from_map(map: JsonMap) -> Self {
+        let mut s = SuggestedActions::default();
+        for (key, value) in map {
+            let kept = match key.as_str() {
+                "to" => read_list(&mut s.to, value, Value::is_string, string_item),
+                "actions" => object_list(&mut s.actions, value, CardAction::from_map),
+                _ => Err(value),
+            };
+            if let Err(value) = kept {
+                s.properties.insert(key, value);
+            }
+        }
+        s
+    }
+
+    pub(crate) fn to_map(&self) -> JsonMap {
+        let mut w = Writer::new(&self.properties);
+        w.list("to", &self.to, |s| Value::String(s.clone()));
+        w.list("actions", &self.actions, CardAction::to_json);
+        w.finish()
+    }
+}
+
+impl CardAction {
+    pub(crate) fn from_map(map: JsonMap) -> Self {
+        let mut c = CardAction::default();
+        for (key, value) in map {
+            let kept = match key.as_str() {
+                "type" => read_string(&mut c.kind, value),
+                "title" => read_string(&mut c.title, value),
+                "image" => read_string(&mut c.image, value),
+                "text" => read_string(&mut c.text, value),
+                "displayText" => read_string(&mut c.display_text, value),
+                "value" => read_value(&mut c.value, value),
+                "channelData" => read_value(&mut c.channel_data, value),
+                "imageAltText" => read_string(&mut c.image_alt_text, value),
+                _ => Err(value),
+            };
+            if let Err(value) = kept {
+                c.properties.insert(key, value);
+            }
+        }
+        c
+    }
+
+    pub(crate) fn to_map(&self) -> JsonMap {
+        let mut w = Writer::new(&self.properties);
+        w.string("type", &self.kind);
+        w.string("title", &self.title);
+        w.string("image", &self.image);
+        w.string("text", &self.text);
+        w.string("displayText", &self.display_text);
+        w.value("value", &self.value);
+        w.value("channelData", &self.channel_data);
+        w.string("imageAltText", &self.image_alt_text);
+        w.finish()
+    }
+}
+
+impl ConversationReference {
+    pub(crate) fn from_map(map: JsonMap) -> Self {
+        let mut r = ConversationReference::default();
+        for (key, value) in map {
+            let kept = match key.as_str() {
+                "activityId" => read_string(&mut r.activity_id, value),
+                "user" => read_object(&mut r.user, value, ChannelAccount::from_map),
+                "bot" => read_object(&mut r.bot, value, ChannelAccount::from_map),
+                "conversation" => {
+                    read_object(&mut r.conversation, value, ConversationAccount::from_map)
+                }
+                "channelId" => read_string(&mut r.channel_id, value),
+                "serviceUrl" => read_string(&mut r.service_url, value),
+                "locale" => read_string(&mut r.locale, value),
+                _ => Err(value),
+            };
+            if let Err(value) = kept {
+                r.properties.insert(key, value);
+            }
+        }
+        r
+    }
+
+    pub(crate) fn to_map(&self) -> JsonMap {
+        let mut w = Writer::new(&self.properties);
+        w.string("activityId", &self.activity_id);
+        w.object("user", &self.user, ChannelAccount::to_map);
+        w.object("bot", &self.bot, ChannelAccount::to_map);
+        w.object(
+            "conversation",
+            &self.conversation,
+            ConversationAccount::to_map,
+        );
+        w.string("channelId", &self.channel_id);
+        w.string("serviceUrl", &self.service_url);
+        w.string("locale", &self.locale);
+        w.finish()
+    }
+}
+
+impl TextHighlight {
+    pub(crate) fn from_map(map: JsonMap) -> Self {
+        let mut t = TextHighlight::default();
+        for (key, value) in map {
+            let kept = match key.as_str() {
+                "text" => read_string(&mut t.text, value),
+                "occurrence" => read_number(&mut t.occurrence, value),
+                _ => Err(value),
+            };
+            if let Err(value) = kept {
+                t.properties.insert(key, value);
+            }
+        }
+        t
+    }
+
+    pub(crate) fn to_map(&self) -> JsonMap {
+        let mut w = Writer::new(&self.properties);
+        w.string("text", &self.text);
+        w.number("occurrence", self.occurrence);
+        w.finish()
+    }
+}
+
+impl SemanticAction {
+    pub(crate) fn from_map(map: JsonMap) -> Self {
+        let mut s = SemanticAction::default();
+        for (key, value) in map {
+            let kept = match key.as_str() {
+                "id" => read_string(&mut s.id, value),
+                "state" => read_string(&mut s.state, value),
+                "entities" => read_object(&mut s.entities, value, |map| map),
+                _ => Err(value),
+            };
+            if let Err(value) = kept {
+                s.properties.insert(key, value);
+            }
+        }
+        s
+    }
+
+    pub(crate) fn to_map(&self) -> JsonMap {
+        let mut w = Writer::new(&self.properties);
+        w.string("id", &self.id);
+        w.string("state", &self.state);
+        w.object("entities", &self.entities, JsonMap::clone);
+        w.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn numbers_are_written_as_integers_when_exact() {
+        assert_eq!(number_to_json(1.0), json!(1));
+        assert_eq!(number_to_json(-3.0), json!(-3));
+        assert_eq!(number_to_json(1.5), json!(1.5));
+        assert_eq!(
+            number_to_json(MAX_SAFE_INTEGER),
+            json!(9_007_199_254_740_992_i64)
+        );
+        assert_eq!(
+            number_to_json(2.0 * MAX_SAFE_INTEGER),
+            json!(2.0 * MAX_SAFE_INTEGER)
+        );
+        assert_eq!(number_to_json(f64::NAN), Value::Null);
+        assert_eq!(number_to_json(f64::NEG_INFINITY), Value::Null);
+        assert!(
+            number_to_json(-0.0)
+                .as_f64()
+                .is_some_and(f64::is_sign_negative)
+        );
+        assert!(number_to_json(-0.0).is_f64());
+    }
+
+    #[test]
+    fn non_objects_are_rejected_with_their_kind() {
+        assert_eq!(
+            Activity::from_json(json!([1])),
+            Err(ActivityJsonError::NotAnObject {
+                what: "Activity",
+                found: "array"
+            })
+        );
+        assert_eq!(
+            ChannelAccount::from_json(json!("x"))
+                .map_err(|e| e.to_string())
+                .err()
+                .as_deref(),
+            Some("ChannelAccount must be a JSON object, found string")
+        );
+    }
+
+    #[test]
+    fn odd_members_stay_in_properties() -> Result<(), ActivityJsonError> {
+        let v = json!({
+            "type": "message",
+            "historyDisclosed": "yes",
+            "membersAdded": [],
+            "membersRemoved": [{"id": "u", "name": null}],
+            "listenFor": ["a", 1],
+            "value": null,
+            "textHighlights": [{"text": "t", "occurrence": 1}, {"occurrence": 2.0}],
+            "x-extra": {"deep": [true]}
+        });
+        let a = Activity::from_json(v.clone())?;
+        assert_eq!(a.activity_type.as_deref(), Some("message"));
+        assert_eq!(a.history_disclosed, None);
+        assert_eq!(a.members_removed.len(), 1);
+        assert_eq!(a.members_removed[0].id.as_deref(), Some("u"));
+        assert_eq!(
+            a.members_removed[0].properties.get("name"),
+            Some(&Value::Null)
+        );
+        assert_eq!(a.text_highlights[0].occurrence, Some(1.0));
+        assert_eq!(a.text_highlights[1].occurrence, None);
+        let mut keys: Vec<&str> = a.properties.keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        assert_eq!(
+            keys,
+            [
+                "historyDisclosed",
+                "listenFor",
+                "membersAdded",
+                "value",
+                "x-extra"
+            ]
+        );
+        assert_eq!(a.to_json(), v);
+        Ok(())
+    }
+
+    #[test]
+    fn typed_field_wins_over_properties_entry() {
+        let mut a = Activity::message("typed");
+        a.properties.insert("text".into(), json!(5));
+        a.properties.insert("extra".into(), json!(1));
+        assert_eq!(
+            a.to_json(),
+            json!({"type": "message", "text": "typed", "extra": 1})
+        );
+    }
+}
