@@ -1,6 +1,8 @@
 //! The gRPC boundary: generated code, conversions between wire and domain types, the mapping of
 //! domain errors to `tonic::Status`, and the `TurnService` implementation.
 
+pub mod convert;
+
 /// Code generated from `proto/turnstile/v1/turn.proto`.
 #[allow(clippy::all, missing_docs)]
 pub mod pb {
