@@ -13,8 +13,10 @@
 //! exactly; see [`json`] for the rule that decides which is which.
 //!
 //! Nothing here validates: an inbound activity without `type` or `conversation.id` is still an
-//! `Activity`. Checking what a turn requires happens once, at the gRPC boundary.
+//! `Activity`. Checking what a turn requires happens once, at the gRPC boundary, through
+//! [`incoming::IncomingActivity::parse`].
 
+pub mod incoming;
 pub mod json;
 
 pub use json::ActivityJsonError;

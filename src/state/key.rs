@@ -1,0 +1,283 @@
+//! State keys, in Bot Framework's shape and namespaced by bot:
+//!
+//! | scope | key |
+//! |---|---|
+//! | conversation | `{bot}/{channelId}/conversations/{conversationId}` |
+//! | user | `{bot}/{channelId}/users/{userId}` |
+//! | private conversation | `{bot}/{channelId}/conversations/{conversationId}/users/{userId}` |
+//!
+//! Every part is escaped before it is joined: `%` becomes `%25` and `/` becomes `%2F`. After
+//! escaping no part contains a `/`, so a key splits back into exactly the parts it was built from,
+//! and no id can forge another key: a conversation id `c/users/mallory` becomes
+//! `c%2Fusers%2Fmallory`, not a path into someone's private conversation state. Bot Framework's own
+//! storage keys do not escape, and that forgery works there.
+
+use std::fmt;
+
+use crate::activity::incoming::{ChannelId, ConversationId, TurnAddress, UserId};
+
+/// Which of a turn's three state scopes a key belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Scope {
+    /// Shared by everyone in the conversation.
+    Conversation,
+    /// One user, across all of their conversations on the channel.
+    User,
+    /// One user within one conversation.
+    PrivateConversation,
+}
+
+impl fmt::Display for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Scope::Conversation => "conversation",
+            Scope::User => "user",
+            Scope::PrivateConversation => "private conversation",
+        })
+    }
+}
+
+/// The key of one scope's state row. Built only from parsed ids, always escaped.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StateKey(String);
+
+impl StateKey {
+    /// The conversation scope's key.
+    pub fn conversation(bot: &str, channel: &ChannelId, conversation: &ConversationId) -> Self {
+        Self(join(&[
+            bot,
+            channel.as_str(),
+            "conversations",
+            conversation.as_str(),
+        ]))
+    }
+
+    /// The user scope's key.
+    pub fn user(bot: &str, channel: &ChannelId, user: &UserId) -> Self {
+        Self(join(&[bot, channel.as_str(), "users", user.as_str()]))
+    }
+
+    /// The private conversation scope's key.
+    pub fn private_conversation(
+        bot: &str,
+        channel: &ChannelId,
+        conversation: &ConversationId,
+        user: &UserId,
+    ) -> Self {
+        Self(join(&[
+            bot,
+            channel.as_str(),
+            "conversations",
+            conversation.as_str(),
+            "users",
+            user.as_str(),
+        ]))
+    }
+
+    /// Wraps a key read back from a store, which only ever holds keys built here.
+    pub(crate) fn from_stored(key: String) -> Self {
+        Self(key)
+    }
+
+    /// The key as stored.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Splits the key back into its unescaped parts: the inverse of building it.
+    pub fn parts(&self) -> Vec<String> {
+        self.0.split('/').map(unescape).collect()
+    }
+}
+
+impl fmt::Display for StateKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The keys of one turn's scopes: the conversation always, the user and private conversation
+/// scopes only when the activity names a user.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TurnKeys {
+    /// The conversation scope's key.
+    pub conversation: StateKey,
+    /// The user scope's key, when the activity has a `from.id`.
+    pub user: Option<StateKey>,
+    /// The private conversation scope's key, when the activity has a `from.id`.
+    pub private_conversation: Option<StateKey>,
+}
+
+impl TurnKeys {
+    /// The keys of bot `bot`'s state for a turn at `address`.
+    pub fn new(bot: &str, address: &TurnAddress) -> Self {
+        let TurnAddress {
+            channel,
+            conversation,
+            user,
+        } = address;
+        Self {
+            conversation: StateKey::conversation(bot, channel, conversation),
+            user: user.as_ref().map(|u| StateKey::user(bot, channel, u)),
+            private_conversation: user
+                .as_ref()
+                .map(|u| StateKey::private_conversation(bot, channel, conversation, u)),
+        }
+    }
+
+    /// Every key with its scope, conversation first.
+    pub fn all(&self) -> impl Iterator<Item = (Scope, &StateKey)> {
+        std::iter::once((Scope::Conversation, &self.conversation))
+            .chain(self.user.iter().map(|k| (Scope::User, k)))
+            .chain(
+                self.private_conversation
+                    .iter()
+                    .map(|k| (Scope::PrivateConversation, k)),
+            )
+    }
+}
+
+fn join(parts: &[&str]) -> String {
+    let mut key = String::new();
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 {
+            key.push('/');
+        }
+        escape_into(part, &mut key);
+    }
+    key
+}
+
+fn escape_into(part: &str, out: &mut String) {
+    for c in part.chars() {
+        match c {
+            '%' => out.push_str("%25"),
+            '/' => out.push_str("%2F"),
+            c => out.push(c),
+        }
+    }
+}
+
+fn unescape(part: &str) -> String {
+    part.replace("%2F", "/").replace("%25", "%")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn ids(channel: &str, conversation: &str, user: &str) -> (ChannelId, ConversationId, UserId) {
+        (
+            ChannelId::parse(channel, "channel_id").expect("valid channel"),
+            ConversationId::parse(conversation, "conversation.id").expect("valid conversation"),
+            UserId::parse(user, "from.id").expect("valid user"),
+        )
+    }
+
+    #[test]
+    fn keys_have_bot_framework_shape() {
+        let (ch, conv, user) = ids("msteams", "19:abc@thread.skype", "29:u");
+        assert_eq!(
+            StateKey::conversation("pizza", &ch, &conv).as_str(),
+            "pizza/msteams/conversations/19:abc@thread.skype"
+        );
+        assert_eq!(
+            StateKey::user("pizza", &ch, &user).as_str(),
+            "pizza/msteams/users/29:u"
+        );
+        assert_eq!(
+            StateKey::private_conversation("pizza", &ch, &conv, &user).as_str(),
+            "pizza/msteams/conversations/19:abc@thread.skype/users/29:u"
+        );
+    }
+
+    #[test]
+    fn a_conversation_id_cannot_reach_private_state() {
+        let (ch, victim_conv, victim) = ids("slack", "c", "mallory");
+        let (_, forged_conv, _) = ids("slack", "c/users/mallory", "x");
+        let private = StateKey::private_conversation("bot", &ch, &victim_conv, &victim);
+        let forged = StateKey::conversation("bot", &ch, &forged_conv);
+        assert_ne!(private, forged);
+        assert_eq!(
+            forged.as_str(),
+            "bot/slack/conversations/c%2Fusers%2Fmallory"
+        );
+    }
+
+    fn id() -> impl Strategy<Value = String> {
+        // Ids rich in the characters that matter: separators, escapes and their look-alikes.
+        proptest::collection::vec(
+            prop_oneof![
+                Just("/".to_owned()),
+                Just("%".to_owned()),
+                Just("%2F".to_owned()),
+                Just("%25".to_owned()),
+                Just("users".to_owned()),
+                Just("conversations".to_owned()),
+                "[a-z0-9:@.|+=-]{1,3}",
+                "\\PC",
+            ],
+            1..6,
+        )
+        .prop_map(|parts| parts.concat())
+    }
+
+    #[derive(Debug, Clone, PartialEq)]
+    enum Built {
+        Conversation(String, String, String),
+        User(String, String, String),
+        Private(String, String, String, String),
+    }
+
+    fn build(b: &Built) -> StateKey {
+        let p = |ch: &str, conv: &str, user: &str| ids(ch, conv, user);
+        match b {
+            Built::Conversation(bot, ch, conv) => {
+                let (ch, conv, _) = p(ch, conv, "u");
+                StateKey::conversation(bot, &ch, &conv)
+            }
+            Built::User(bot, ch, user) => {
+                let (ch, _, user) = p(ch, "c", user);
+                StateKey::user(bot, &ch, &user)
+            }
+            Built::Private(bot, ch, conv, user) => {
+                let (ch, conv, user) = p(ch, conv, user);
+                StateKey::private_conversation(bot, &ch, &conv, &user)
+            }
+        }
+    }
+
+    fn built() -> impl Strategy<Value = Built> {
+        prop_oneof![
+            (id(), id(), id()).prop_map(|(b, c, v)| Built::Conversation(b, c, v)),
+            (id(), id(), id()).prop_map(|(b, c, u)| Built::User(b, c, u)),
+            (id(), id(), id(), id()).prop_map(|(b, c, v, u)| Built::Private(b, c, v, u)),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn keys_split_back_into_their_parts(b in built()) {
+            let parts = build(&b).parts();
+            let expected: Vec<String> = match &b {
+                Built::Conversation(bot, ch, conv) =>
+                    vec![bot.clone(), ch.clone(), "conversations".into(), conv.clone()],
+                Built::User(bot, ch, user) =>
+                    vec![bot.clone(), ch.clone(), "users".into(), user.clone()],
+                Built::Private(bot, ch, conv, user) => vec![
+                    bot.clone(), ch.clone(), "conversations".into(), conv.clone(),
+                    "users".into(), user.clone(),
+                ],
+            };
+            prop_assert_eq!(parts, expected);
+        }
+
+        #[test]
+        fn different_scopes_or_ids_never_share_a_key(a in built(), b in built()) {
+            if a != b {
+                prop_assert_ne!(build(&a), build(&b));
+            }
+        }
+    }
+}

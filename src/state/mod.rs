@@ -1,0 +1,152 @@
+//! A turn's state: which scopes it has, how their keys are built, and the typed property bag a
+//! bot reads and writes.
+//!
+//! Each scope's state is one JSON object of named properties, as in Bot Framework's property
+//! accessors (`conversationState.createProperty("order")`). The bag remembers what it was loaded
+//! with, so the engine writes back only the scopes a turn actually changed.
+
+mod key;
+
+pub use key::{Scope, StateKey, TurnKeys};
+
+use serde::{Serialize, de::DeserializeOwned};
+
+use crate::activity::JsonMap;
+
+/// A property could not be converted between its stored JSON and the type the bot asked for.
+#[derive(Debug, thiserror::Error)]
+#[error("state property `{name}` in {scope} state: {source}")]
+pub struct PropertyError {
+    scope: Scope,
+    name: String,
+    #[source]
+    source: serde_json::Error,
+}
+
+/// One scope's state during a turn: named JSON properties, read and written with serde.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScopeState {
+    scope: Scope,
+    properties: JsonMap,
+    loaded: JsonMap,
+}
+
+impl ScopeState {
+    /// The state of `scope` as loaded (an empty object for a key never written).
+    pub fn new(scope: Scope, loaded: JsonMap) -> Self {
+        Self {
+            scope,
+            properties: loaded.clone(),
+            loaded,
+        }
+    }
+
+    /// Which scope this is.
+    pub fn scope(&self) -> Scope {
+        self.scope
+    }
+
+    /// Reads property `name`, or `None` when it is not set.
+    ///
+    /// # Errors
+    /// When the stored JSON does not deserialize into `T`.
+    pub fn get<T: DeserializeOwned>(&self, name: &str) -> Result<Option<T>, PropertyError> {
+        self.properties
+            .get(name)
+            .map(|v| T::deserialize(v).map_err(|e| self.error(name, e)))
+            .transpose()
+    }
+
+    /// Reads property `name`, or `T::default()` when it is not set.
+    ///
+    /// # Errors
+    /// When the stored JSON does not deserialize into `T`.
+    pub fn get_or_default<T: DeserializeOwned + Default>(
+        &self,
+        name: &str,
+    ) -> Result<T, PropertyError> {
+        Ok(self.get(name)?.unwrap_or_default())
+    }
+
+    /// Sets property `name` to `value`.
+    ///
+    /// # Errors
+    /// When `value` does not serialize to JSON (a map with non-string keys, say).
+    pub fn set<T: Serialize + ?Sized>(
+        &mut self,
+        name: &str,
+        value: &T,
+    ) -> Result<(), PropertyError> {
+        let json = serde_json::to_value(value).map_err(|e| self.error(name, e))?;
+        self.properties.insert(name.to_owned(), json);
+        Ok(())
+    }
+
+    /// Removes property `name`; a no-op when it is not set.
+    pub fn remove(&mut self, name: &str) {
+        self.properties.remove(name);
+    }
+
+    /// Removes every property of this scope.
+    pub fn clear(&mut self) {
+        self.properties.clear();
+    }
+
+    /// The properties as they stand now.
+    pub fn properties(&self) -> &JsonMap {
+        &self.properties
+    }
+
+    /// Whether the turn changed this scope since it was loaded.
+    pub fn is_changed(&self) -> bool {
+        self.properties != self.loaded
+    }
+
+    /// The properties, consuming the state.
+    pub fn into_properties(self) -> JsonMap {
+        self.properties
+    }
+
+    fn error(&self, name: &str, source: serde_json::Error) -> PropertyError {
+        PropertyError {
+            scope: self.scope,
+            name: name.to_owned(),
+            source,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn typed_properties_round_trip_and_track_changes() {
+        let mut state = ScopeState::new(Scope::Conversation, JsonMap::new());
+        assert!(!state.is_changed());
+        assert_eq!(state.get::<Vec<String>>("order").expect("readable"), None);
+        state
+            .set("order", &vec!["ham".to_owned()])
+            .expect("writable");
+        assert!(state.is_changed());
+        let order: Vec<String> = state.get_or_default("order").expect("readable");
+        assert_eq!(order, ["ham"]);
+        state.remove("order");
+        assert!(!state.is_changed(), "back to what was loaded");
+    }
+
+    #[test]
+    fn a_property_of_the_wrong_type_names_itself() {
+        let mut loaded = JsonMap::new();
+        loaded.insert("count".into(), serde_json::json!("three"));
+        let state = ScopeState::new(Scope::User, loaded);
+        let err = state
+            .get::<u32>("count")
+            .expect_err("a string is no number");
+        assert!(
+            err.to_string()
+                .starts_with("state property `count` in user state"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,171 @@
+//! Where turn state lives between turns, behind one trait with two implementations: `memory`
+//! (embedded, one replica) and `postgres` (shared by any number of replicas).
+//!
+//! The contract is optimistic concurrency. `load` reads every key a turn needs in one consistent
+//! read, each with the version that acts as its ETag. `commit` takes what the turn wrote and what
+//! it only read, each with the version it saw, and applies all of it only if every one of those
+//! versions still holds — all scopes together, or nothing. A failed precondition is an ordinary
+//! outcome, [`CommitOutcome::Conflict`], which the engine answers by replaying the turn; only a
+//! store that cannot answer is an error.
+
+pub mod memory;
+pub mod postgres;
+
+use std::collections::HashMap;
+use std::fmt;
+
+use async_trait::async_trait;
+
+use crate::activity::JsonMap;
+use crate::state::StateKey;
+
+/// A row's version: 1 when first written, one more at every change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Version(u64);
+
+impl Version {
+    /// The version of a newly created row.
+    pub const FIRST: Version = Version(1);
+
+    /// A version read back from a store.
+    pub fn new(v: u64) -> Self {
+        Self(v)
+    }
+
+    /// The version that follows this one.
+    #[must_use]
+    pub fn next(self) -> Version {
+        Version(self.0 + 1)
+    }
+
+    /// The version as a number.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for Version {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "v{}", self.0)
+    }
+}
+
+/// One key's stored state with its version.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Versioned {
+    /// The state object.
+    pub state: JsonMap,
+    /// Its version.
+    pub version: Version,
+}
+
+/// What one consistent read found; keys not present have never been written.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Snapshot {
+    rows: HashMap<StateKey, Versioned>,
+}
+
+impl Snapshot {
+    /// A snapshot of `rows`.
+    pub fn new(rows: HashMap<StateKey, Versioned>) -> Self {
+        Self { rows }
+    }
+
+    /// The row of `key`, if it exists.
+    pub fn get(&self, key: &StateKey) -> Option<&Versioned> {
+        self.rows.get(key)
+    }
+
+    /// The precondition that holds for `key` in this snapshot.
+    pub fn precondition(&self, key: &StateKey) -> Expected {
+        match self.rows.get(key) {
+            Some(row) => Expected::Version(row.version),
+            None => Expected::Absent,
+        }
+    }
+}
+
+/// What a turn saw of a key, which must still hold for its commit to apply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expected {
+    /// The key did not exist.
+    Absent,
+    /// The key had this version.
+    Version(Version),
+}
+
+/// One key in a commit: either written with new state, or only checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeyChange {
+    /// The key.
+    pub key: StateKey,
+    /// What the turn saw of it.
+    pub expected: Expected,
+    /// The new state, or `None` when the turn only read the key.
+    pub write: Option<JsonMap>,
+}
+
+/// Everything one turn attempt wants applied atomically.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Commit {
+    changes: Vec<KeyChange>,
+}
+
+impl Commit {
+    /// A commit of `changes`, kept sorted by key so that every store locks keys in one order.
+    pub fn new(mut changes: Vec<KeyChange>) -> Self {
+        changes.sort_by(|a, b| a.key.cmp(&b.key));
+        Self { changes }
+    }
+
+    /// The changes, sorted by key.
+    pub fn changes(&self) -> &[KeyChange] {
+        &self.changes
+    }
+
+    /// Whether the commit writes anything at all.
+    pub fn writes_anything(&self) -> bool {
+        self.changes.iter().any(|c| c.write.is_some())
+    }
+}
+
+/// How a commit ended, when the store could answer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CommitOutcome {
+    /// Everything applied; the version of every key in the commit afterwards.
+    Committed(HashMap<StateKey, Version>),
+    /// Some key no longer matched what the turn saw; nothing was applied.
+    Conflict {
+        /// The first key found changed.
+        key: StateKey,
+    },
+}
+
+/// A store that could not give an answer.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The store could not be reached (down, restarting, pool exhausted past its wait timeout).
+    /// Nothing was applied, unless the connection failed while a commit was in flight.
+    #[error("state store unavailable")]
+    Unavailable(#[source] anyhow::Error),
+    /// The store answered with something it should never say (a broken schema, say).
+    #[error("state store failed unexpectedly")]
+    Unexpected(#[source] anyhow::Error),
+}
+
+/// Persistent, versioned turn state.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Reads `keys` in one consistent read.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot answer.
+    async fn load(&self, keys: &[StateKey]) -> Result<Snapshot, StoreError>;
+
+    /// Applies `commit` if every key's expectation still holds, atomically.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot answer; a failed expectation is
+    /// [`CommitOutcome::Conflict`], not an error.
+    async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError>;
+}

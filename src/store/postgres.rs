@@ -1,0 +1,280 @@
+//! The PostgreSQL store: the one every replica shares, and the only place in the service with SQL.
+//!
+//! One row per key, its `version` column the ETag. A load is one `SELECT … WHERE key = ANY($1)`,
+//! a single statement and so a single consistent snapshot. A commit is one call of the
+//! `turnstile_commit` function (see `migrations/V1__turn_state.sql`), which checks every key's
+//! version, locks in key order and writes all scopes or none — one round trip, whatever the number
+//! of scopes. Statements are prepared once per pooled connection.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::{Context as _, anyhow};
+use async_trait::async_trait;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::Json;
+use tokio_postgres::{NoTls, Row};
+
+use super::{Commit, CommitOutcome, Expected, Snapshot, Store, StoreError, Version, Versioned};
+use crate::activity::JsonMap;
+use crate::state::StateKey;
+
+mod embedded {
+    refinery::embed_migrations!("migrations");
+}
+
+const LOAD: &str = "SELECT key, state, version FROM turnstile_state WHERE key = ANY($1)";
+const COMMIT: &str = "SELECT conflict_key, versions FROM turnstile_commit($1, $2, $3)";
+
+/// The SQLSTATE `turnstile_commit` raises when a key it was to create appeared concurrently.
+const COMMIT_CONFLICT: &str = "TS409";
+
+/// Serializes `migrate` across replicas that start together: an arbitrary, fixed advisory lock id
+/// ("turnstil" in ASCII).
+const MIGRATION_LOCK: i64 = 0x7475_726e_7374_696c;
+
+/// How long a turn waits for a pooled connection, or for a new one to be established, before the
+/// store counts as unavailable.
+const CONNECTION_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A PostgreSQL connection URL or key-value string, which may hold a password: never printed.
+#[derive(Clone)]
+pub struct DatabaseUrl(String);
+
+impl DatabaseUrl {
+    /// Wraps a connection string as given on the command line or in the environment.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self(url.into())
+    }
+
+    /// Parses the connection string.
+    ///
+    /// # Errors
+    /// When it is not a valid PostgreSQL URL or key-value string. The error does not repeat it.
+    pub fn config(&self) -> anyhow::Result<tokio_postgres::Config> {
+        let mut config = tokio_postgres::Config::from_str(&self.0)
+            .map_err(|e| anyhow!("the database URL is not valid: {e}"))?;
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(CONNECTION_TIMEOUT);
+        }
+        if config.get_application_name().is_none() {
+            config.application_name("turnstile");
+        }
+        Ok(config)
+    }
+}
+
+impl std::fmt::Debug for DatabaseUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DatabaseUrl(<redacted>)")
+    }
+}
+
+/// Applies the embedded migrations that `url`'s database lacks, under an advisory lock so that
+/// replicas starting together take turns. Returns how many were applied.
+///
+/// # Errors
+/// When the database cannot be reached or a migration fails.
+pub async fn migrate(url: &DatabaseUrl) -> anyhow::Result<usize> {
+    let (mut client, connection) = url
+        .config()?
+        .connect(NoTls)
+        .await
+        .context("connecting to PostgreSQL to migrate")?;
+    let connection = tokio::spawn(connection);
+    client
+        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
+        .await
+        .context("taking the migration lock")?;
+    let report = embedded::migrations::runner()
+        .run_async(&mut client)
+        .await
+        .context("applying migrations");
+    // Closing the session releases the advisory lock, even if the migration failed.
+    drop(client);
+    let _ = connection.await;
+    Ok(report?.applied_migrations().len())
+}
+
+/// Turn state in PostgreSQL, shared by every replica.
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: Pool,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("pool", &self.pool.status())
+            .finish()
+    }
+}
+
+impl PostgresStore {
+    /// A store over a pool of at most `pool_size` connections to `url`. Connections are opened on
+    /// demand, so this succeeds while the database is down.
+    ///
+    /// # Errors
+    /// When the URL is invalid.
+    pub fn connect(url: &DatabaseUrl, pool_size: usize) -> anyhow::Result<Self> {
+        let manager = Manager::from_config(
+            url.config()?,
+            NoTls,
+            ManagerConfig {
+                // A connection the server closed (restart, failover) is noticed and replaced
+                // before a turn gets it; one that broke silently fails that turn as unavailable.
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(pool_size.max(1))
+            .wait_timeout(Some(CONNECTION_TIMEOUT))
+            .create_timeout(Some(CONNECTION_TIMEOUT))
+            .recycle_timeout(Some(CONNECTION_TIMEOUT))
+            .runtime(Runtime::Tokio1)
+            .build()
+            .context("building the connection pool")?;
+        Ok(Self { pool })
+    }
+
+    /// The connection pool's current size and waiters.
+    pub fn pool_status(&self) -> deadpool_postgres::Status {
+        self.pool.status()
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        self.pool.get().await.map_err(|e| match e {
+            PoolError::Backend(e) => classify(e),
+            PoolError::Timeout(_) | PoolError::Closed => StoreError::Unavailable(e.into()),
+            other => StoreError::Unexpected(other.into()),
+        })
+    }
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    #[tracing::instrument(skip_all, fields(keys = keys.len()))]
+    async fn load(&self, keys: &[StateKey]) -> Result<Snapshot, StoreError> {
+        let client = self.client().await?;
+        let statement = client.prepare_cached(LOAD).await.map_err(classify)?;
+        let names: Vec<&str> = keys.iter().map(StateKey::as_str).collect();
+        let rows = client
+            .query(&statement, &[&names])
+            .await
+            .map_err(classify)?;
+        let rows = rows
+            .iter()
+            .map(read_row)
+            .collect::<Result<HashMap<_, _>, _>>()
+            .map_err(StoreError::Unexpected)?;
+        Ok(Snapshot::new(rows))
+    }
+
+    #[tracing::instrument(skip_all, fields(keys = commit.changes().len()))]
+    async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
+        let changes = commit.changes();
+        let keys: Vec<&str> = changes.iter().map(|c| c.key.as_str()).collect();
+        let expected = changes
+            .iter()
+            .map(|c| match c.expected {
+                Expected::Absent => Ok(0),
+                Expected::Version(v) => i64::try_from(v.get()),
+            })
+            .collect::<Result<Vec<i64>, _>>()
+            .map_err(|e| StoreError::Unexpected(e.into()))?;
+        let states: Vec<Option<Json<&JsonMap>>> =
+            changes.iter().map(|c| c.write.as_ref().map(Json)).collect();
+
+        let client = self.client().await?;
+        let statement = client.prepare_cached(COMMIT).await.map_err(classify)?;
+        let row = match client
+            .query_one(&statement, &[&keys, &expected, &states])
+            .await
+        {
+            Ok(row) => row,
+            Err(e) if is_conflict(&e) => return Ok(conflict_from(&e, changes)),
+            Err(e) => return Err(classify(e)),
+        };
+        let conflict_key: Option<String> = row.try_get(0).map_err(unexpected)?;
+        if let Some(key) = conflict_key {
+            return Ok(CommitOutcome::Conflict {
+                key: StateKey::from_stored(key),
+            });
+        }
+        let versions: Vec<i64> = row.try_get(1).map_err(unexpected)?;
+        if versions.len() != changes.len() {
+            return Err(StoreError::Unexpected(anyhow!(
+                "turnstile_commit returned {} versions for {} keys",
+                versions.len(),
+                changes.len()
+            )));
+        }
+        let versions = changes
+            .iter()
+            .zip(versions)
+            .filter(|(_, v)| *v > 0)
+            .map(|(c, v)| Ok((c.key.clone(), Version::new(u64::try_from(v)?))))
+            .collect::<Result<HashMap<_, _>, std::num::TryFromIntError>>()
+            .map_err(|e| StoreError::Unexpected(e.into()))?;
+        Ok(CommitOutcome::Committed(versions))
+    }
+}
+
+fn read_row(row: &Row) -> anyhow::Result<(StateKey, Versioned)> {
+    let key: String = row.try_get(0)?;
+    let Json(state): Json<JsonMap> = row
+        .try_get(1)
+        .with_context(|| format!("state of {key} is not a JSON object"))?;
+    let version: i64 = row.try_get(2)?;
+    let version = Version::new(u64::try_from(version).context("negative version")?);
+    Ok((StateKey::from_stored(key), Versioned { state, version }))
+}
+
+fn is_conflict(e: &tokio_postgres::Error) -> bool {
+    e.as_db_error().is_some_and(|db| {
+        db.code().code() == COMMIT_CONFLICT
+            || *db.code() == SqlState::T_R_SERIALIZATION_FAILURE
+            || *db.code() == SqlState::T_R_DEADLOCK_DETECTED
+    })
+}
+
+fn conflict_from(e: &tokio_postgres::Error, changes: &[super::KeyChange]) -> CommitOutcome {
+    let named = e
+        .as_db_error()
+        .and_then(|db| db.detail())
+        .and_then(|detail| changes.iter().find(|c| c.key.as_str() == detail));
+    let key = named
+        .or_else(|| changes.first())
+        .map(|c| c.key.clone())
+        .unwrap_or_else(|| StateKey::from_stored(String::new()));
+    CommitOutcome::Conflict { key }
+}
+
+fn unexpected(e: tokio_postgres::Error) -> StoreError {
+    StoreError::Unexpected(e.into())
+}
+
+/// Sorts a driver error into "could not reach the database" and "something is wrong".
+fn classify(e: tokio_postgres::Error) -> StoreError {
+    let unreachable = match e.as_db_error() {
+        Some(db) => {
+            let code = db.code().code();
+            // Class 08: connection exceptions; 57P0x: the server is shutting down or starting;
+            // 53300: too many connections.
+            code.starts_with("08") || code.starts_with("57P") || code == "53300"
+        }
+        // No answer from the server at all: a closed connection, an I/O error, a connect timeout.
+        None => {
+            e.is_closed()
+                || std::error::Error::source(&e).is_some_and(|s| s.is::<std::io::Error>())
+                || e.to_string().contains("timeout")
+        }
+    };
+    if unreachable {
+        StoreError::Unavailable(e.into())
+    } else {
+        StoreError::Unexpected(e.into())
+    }
+}
