@@ -1,0 +1,306 @@
+//! The bot API: the one trait a bot implements, and the turn context it works through.
+//!
+//! A bot sees the inbound activity, three typed state scopes and a `send` that only buffers. It
+//! never sees the network or the database: the engine decides when its state is committed and
+//! whether its replies leave at all.
+//!
+//! # The replay rule
+//! **A bot's turn may run more than once.** When another replica changed the state while this
+//! turn ran, the engine discards everything the attempt did — state changes and sent activities —
+//! reloads and runs the bot again on the fresh state. Only the attempt that commits is seen by
+//! anyone. So a turn must be a function of (state, activity): no side effects outside the context
+//! (no calls that change another system, unless they are idempotent and keyed by the activity id),
+//! no dependence on wall-clock time or randomness that the state does not record.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+
+use crate::activity::incoming::IncomingActivity;
+use crate::activity::{Activity, types};
+use crate::state::{PropertyError, Scope, ScopeState};
+
+/// A bot: handles one turn at a time through a [`TurnContext`].
+///
+/// Implementations must follow the replay rule in the module documentation.
+#[async_trait]
+pub trait Bot: Send + Sync + 'static {
+    /// Handles one turn. Returning an error discards the attempt: no state is committed and no
+    /// activity is sent, and the caller gets `INTERNAL`.
+    ///
+    /// # Errors
+    /// Whatever the bot decides is a failure of the turn.
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError>;
+}
+
+/// A bot's failure: any error, with its cause chain kept for the log (never sent to the caller).
+pub struct BotError(anyhow::Error);
+
+impl BotError {
+    /// A failure described by `message`.
+    pub fn msg(message: impl fmt::Display + fmt::Debug + Send + Sync + 'static) -> Self {
+        Self(anyhow::Error::msg(message))
+    }
+
+    /// The underlying error, with its cause chain.
+    pub fn into_inner(self) -> anyhow::Error {
+        self.0
+    }
+}
+
+impl<E: std::error::Error + Send + Sync + 'static> From<E> for BotError {
+    fn from(e: E) -> Self {
+        Self(anyhow::Error::new(e))
+    }
+}
+
+impl fmt::Debug for BotError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+impl fmt::Display for BotError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // `{:#}` prints the whole cause chain on one line.
+        write!(f, "{:#}", self.0)
+    }
+}
+
+/// A state scope the activity cannot have: user-scoped state needs a `from.id`.
+#[derive(Debug, thiserror::Error)]
+#[error("{0} state is not available: the activity has no `from.id`")]
+pub struct NoSuchScope(Scope);
+
+/// One attempt at one turn: the activity, the state scopes, and the buffered outbound activities.
+pub struct TurnContext<'a> {
+    incoming: &'a IncomingActivity,
+    attempt: u32,
+    conversation: ScopeState,
+    user: Option<ScopeState>,
+    private_conversation: Option<ScopeState>,
+    outbox: Vec<Activity>,
+}
+
+impl<'a> TurnContext<'a> {
+    /// A context for attempt `attempt` (from 1) of the turn for `incoming`, over loaded state.
+    pub fn new(
+        incoming: &'a IncomingActivity,
+        attempt: u32,
+        conversation: ScopeState,
+        user: Option<ScopeState>,
+        private_conversation: Option<ScopeState>,
+    ) -> Self {
+        Self {
+            incoming,
+            attempt,
+            conversation,
+            user,
+            private_conversation,
+            outbox: Vec::new(),
+        }
+    }
+
+    /// The inbound activity.
+    pub fn activity(&self) -> &Activity {
+        self.incoming.activity()
+    }
+
+    /// The inbound activity's text, trimmed; empty when it has none.
+    pub fn text(&self) -> &str {
+        self.activity().text.as_deref().unwrap_or_default().trim()
+    }
+
+    /// Which attempt this is, from 1. Greater than 1 means a conflict forced a replay; bots
+    /// should not behave differently because of it (see the replay rule).
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// The conversation scope: shared by everyone in the conversation.
+    pub fn conversation_state(&mut self) -> &mut ScopeState {
+        &mut self.conversation
+    }
+
+    /// The user scope: this user, across conversations on this channel.
+    ///
+    /// # Errors
+    /// When the activity names no user (`from.id`), which only non-message activities may omit.
+    pub fn user_state(&mut self) -> Result<&mut ScopeState, NoSuchScope> {
+        self.user.as_mut().ok_or(NoSuchScope(Scope::User))
+    }
+
+    /// The private conversation scope: this user within this conversation.
+    ///
+    /// # Errors
+    /// When the activity names no user (`from.id`).
+    pub fn private_conversation_state(&mut self) -> Result<&mut ScopeState, NoSuchScope> {
+        self.private_conversation
+            .as_mut()
+            .ok_or(NoSuchScope(Scope::PrivateConversation))
+    }
+
+    /// Buffers `activity` as a reply. It is delivered only if this attempt commits. Fields the
+    /// bot left empty are filled in as a reply to the inbound activity: type `message`, the same
+    /// channel, service URL and conversation, `from` and `recipient` swapped, `reply_to_id` the
+    /// inbound id.
+    pub fn send(&mut self, activity: Activity) {
+        let reply = address_reply(activity, self.incoming.activity());
+        self.outbox.push(reply);
+    }
+
+    /// Buffers a text message as a reply.
+    pub fn send_text(&mut self, text: impl Into<String>) {
+        self.send(Activity::message(text));
+    }
+
+    /// The activities sent so far in this attempt.
+    pub fn sent(&self) -> &[Activity] {
+        &self.outbox
+    }
+
+    /// Ends the attempt: its state scopes and its buffered activities.
+    pub fn finish(self) -> (TurnScopes, Vec<Activity>) {
+        (
+            TurnScopes {
+                conversation: self.conversation,
+                user: self.user,
+                private_conversation: self.private_conversation,
+            },
+            self.outbox,
+        )
+    }
+
+    /// Reads a conversation-scoped property, a shorthand used by most bots.
+    ///
+    /// # Errors
+    /// When the stored value does not deserialize into `T`.
+    pub fn conversation_property<T: serde::de::DeserializeOwned + Default>(
+        &self,
+        name: &str,
+    ) -> Result<T, PropertyError> {
+        self.conversation.get_or_default(name)
+    }
+}
+
+/// The state scopes as an attempt left them.
+pub struct TurnScopes {
+    /// The conversation scope.
+    pub conversation: ScopeState,
+    /// The user scope, when the activity named a user.
+    pub user: Option<ScopeState>,
+    /// The private conversation scope, when the activity named a user.
+    pub private_conversation: Option<ScopeState>,
+}
+
+fn address_reply(mut reply: Activity, to: &Activity) -> Activity {
+    reply
+        .activity_type
+        .get_or_insert_with(|| types::MESSAGE.to_owned());
+    if reply.channel_id.is_none() {
+        reply.channel_id = to.channel_id.clone();
+    }
+    if reply.service_url.is_none() {
+        reply.service_url = to.service_url.clone();
+    }
+    if reply.conversation.is_none() {
+        reply.conversation = to.conversation.clone();
+    }
+    if reply.from.is_none() {
+        reply.from = to.recipient.clone();
+    }
+    if reply.recipient.is_none() {
+        reply.recipient = to.from.clone();
+    }
+    if reply.reply_to_id.is_none() {
+        reply.reply_to_id = to.id.clone();
+    }
+    if reply.locale.is_none() {
+        reply.locale = to.locale.clone();
+    }
+    reply
+}
+
+/// The bots a server hosts, by name, with one of them the default.
+#[derive(Clone)]
+pub struct BotRegistry {
+    bots: BTreeMap<String, Arc<dyn Bot>>,
+    default: String,
+}
+
+/// A lookup for a bot the registry does not host.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("no bot named `{name}` is hosted here (hosted: {hosted})")]
+pub struct UnknownBot {
+    name: String,
+    hosted: String,
+}
+
+impl BotRegistry {
+    /// A registry whose default bot is `bot`, named `name`.
+    pub fn new(name: impl Into<String>, bot: impl Bot) -> Self {
+        let name = name.into();
+        let mut bots: BTreeMap<String, Arc<dyn Bot>> = BTreeMap::new();
+        bots.insert(name.clone(), Arc::new(bot));
+        Self {
+            bots,
+            default: name,
+        }
+    }
+
+    /// Adds `bot` under `name`, replacing any bot of that name.
+    #[must_use]
+    pub fn with(mut self, name: impl Into<String>, bot: impl Bot) -> Self {
+        self.bots.insert(name.into(), Arc::new(bot));
+        self
+    }
+
+    /// Makes the bot named `name` the default.
+    ///
+    /// # Errors
+    /// When no bot of that name is registered.
+    pub fn with_default(mut self, name: &str) -> Result<Self, UnknownBot> {
+        self.get(Some(name))?;
+        name.clone_into(&mut self.default);
+        Ok(self)
+    }
+
+    /// The bot named `name` (the default for `None` or an empty name), with its name.
+    ///
+    /// # Errors
+    /// [`UnknownBot`] when no bot of that name is hosted.
+    pub fn get(&self, name: Option<&str>) -> Result<(&str, &Arc<dyn Bot>), UnknownBot> {
+        let name = match name {
+            None | Some("") => self.default.as_str(),
+            Some(name) => name,
+        };
+        self.bots
+            .get_key_value(name)
+            .map(|(k, v)| (k.as_str(), v))
+            .ok_or_else(|| UnknownBot {
+                name: name.to_owned(),
+                hosted: self.names().collect::<Vec<_>>().join(", "),
+            })
+    }
+
+    /// The names of the hosted bots.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.bots.keys().map(String::as_str)
+    }
+
+    /// The default bot's name.
+    pub fn default_name(&self) -> &str {
+        &self.default
+    }
+}
+
+impl fmt::Debug for BotRegistry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BotRegistry")
+            .field("bots", &self.bots.keys().collect::<Vec<_>>())
+            .field("default", &self.default)
+            .finish()
+    }
+}

@@ -1,0 +1,436 @@
+//! The turn engine: load → run the bot with its sends buffered → conditional commit → on
+//! conflict, reload and replay.
+//!
+//! This is what makes a lost update impossible to acknowledge. The usual bot loop sends replies
+//! as the bot produces them and saves state last, with the last writer winning: two replicas that
+//! handle "add mushroom" and "add cheese" at once both say "added", and one topping is gone. Here
+//! nothing leaves the engine until the attempt's state change has committed against the versions
+//! it read; an attempt that lost the race is thrown away whole, state and replies alike, and the
+//! bot runs again on the state the winner left. Replays are bounded, spaced by jittered backoff
+//! and stop short of the caller's deadline. Within one replica, turns of the same conversation
+//! queue (see `queue`), so conflicts come only from other replicas.
+
+mod queue;
+mod retry;
+
+pub use retry::RetryPolicy;
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use futures::FutureExt as _;
+use tokio::time::Instant;
+
+use crate::activity::Activity;
+use crate::activity::incoming::IncomingActivity;
+use crate::bot::{BotError, BotRegistry, TurnContext, TurnScopes, UnknownBot};
+use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
+use crate::store::{Commit, CommitOutcome, KeyChange, Snapshot, Store, StoreError, Version};
+
+/// A turn that committed (or changed nothing): what to deliver.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnOutcome {
+    /// The committed attempt's outbound activities, in the order the bot sent them.
+    pub activities: Vec<Activity>,
+    /// How many times the bot ran.
+    pub attempts: u32,
+    /// The conversation scope's version after the turn, `None` while it has never been written.
+    pub conversation_version: Option<Version>,
+}
+
+/// A turn that did not commit. None of these returns any activity.
+#[derive(Debug, thiserror::Error)]
+pub enum TurnError {
+    /// The request named a bot this server does not host.
+    #[error(transparent)]
+    UnknownBot(#[from] UnknownBot),
+    /// Every attempt lost a conflict.
+    #[error(
+        "the conversation's state kept changing under the turn: gave up after {attempts} attempts, nothing was committed"
+    )]
+    Aborted {
+        /// How many times the bot ran.
+        attempts: u32,
+    },
+    /// The caller's deadline passed, or would pass during the next backoff wait.
+    #[error(
+        "the call's deadline passed before the turn could commit ({attempts} attempts made); nothing was committed"
+    )]
+    DeadlineExceeded {
+        /// How many times the bot ran.
+        attempts: u32,
+    },
+    /// The bot returned an error (or panicked). Nothing was committed.
+    #[error("the bot failed: {0}")]
+    Bot(BotError),
+    /// The store could not answer.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Runs turns against one store for the bots of one registry.
+#[derive(Clone)]
+pub struct Engine {
+    store: Arc<dyn Store>,
+    bots: BotRegistry,
+    retry: RetryPolicy,
+    queue: Arc<queue::KeyQueue>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("bots", &self.bots)
+            .field("retry", &self.retry)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    /// An engine running `bots` over `store`.
+    pub fn new(store: Arc<dyn Store>, bots: BotRegistry, retry: RetryPolicy) -> Self {
+        Self {
+            store,
+            bots,
+            retry,
+            queue: Arc::new(queue::KeyQueue::new()),
+        }
+    }
+
+    /// How many conversations have a turn in flight or queued in this engine.
+    pub fn conversations_in_flight(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// The hosted bots.
+    pub fn bots(&self) -> &BotRegistry {
+        &self.bots
+    }
+
+    /// Runs one turn of bot `bot` (the default for `None` or empty) for `incoming`, replaying on
+    /// conflict, and never starting a wait that would end after `deadline`.
+    ///
+    /// # Errors
+    /// [`TurnError`]: in every case nothing was committed (but see [`StoreError::Unavailable`]
+    /// for a connection lost during a commit) and no activity may be delivered.
+    #[tracing::instrument(name = "turn", skip_all, fields(bot, attempts, outcome))]
+    pub async fn run_turn(
+        &self,
+        bot: Option<&str>,
+        incoming: &IncomingActivity,
+        deadline: Option<Instant>,
+    ) -> Result<TurnOutcome, TurnError> {
+        let (bot_name, handler) = self.bots.get(bot)?;
+        let span = tracing::Span::current();
+        span.record("bot", bot_name);
+        let keys = TurnKeys::new(bot_name, incoming.address());
+        let key_list: Vec<StateKey> = keys.all().map(|(_, k)| k.clone()).collect();
+        let max_attempts = self.retry.max_attempts.max(1);
+        let _turn = match deadline {
+            Some(deadline) => {
+                tokio::time::timeout_at(deadline, self.queue.enter(&keys.conversation))
+                    .await
+                    .map_err(|_| TurnError::DeadlineExceeded { attempts: 0 })?
+            }
+            None => self.queue.enter(&keys.conversation).await,
+        };
+
+        let mut attempt = 0;
+        let result = loop {
+            attempt += 1;
+            span.record("attempts", attempt);
+            let snapshot = self.store.load(&key_list).await?;
+            let context = TurnContext::new(
+                incoming,
+                attempt,
+                scope_state(Scope::Conversation, &keys.conversation, &snapshot),
+                keys.user
+                    .as_ref()
+                    .map(|k| scope_state(Scope::User, k, &snapshot)),
+                keys.private_conversation
+                    .as_ref()
+                    .map(|k| scope_state(Scope::PrivateConversation, k, &snapshot)),
+            );
+            let (scopes, activities) = run_bot(handler.as_ref(), context).await?;
+
+            let commit = commit_of(&keys, scopes, &snapshot);
+            let loaded_version = snapshot.get(&keys.conversation).map(|r| r.version);
+            if !commit.writes_anything() {
+                // A read-only turn answered from one consistent snapshot: nothing to commit.
+                break Ok(TurnOutcome {
+                    activities,
+                    attempts: attempt,
+                    conversation_version: loaded_version,
+                });
+            }
+            match self.store.commit(commit).await? {
+                CommitOutcome::Committed(versions) => {
+                    break Ok(TurnOutcome {
+                        activities,
+                        attempts: attempt,
+                        conversation_version: versions
+                            .get(&keys.conversation)
+                            .copied()
+                            .or(loaded_version),
+                    });
+                }
+                CommitOutcome::Conflict { key } => {
+                    tracing::debug!(attempt, %key, "conflict; replaying the turn");
+                    if attempt >= max_attempts {
+                        break Err(TurnError::Aborted { attempts: attempt });
+                    }
+                    let delay = self.retry.delay(attempt, &mut rand::rng());
+                    if deadline.is_some_and(|d| Instant::now() + delay >= d) {
+                        break Err(TurnError::DeadlineExceeded { attempts: attempt });
+                    }
+                    tokio::time::sleep(delay).await;
+                }
+            }
+        };
+        span.record(
+            "outcome",
+            match &result {
+                Ok(_) => "committed",
+                Err(TurnError::Aborted { .. }) => "aborted",
+                Err(TurnError::DeadlineExceeded { .. }) => "deadline_exceeded",
+                Err(_) => "failed",
+            },
+        );
+        result
+    }
+}
+
+fn scope_state(scope: Scope, key: &StateKey, snapshot: &Snapshot) -> ScopeState {
+    let loaded = snapshot
+        .get(key)
+        .map(|row| row.state.clone())
+        .unwrap_or_default();
+    ScopeState::new(scope, loaded)
+}
+
+/// Runs the bot on one attempt's context. A panicking bot is a failed turn, not a dead
+/// connection: the panic is caught here and reported like an error.
+async fn run_bot(
+    bot: &dyn crate::bot::Bot,
+    mut context: TurnContext<'_>,
+) -> Result<(TurnScopes, Vec<Activity>), TurnError> {
+    let outcome = AssertUnwindSafe(bot.on_turn(&mut context))
+        .catch_unwind()
+        .await;
+    match outcome {
+        Ok(Ok(())) => Ok(context.finish()),
+        Ok(Err(e)) => Err(TurnError::Bot(e)),
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".to_owned());
+            Err(TurnError::Bot(BotError::msg(format!(
+                "the bot panicked: {message}"
+            ))))
+        }
+    }
+}
+
+/// What an attempt asks the store to apply: every changed scope written, every other scope
+/// checked, each against the version the attempt read. Checking the unchanged scopes too makes a
+/// turn that wrote one scope on the strength of another replay when that other one moved.
+fn commit_of(keys: &TurnKeys, scopes: TurnScopes, snapshot: &Snapshot) -> Commit {
+    let TurnScopes {
+        conversation,
+        user,
+        private_conversation,
+    } = scopes;
+    let scoped = std::iter::once((Some(&keys.conversation), Some(conversation))).chain([
+        (keys.user.as_ref(), user),
+        (keys.private_conversation.as_ref(), private_conversation),
+    ]);
+    let changes = scoped
+        .filter_map(|(key, state)| Some((key?, state?)))
+        .map(|(key, state)| KeyChange {
+            key: key.clone(),
+            expected: snapshot.precondition(key),
+            write: state.is_changed().then(|| state.into_properties()),
+        })
+        .collect();
+    Commit::new(changes)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::time::Duration;
+
+    use async_trait::async_trait;
+
+    use super::*;
+    use crate::activity::{ChannelAccount, ConversationAccount};
+    use crate::bot::Bot;
+    use crate::store::memory::MemoryStore;
+
+    /// A store where every commit loses: another replica always got there first.
+    struct AlwaysBeaten(MemoryStore);
+
+    #[async_trait]
+    impl Store for AlwaysBeaten {
+        async fn load(&self, keys: &[StateKey]) -> Result<Snapshot, StoreError> {
+            self.0.load(keys).await
+        }
+        async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
+            Ok(CommitOutcome::Conflict {
+                key: commit.changes()[0].key.clone(),
+            })
+        }
+    }
+
+    /// Counts its runs, writes conversation state and replies.
+    #[derive(Default)]
+    struct Counter(AtomicU32);
+
+    #[async_trait]
+    impl Bot for Counter {
+        async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            if turn.text() == "peek" {
+                turn.send_text("just looking");
+                return Ok(());
+            }
+            let n: u64 = turn.conversation_property("n")?;
+            turn.conversation_state().set("n", &(n + 1))?;
+            turn.send_text(format!("count: {}", n + 1));
+            Ok(())
+        }
+    }
+
+    fn incoming(text: &str) -> IncomingActivity {
+        IncomingActivity::parse(Activity {
+            id: Some("a1".into()),
+            channel_id: Some("test".into()),
+            service_url: Some("https://gateway.example".into()),
+            conversation: Some(ConversationAccount {
+                id: Some("c1".into()),
+                ..Default::default()
+            }),
+            from: Some(ChannelAccount {
+                id: Some("alice".into()),
+                ..Default::default()
+            }),
+            recipient: Some(ChannelAccount {
+                id: Some("bot".into()),
+                ..Default::default()
+            }),
+            ..Activity::message(text)
+        })
+        .expect("a valid activity")
+    }
+
+    fn engine(store: impl Store, retry: RetryPolicy) -> (Engine, Arc<Counter>) {
+        struct Shared(Arc<Counter>);
+        #[async_trait]
+        impl Bot for Shared {
+            async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+                self.0.on_turn(turn).await
+            }
+        }
+        let counter = Arc::new(Counter::default());
+        let bots = BotRegistry::new("counter", Shared(Arc::clone(&counter)));
+        (Engine::new(Arc::new(store), bots, retry), counter)
+    }
+
+    #[tokio::test]
+    async fn a_turn_that_always_loses_is_aborted_after_max_attempts() {
+        let retry = RetryPolicy {
+            max_attempts: 3,
+            base_delay: Duration::from_millis(1),
+            max_delay: Duration::from_millis(1),
+        };
+        let (engine, runs) = engine(AlwaysBeaten(MemoryStore::new()), retry);
+        let result = engine.run_turn(None, &incoming("hi"), None).await;
+        assert!(
+            matches!(result, Err(TurnError::Aborted { attempts: 3 })),
+            "{result:?}"
+        );
+        assert_eq!(
+            runs.0.load(Ordering::SeqCst),
+            3,
+            "the bot ran once per attempt"
+        );
+    }
+
+    #[tokio::test]
+    async fn replays_stop_short_of_the_deadline() {
+        let retry = RetryPolicy {
+            max_attempts: 10,
+            base_delay: Duration::from_secs(5),
+            max_delay: Duration::from_secs(5),
+        };
+        let (engine, runs) = engine(AlwaysBeaten(MemoryStore::new()), retry);
+        let deadline = Instant::now() + Duration::from_millis(50);
+        let started = Instant::now();
+        // A 5 s wait would overrun a 50 ms deadline, unless the jitter drew a tiny one; either way
+        // the turn ends with DEADLINE_EXCEEDED long before ten 5 s waits.
+        let result = engine.run_turn(None, &incoming("hi"), Some(deadline)).await;
+        assert!(
+            matches!(result, Err(TurnError::DeadlineExceeded { .. })),
+            "{result:?}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert!(runs.0.load(Ordering::SeqCst) >= 1);
+    }
+
+    #[tokio::test]
+    async fn replies_are_addressed_back_to_the_sender_and_versions_reported() {
+        let (engine, _) = engine(MemoryStore::new(), RetryPolicy::default());
+        let first = engine
+            .run_turn(None, &incoming("hi"), None)
+            .await
+            .expect("committed");
+        assert_eq!(first.attempts, 1);
+        assert_eq!(first.conversation_version, Some(Version::FIRST));
+        let reply = &first.activities[0];
+        assert_eq!(reply.text.as_deref(), Some("count: 1"));
+        assert_eq!(reply.activity_type.as_deref(), Some("message"));
+        assert_eq!(
+            reply.from.as_ref().and_then(|f| f.id.as_deref()),
+            Some("bot")
+        );
+        assert_eq!(
+            reply.recipient.as_ref().and_then(|r| r.id.as_deref()),
+            Some("alice")
+        );
+        assert_eq!(reply.reply_to_id.as_deref(), Some("a1"));
+        assert_eq!(reply.channel_id.as_deref(), Some("test"));
+        assert_eq!(
+            reply.conversation.as_ref().and_then(|c| c.id.as_deref()),
+            Some("c1")
+        );
+
+        let second = engine
+            .run_turn(None, &incoming("hi"), None)
+            .await
+            .expect("committed");
+        assert_eq!(second.conversation_version, Some(Version::new(2)));
+        let peek = engine
+            .run_turn(None, &incoming("peek"), None)
+            .await
+            .expect("read-only");
+        assert_eq!(
+            peek.conversation_version,
+            Some(Version::new(2)),
+            "nothing written"
+        );
+        assert_eq!(engine.conversations_in_flight(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_unknown_bot_is_refused_before_anything_runs() {
+        let (engine, runs) = engine(MemoryStore::new(), RetryPolicy::default());
+        let result = engine.run_turn(Some("nobody"), &incoming("hi"), None).await;
+        assert!(
+            matches!(result, Err(TurnError::UnknownBot(_))),
+            "{result:?}"
+        );
+        assert_eq!(runs.0.load(Ordering::SeqCst), 0);
+    }
+}
