@@ -7,7 +7,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
     let fds = protox::compile(["turnstile/v1/turn.proto"], ["proto"])?;
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
-    std::fs::write(out_dir.join("turnstile_descriptor.bin"), fds.encode_to_vec())?;
+    std::fs::write(
+        out_dir.join("turnstile_descriptor.bin"),
+        fds.encode_to_vec(),
+    )?;
     tonic_prost_build::configure().compile_fds(fds)?;
     Ok(())
 }

@@ -1,2 +1,31 @@
+//! Turnstile processes chat-bot turns for channel gateways over gRPC, with optimistic concurrency
+//! over PostgreSQL: a bot's replies leave only after its state change committed, and a turn that
+//! lost a race with another replica is replayed on the fresh state.
+//!
+//! # Layout
+//! One turn flows in a straight line: [`grpc`] (decode, validate) → [`engine`] (load → run the bot
+//! with sends buffered → conditional commit → replay on conflict) → [`store`] (memory | postgres).
+//!
+//! - [`activity`] — the Bot Framework Activity domain type, its JSON form, and inbound validation.
+//! - [`state`] — state scopes, their escaped keys, and the typed property bag bots use.
+//! - [`store`] — the versioned store trait and its memory and PostgreSQL implementations.
+//! - [`bot`] — the trait a bot implements and the turn context it works through.
+//! - [`engine`] — the turn loop with buffering, bounded replay and backoff.
+//! - [`bots`] — the sample bots the binary hosts.
+//! - [`grpc`] — generated code, wire conversions, status mapping, the `TurnService` handler.
+//! - [`config`] — command-line flags and the configuration `serve` takes.
+//! - [`server`] — [`server::serve`], the one way to start the service.
+
 pub mod activity;
+pub mod bot;
+pub mod bots;
+pub mod config;
+pub mod engine;
 pub mod grpc;
+pub mod server;
+pub mod state;
+pub mod store;
+
+pub use bot::{Bot, BotError, BotRegistry, TurnContext};
+pub use config::Config;
+pub use server::serve;

@@ -1,1 +1,69 @@
-fn main(){}
+//! The `turnstile` binary: parse the configuration, set up logging, then serve or migrate.
+
+use std::io::IsTerminal as _;
+
+use anyhow::Context as _;
+use clap::Parser as _;
+use tracing_subscriber::EnvFilter;
+use turnstile::config::{Cli, Command};
+use turnstile::store::postgres::{self, DatabaseUrl};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .init();
+
+    match cli.command {
+        Some(Command::Migrate(args)) => {
+            let applied = postgres::migrate(&DatabaseUrl::new(args.database_url)).await?;
+            tracing::info!(applied, "migrations applied");
+            Ok(())
+        }
+        Some(Command::Serve(args)) => serve(args).await,
+        None => serve(cli.serve).await,
+    }
+}
+
+async fn serve(args: turnstile::config::ServeArgs) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    turnstile::serve(
+        args.config(),
+        turnstile::bots::samples(),
+        listener,
+        shutdown_signal(),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Completes at the first SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut terminate = match tokio::signal::unix::signal(
+            tokio::signal::unix::SignalKind::terminate(),
+        ) {
+            Ok(signal) => signal,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM; only SIGINT stops the server");
+                let _ = interrupt.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = interrupt => {},
+            _ = terminate.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = interrupt.await;
+}

@@ -1,0 +1,139 @@
+//! Configuration: the command line (every flag with an environment variable behind it) and the
+//! plain [`Config`] that `serve` takes, which tests build directly.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{ArgAction, Args, Parser, Subcommand};
+
+use crate::engine::RetryPolicy;
+use crate::grpc::service::Limits;
+use crate::store::postgres::DatabaseUrl;
+
+/// Where turn state is kept.
+#[derive(Debug, Clone)]
+pub enum StoreConfig {
+    /// In this process's memory: one replica only, lost on exit.
+    Memory,
+    /// In PostgreSQL, shared by every replica.
+    Postgres {
+        /// The connection string (never logged).
+        url: DatabaseUrl,
+        /// The most connections this replica opens.
+        pool_size: usize,
+    },
+}
+
+/// Everything `serve` needs besides the listener and the bots.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Where turn state is kept.
+    pub store: StoreConfig,
+    /// Whether `serve` applies pending migrations before it accepts calls.
+    pub migrate_on_start: bool,
+    /// How often and how patiently a conflicted turn is replayed.
+    pub retry: RetryPolicy,
+    /// What a caller may send.
+    pub limits: Limits,
+    /// How long in-flight turns get to finish after a shutdown signal.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            store: StoreConfig::Memory,
+            migrate_on_start: true,
+            retry: RetryPolicy::default(),
+            limits: Limits::default(),
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Turn processing for chat bots: optimistic-concurrency turns over PostgreSQL, served over gRPC.
+#[derive(Debug, Parser)]
+#[command(name = "turnstile", version, args_conflicts_with_subcommands = true)]
+pub struct Cli {
+    /// What to do; `serve` when omitted.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// `serve`'s options, accepted without the word `serve`.
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+/// The binary's subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve `TurnService` over gRPC (the default).
+    Serve(ServeArgs),
+    /// Apply pending database migrations, then exit.
+    Migrate(MigrateArgs),
+}
+
+/// `turnstile serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Address to listen on for gRPC.
+    #[arg(long, env = "TURNSTILE_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// PostgreSQL connection URL; without it, state is kept in memory (one replica only).
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// Most PostgreSQL connections this replica opens.
+    #[arg(long, env = "TURNSTILE_POOL_SIZE", default_value_t = 16)]
+    pub pool_size: usize,
+    /// Apply pending migrations before serving (turn off when a migration job does it).
+    #[arg(long, env = "TURNSTILE_MIGRATE_ON_START", default_value_t = true, action = ArgAction::Set)]
+    pub migrate_on_start: bool,
+    /// Most times the bot runs for one turn before the call fails with ABORTED.
+    #[arg(long, env = "TURNSTILE_MAX_ATTEMPTS", default_value_t = 10,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_attempts: u32,
+    /// Cap of the first backoff wait after a conflict, in milliseconds (doubles per attempt).
+    #[arg(long, env = "TURNSTILE_BACKOFF_BASE_MS", default_value_t = 2)]
+    pub backoff_base_ms: u64,
+    /// Cap of any backoff wait, in milliseconds.
+    #[arg(long, env = "TURNSTILE_BACKOFF_MAX_MS", default_value_t = 200)]
+    pub backoff_max_ms: u64,
+    /// Largest activity accepted, in encoded bytes.
+    #[arg(long, env = "TURNSTILE_MAX_ACTIVITY_BYTES", default_value_t = 256 * 1024)]
+    pub max_activity_bytes: usize,
+    /// Seconds in-flight turns get to finish after SIGTERM or SIGINT.
+    #[arg(long, env = "TURNSTILE_SHUTDOWN_GRACE_SECS", default_value_t = 30)]
+    pub shutdown_grace_secs: u64,
+}
+
+impl ServeArgs {
+    /// The configuration these arguments describe.
+    pub fn config(&self) -> Config {
+        Config {
+            store: match &self.database_url {
+                Some(url) => StoreConfig::Postgres {
+                    url: DatabaseUrl::new(url.clone()),
+                    pool_size: self.pool_size,
+                },
+                None => StoreConfig::Memory,
+            },
+            migrate_on_start: self.migrate_on_start,
+            retry: RetryPolicy {
+                max_attempts: self.max_attempts,
+                base_delay: Duration::from_millis(self.backoff_base_ms),
+                max_delay: Duration::from_millis(self.backoff_max_ms),
+            },
+            limits: Limits {
+                max_activity_bytes: self.max_activity_bytes,
+            },
+            shutdown_grace: Duration::from_secs(self.shutdown_grace_secs),
+        }
+    }
+}
+
+/// `turnstile migrate`.
+#[derive(Debug, Clone, Args)]
+pub struct MigrateArgs {
+    /// PostgreSQL connection URL.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+}

@@ -1,0 +1,147 @@
+//! Starting the service, the one way: `main` and every test call [`serve`] with a bound
+//! listener, so tests run exactly what production runs, on port 0.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+use tonic::transport::Server;
+use tonic::transport::server::TcpIncoming;
+use tonic_health::ServingStatus;
+
+use crate::bot::BotRegistry;
+use crate::config::{Config, StoreConfig};
+use crate::engine::Engine;
+use crate::grpc::pb;
+use crate::grpc::pb::turn_service_server::TurnServiceServer;
+use crate::grpc::service::TurnApi;
+use crate::store::Store;
+use crate::store::memory::MemoryStore;
+use crate::store::postgres::{self, PostgresStore};
+
+/// Why the server could not start or stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// Pending migrations could not be applied.
+    #[error("migrating the database failed")]
+    Migrate(#[source] anyhow::Error),
+    /// The store could not be set up (an invalid database URL, say).
+    #[error("setting up the state store failed")]
+    Store(#[source] anyhow::Error),
+    /// gRPC reflection could not be built from the embedded descriptors.
+    #[error("building gRPC reflection failed")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    /// The gRPC server failed.
+    #[error("the gRPC server failed")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Builds the store `config` names, migrating it first when configured to.
+///
+/// # Errors
+/// [`ServeError::Migrate`] or [`ServeError::Store`].
+pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServeError> {
+    Ok(match &config.store {
+        StoreConfig::Memory => {
+            tracing::warn!(
+                "no database URL: keeping state in memory, which serves one replica only and is \
+                 lost on exit; set --database-url (DATABASE_URL) to share state between replicas"
+            );
+            Arc::new(MemoryStore::new())
+        }
+        StoreConfig::Postgres { url, pool_size } => {
+            if config.migrate_on_start {
+                let applied = postgres::migrate(url).await.map_err(ServeError::Migrate)?;
+                tracing::info!(applied, "database migrations up to date");
+            }
+            Arc::new(PostgresStore::connect(url, *pool_size).map_err(ServeError::Store)?)
+        }
+    })
+}
+
+/// Serves `TurnService` (with `grpc.health.v1.Health` and server reflection v1 and v1alpha) for
+/// `bots` on `listener` until `shutdown` completes; then stops accepting calls and gives in-flight
+/// turns up to `config.shutdown_grace` to finish.
+///
+/// # Errors
+/// [`ServeError`] when the store cannot be opened or the server fails.
+pub async fn serve(
+    config: Config,
+    bots: BotRegistry,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let store = open_store(&config).await?;
+    serve_with_store(config, store, bots, listener, shutdown).await
+}
+
+/// [`serve`] over a store the caller built.
+///
+/// # Errors
+/// [`ServeError`] when the server fails.
+pub async fn serve_with_store(
+    config: Config,
+    store: Arc<dyn Store>,
+    bots: BotRegistry,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let local_addr = listener.local_addr().ok();
+    let engine = Engine::new(store, bots, config.retry);
+    let max_message = config
+        .limits
+        .max_activity_bytes
+        .saturating_mul(2)
+        .max(4 << 20);
+    let turns = TurnServiceServer::new(TurnApi::new(engine, config.limits))
+        .max_decoding_message_size(max_message)
+        .max_encoding_message_size(max_message);
+
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<TurnServiceServer<TurnApi>>()
+        .await;
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()?;
+
+    let draining = Arc::new(Notify::new());
+    let signal = {
+        let draining = Arc::clone(&draining);
+        async move {
+            shutdown.await;
+            tracing::info!("shutting down: no new calls; finishing in-flight turns");
+            health_reporter
+                .set_not_serving::<TurnServiceServer<TurnApi>>()
+                .await;
+            health_reporter
+                .set_service_status("", ServingStatus::NotServing)
+                .await;
+            draining.notify_one();
+        }
+    };
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let server = Server::builder()
+        .add_service(health)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(turns)
+        .serve_with_incoming_shutdown(incoming, signal);
+    tracing::info!(address = ?local_addr, "serving TurnService");
+
+    let grace = config.shutdown_grace;
+    tokio::select! {
+        result = server => result?,
+        () = async { draining.notified().await; tokio::time::sleep(grace).await } => {
+            tracing::warn!(?grace, "in-flight turns did not finish within the grace period; abandoning them uncommitted");
+        }
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
