@@ -1,0 +1,171 @@
+//! The pizza race: many concurrent "add" turns on one conversation, spread over replicas. No
+//! user may ever be told a topping was added when that addition did not survive.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use support::{TestServer, message, postgres_config, request, say, texts, toppings};
+use turnstile::bots::PizzaBot;
+use turnstile::store::Store;
+use turnstile::store::memory::MemoryStore;
+use turnstile::{Bot, BotError, BotRegistry, Config, TurnContext};
+
+const TURNS: usize = 40;
+
+/// What one `add tNN` call got back.
+struct Added {
+    topping: String,
+    reply: String,
+    attempts: u32,
+    version: u64,
+}
+
+/// Sends `add t00` … `add t39` at once, turn i through `clients[i % clients.len()]`.
+async fn race(
+    clients: &[turnstile::grpc::pb::turn_service_client::TurnServiceClient<
+        tonic::transport::Channel,
+    >],
+    conversation: &str,
+) -> Vec<Added> {
+    let calls = (0..TURNS).map(|i| {
+        let mut client = clients[i % clients.len()].clone();
+        let conversation = conversation.to_owned();
+        tokio::spawn(async move {
+            let topping = format!("t{i:02}");
+            let activity = message(
+                &conversation,
+                &format!("user{i}"),
+                &format!("add {topping}"),
+            );
+            let response = client
+                .process_turn(request(activity))
+                .await
+                .unwrap_or_else(|s| panic!("add {topping} failed: {s:?}"))
+                .into_inner();
+            let reply = texts(&response).join("\n");
+            Added {
+                topping,
+                reply,
+                attempts: response.attempts,
+                version: response.version,
+            }
+        })
+    });
+    let mut added = Vec::new();
+    for call in calls.collect::<Vec<_>>() {
+        added.push(call.await.unwrap());
+    }
+    added
+}
+
+/// Every acknowledgment is true: each reply names its own topping, the replies' orders form one
+/// chain (sizes 1..=40, each contained in the next), the final order holds all 40, and replays
+/// really happened.
+async fn assert_no_lost_update(
+    added: &[Added],
+    client: &mut turnstile::grpc::pb::turn_service_client::TurnServiceClient<
+        tonic::transport::Channel,
+    >,
+    conversation: &str,
+) {
+    let mut orders: Vec<BTreeSet<String>> = Vec::new();
+    for a in added {
+        let order: BTreeSet<String> = toppings(&a.reply).into_iter().collect();
+        assert!(
+            a.reply.starts_with(&format!("Added {}.", a.topping)) && order.contains(&a.topping),
+            "the reply to `add {}` does not name it: {:?}",
+            a.topping,
+            a.reply
+        );
+        orders.push(order);
+    }
+    orders.sort_by_key(BTreeSet::len);
+    let sizes: Vec<usize> = orders.iter().map(BTreeSet::len).collect();
+    assert_eq!(
+        sizes,
+        (1..=TURNS).collect::<Vec<_>>(),
+        "every turn saw a distinct order size"
+    );
+    for pair in orders.windows(2) {
+        assert!(
+            pair[0].is_subset(&pair[1]),
+            "an acknowledged order was lost: {:?} is not contained in {:?}",
+            pair[0],
+            pair[1]
+        );
+    }
+    let mut versions: Vec<u64> = added.iter().map(|a| a.version).collect();
+    versions.sort_unstable();
+    assert_eq!(
+        versions,
+        (1..=TURNS as u64).collect::<Vec<_>>(),
+        "one version per commit"
+    );
+
+    let shown = say(client, conversation, "show").await;
+    let final_order: BTreeSet<String> = toppings(&texts(&shown)[0]).into_iter().collect();
+    let all: BTreeSet<String> = added.iter().map(|a| a.topping.clone()).collect();
+    assert_eq!(
+        final_order, all,
+        "`show` lists every topping that was acknowledged"
+    );
+
+    let replays = added.iter().filter(|a| a.attempts > 1).count();
+    assert!(
+        replays > 0,
+        "no turn needed a second attempt: the race never happened"
+    );
+    eprintln!(
+        "{replays} of {TURNS} turns were replayed; most attempts {}",
+        added.iter().map(|a| a.attempts).max().unwrap_or(0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_replicas_on_postgres_never_acknowledge_a_lost_topping() {
+    let url = support::pg::fresh_database().await;
+    // Three replicas start together, each migrating on start, each with its own pool and port.
+    let (a, b, c) = tokio::join!(
+        TestServer::start(postgres_config(&url), turnstile::bots::samples()),
+        TestServer::start(postgres_config(&url), turnstile::bots::samples()),
+        TestServer::start(postgres_config(&url), turnstile::bots::samples()),
+    );
+    let clients = [a.client().await, b.client().await, c.client().await];
+    let added = race(&clients, "pizza-race").await;
+    let mut client = clients[0].clone();
+    assert_no_lost_update(&added, &mut client, "pizza-race").await;
+}
+
+/// The pizza bot, taking a moment to think: on the memory store a turn otherwise never yields
+/// between its load and its commit, and the replicas would never overlap.
+struct Pondering;
+
+#[async_trait]
+impl Bot for Pondering {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        PizzaBot.on_turn(turn).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_engines_on_one_memory_store_never_acknowledge_a_lost_topping() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let start = || {
+        TestServer::start_with_store(
+            Config::default(),
+            Arc::clone(&store),
+            BotRegistry::new("pizza", Pondering),
+        )
+    };
+    let (a, b, c) = tokio::join!(start(), start(), start());
+    let clients = [a.client().await, b.client().await, c.client().await];
+    let added = race(&clients, "pizza-race").await;
+    let mut client = clients[0].clone();
+    assert_no_lost_update(&added, &mut client, "pizza-race").await;
+}

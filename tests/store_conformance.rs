@@ -1,0 +1,390 @@
+//! One conformance suite for every store: the memory store and PostgreSQL must keep the same
+//! optimistic-concurrency contract, case by case.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use serde_json::json;
+use turnstile::activity::JsonMap;
+use turnstile::activity::incoming::{ChannelId, ConversationId, UserId};
+use turnstile::state::StateKey;
+use turnstile::store::memory::MemoryStore;
+use turnstile::store::postgres::{self, DatabaseUrl, PostgresStore};
+use turnstile::store::{Commit, CommitOutcome, Expected, KeyChange, Store, Version};
+
+fn conversation(id: &str) -> StateKey {
+    StateKey::conversation(
+        "bot",
+        &ChannelId::parse("test", "channel_id").unwrap(),
+        &ConversationId::parse(id, "conversation.id").unwrap(),
+    )
+}
+
+fn user(id: &str) -> StateKey {
+    StateKey::user(
+        "bot",
+        &ChannelId::parse("test", "channel_id").unwrap(),
+        &UserId::parse(id, "from.id").unwrap(),
+    )
+}
+
+fn state(value: serde_json::Value) -> JsonMap {
+    match value {
+        serde_json::Value::Object(map) => map,
+        other => panic!("not an object: {other}"),
+    }
+}
+
+fn write(key: &StateKey, expected: Expected, value: serde_json::Value) -> KeyChange {
+    KeyChange {
+        key: key.clone(),
+        expected,
+        write: Some(state(value)),
+    }
+}
+
+fn check(key: &StateKey, expected: Expected) -> KeyChange {
+    KeyChange {
+        key: key.clone(),
+        expected,
+        write: None,
+    }
+}
+
+async fn commit(store: &dyn Store, changes: Vec<KeyChange>) -> CommitOutcome {
+    store.commit(Commit::new(changes)).await.unwrap()
+}
+
+fn committed(outcome: CommitOutcome) -> HashMap<StateKey, Version> {
+    match outcome {
+        CommitOutcome::Committed(versions) => versions,
+        CommitOutcome::Conflict { key } => panic!("unexpected conflict on {key}"),
+    }
+}
+
+fn conflict(outcome: CommitOutcome) -> StateKey {
+    match outcome {
+        CommitOutcome::Conflict { key } => key,
+        CommitOutcome::Committed(v) => panic!("expected a conflict, committed {v:?}"),
+    }
+}
+
+async fn version_of(store: &dyn Store, key: &StateKey) -> Option<(JsonMap, Version)> {
+    let snapshot = store.load(std::slice::from_ref(key)).await.unwrap();
+    snapshot
+        .get(key)
+        .map(|row| (row.state.clone(), row.version))
+}
+
+/// The whole contract, run against one store.
+async fn conformance(store: Arc<dyn Store>) {
+    let store = store.as_ref();
+    let a = conversation("a");
+    let b = user("b");
+
+    // A key never written loads as absent.
+    assert_eq!(version_of(store, &a).await, None);
+
+    // Create-if-absent: version 1.
+    let versions =
+        committed(commit(store, vec![write(&a, Expected::Absent, json!({"n": 1}))]).await);
+    assert_eq!(versions[&a], Version::FIRST);
+    assert_eq!(
+        version_of(store, &a).await,
+        Some((state(json!({"n": 1})), Version::FIRST))
+    );
+
+    // Creating it again is a conflict, not an overwrite.
+    assert_eq!(
+        conflict(commit(store, vec![write(&a, Expected::Absent, json!({"n": 9}))]).await),
+        a
+    );
+    assert_eq!(
+        version_of(store, &a).await.unwrap().0,
+        state(json!({"n": 1}))
+    );
+
+    // An update at the version read bumps it; at a stale version it is a conflict.
+    let v2 = committed(
+        commit(
+            store,
+            vec![write(
+                &a,
+                Expected::Version(Version::FIRST),
+                json!({"n": 2}),
+            )],
+        )
+        .await,
+    );
+    assert_eq!(v2[&a], Version::new(2));
+    assert_eq!(
+        conflict(
+            commit(
+                store,
+                vec![write(
+                    &a,
+                    Expected::Version(Version::FIRST),
+                    json!({"n": 3})
+                )]
+            )
+            .await
+        ),
+        a
+    );
+    assert_eq!(
+        version_of(store, &a).await.unwrap(),
+        (state(json!({"n": 2})), Version::new(2))
+    );
+
+    // Updating a key that does not exist is a conflict.
+    let ghost = conversation("ghost");
+    conflict(
+        commit(
+            store,
+            vec![write(&ghost, Expected::Version(Version::FIRST), json!({}))],
+        )
+        .await,
+    );
+    assert_eq!(version_of(store, &ghost).await, None);
+
+    // All keys of a commit apply together or not at all: a stale second key stops the first.
+    let outcome = commit(
+        store,
+        vec![
+            write(&a, Expected::Version(Version::new(2)), json!({"n": 3})),
+            write(&b, Expected::Version(Version::new(7)), json!({"x": true})),
+        ],
+    )
+    .await;
+    assert_eq!(conflict(outcome), b);
+    assert_eq!(
+        version_of(store, &a).await.unwrap().1,
+        Version::new(2),
+        "a was not applied"
+    );
+    assert_eq!(version_of(store, &b).await, None);
+
+    // And a conflicting create stops an update in the same commit.
+    committed(commit(store, vec![write(&b, Expected::Absent, json!({"x": 1}))]).await);
+    let outcome = commit(
+        store,
+        vec![
+            write(&a, Expected::Version(Version::new(2)), json!({"n": 3})),
+            write(&b, Expected::Absent, json!({"x": 2})),
+        ],
+    )
+    .await;
+    assert_eq!(conflict(outcome), b);
+    assert_eq!(version_of(store, &a).await.unwrap().1, Version::new(2));
+
+    // Keys only read are checked: a moved read key stops the write.
+    let outcome = commit(
+        store,
+        vec![
+            write(&a, Expected::Version(Version::new(2)), json!({"n": 3})),
+            check(&b, Expected::Version(Version::new(5))),
+        ],
+    )
+    .await;
+    assert_eq!(conflict(outcome), b);
+    let outcome = commit(
+        store,
+        vec![
+            write(&a, Expected::Version(Version::new(2)), json!({"n": 3})),
+            check(&b, Expected::Version(Version::FIRST)),
+            check(&ghost, Expected::Absent),
+        ],
+    )
+    .await;
+    let versions = committed(outcome);
+    assert_eq!(versions[&a], Version::new(3));
+    assert_eq!(
+        versions[&b],
+        Version::FIRST,
+        "a checked key keeps its version"
+    );
+    assert!(
+        !versions.contains_key(&ghost),
+        "a key checked absent has no version"
+    );
+    assert_eq!(version_of(store, &b).await.unwrap().1, Version::FIRST);
+
+    // One load reads several keys at once, absent ones left out.
+    let snapshot = store
+        .load(&[a.clone(), b.clone(), ghost.clone()])
+        .await
+        .unwrap();
+    assert_eq!(snapshot.get(&a).unwrap().version, Version::new(3));
+    assert_eq!(snapshot.get(&b).unwrap().version, Version::FIRST);
+    assert!(snapshot.get(&ghost).is_none());
+
+    // JSON survives as written: nesting, unicode, numbers.
+    let rich = json!({"order": ["mushroom", "cheese"], "who": {"name": "Zoë"}, "n": -1.5});
+    committed(
+        commit(
+            store,
+            vec![write(&a, Expected::Version(Version::new(3)), rich.clone())],
+        )
+        .await,
+    );
+    assert_eq!(version_of(store, &a).await.unwrap().0, state(rich));
+}
+
+/// Runs 16 commits at once, commit i built by `changes(i)`; returns how many committed.
+async fn winners(store: &Arc<dyn Store>, changes: impl Fn(usize) -> Vec<KeyChange>) -> usize {
+    let tasks: Vec<_> = (0..16)
+        .map(|i| {
+            let store = Arc::clone(store);
+            let commit = Commit::new(changes(i));
+            tokio::spawn(async move {
+                let outcome = store.commit(commit).await.unwrap();
+                matches!(outcome, CommitOutcome::Committed(_))
+            })
+        })
+        .collect();
+    let mut winners = 0;
+    for t in tasks {
+        winners += usize::from(t.await.unwrap());
+    }
+    winners
+}
+
+/// Many writers race on one key from the same starting point: exactly one wins, whether they
+/// all create it or all update it, and a loser's other keys are not applied either.
+async fn exactly_one_concurrent_writer_wins(store: Arc<dyn Store>) {
+    let key = conversation("race");
+    let created = winners(&store, |i| {
+        vec![
+            write(&key, Expected::Absent, json!({"creator": i})),
+            write(&user(&format!("side{i}")), Expected::Absent, json!({})),
+        ]
+    })
+    .await;
+    assert_eq!(created, 1, "one create wins");
+    let mut sides = 0;
+    for i in 0..16 {
+        sides += usize::from(
+            version_of(store.as_ref(), &user(&format!("side{i}")))
+                .await
+                .is_some(),
+        );
+    }
+    assert_eq!(sides, 1, "only the winner's other key was created");
+
+    let updated = winners(&store, |i| {
+        vec![write(
+            &key,
+            Expected::Version(Version::FIRST),
+            json!({"winner": i}),
+        )]
+    })
+    .await;
+    assert_eq!(updated, 1, "one update wins");
+    assert_eq!(
+        version_of(store.as_ref(), &key).await.unwrap().1,
+        Version::new(2)
+    );
+}
+
+/// Two commits over the same two keys in either order never deadlock: keys are locked sorted.
+async fn crossing_commits_do_not_deadlock(store: Arc<dyn Store>) {
+    let a = conversation("cross-a");
+    let b = conversation("cross-b");
+    committed(
+        commit(
+            store.as_ref(),
+            vec![
+                write(&a, Expected::Absent, json!({})),
+                write(&b, Expected::Absent, json!({})),
+            ],
+        )
+        .await,
+    );
+    let mut tasks = Vec::new();
+    for i in 0..20 {
+        let store = Arc::clone(&store);
+        let (first, second) = if i % 2 == 0 {
+            (a.clone(), b.clone())
+        } else {
+            (b.clone(), a.clone())
+        };
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..10 {
+                let snapshot = store.load(&[first.clone(), second.clone()]).await.unwrap();
+                let changes = vec![
+                    write(&first, snapshot.precondition(&first), json!({"by": i})),
+                    write(&second, snapshot.precondition(&second), json!({"by": i})),
+                ];
+                let _ = store.commit(Commit::new(changes)).await.unwrap();
+            }
+        }));
+    }
+    let all = async {
+        for t in tasks {
+            t.await.unwrap();
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(60), all)
+        .await
+        .expect("crossing commits finished");
+    let va = version_of(store.as_ref(), &a).await.unwrap();
+    let vb = version_of(store.as_ref(), &b).await.unwrap();
+    assert_eq!(va.1, vb.1, "every commit moved both keys together");
+    assert_eq!(va.0, vb.0, "and left the same writer's state in both");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_store_keeps_the_contract() {
+    conformance(Arc::new(MemoryStore::new())).await;
+    exactly_one_concurrent_writer_wins(Arc::new(MemoryStore::new())).await;
+    crossing_commits_do_not_deadlock(Arc::new(MemoryStore::new())).await;
+}
+
+async fn postgres_store() -> Arc<dyn Store> {
+    let url = DatabaseUrl::new(support::pg::fresh_database().await);
+    postgres::migrate(&url).await.unwrap();
+    Arc::new(PostgresStore::connect(&url, 8).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_keeps_the_contract() {
+    conformance(postgres_store().await).await;
+    exactly_one_concurrent_writer_wins(postgres_store().await).await;
+    crossing_commits_do_not_deadlock(postgres_store().await).await;
+}
+
+#[tokio::test]
+async fn migrations_are_idempotent_and_safe_when_replicas_start_together() {
+    let url = DatabaseUrl::new(support::pg::fresh_database().await);
+    let runs = futures::future::join_all((0..4).map(|_| postgres::migrate(&url))).await;
+    let applied: Vec<usize> = runs.into_iter().map(Result::unwrap).collect();
+    assert_eq!(
+        applied.iter().sum::<usize>(),
+        1,
+        "one replica applied the migration: {applied:?}"
+    );
+    assert_eq!(postgres::migrate(&url).await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn an_unreachable_database_is_unavailable_not_a_hang() {
+    // A port nobody listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = DatabaseUrl::new(format!("postgres://postgres@127.0.0.1:{port}/none"));
+    let store = PostgresStore::connect(&url, 2).unwrap();
+    let err = store
+        .load(&[conversation("a")])
+        .await
+        .expect_err("nothing listens there");
+    assert!(
+        matches!(err, turnstile::store::StoreError::Unavailable(_)),
+        "{err:?}"
+    );
+}

@@ -1,0 +1,176 @@
+//! What the integration tests share: PostgreSQL clusters, servers started the one way `main`
+//! starts them (on port 0), and builders for requests.
+#![allow(dead_code, clippy::unwrap_used)]
+
+pub mod pg;
+
+use std::net::SocketAddr;
+
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tonic::transport::Channel;
+use turnstile::BotRegistry;
+use turnstile::config::{Config, StoreConfig};
+use turnstile::grpc::pb;
+use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
+use turnstile::server::ServeError;
+use turnstile::store::postgres::DatabaseUrl;
+
+/// A server running in this process, stopped when dropped.
+pub struct TestServer {
+    pub addr: SocketAddr,
+    shutdown: Option<oneshot::Sender<()>>,
+    handle: Option<JoinHandle<Result<(), ServeError>>>,
+}
+
+impl TestServer {
+    /// Starts `turnstile::serve` with `config` and `bots` on a free port.
+    pub async fn start(config: Config, bots: BotRegistry) -> TestServer {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = oneshot::channel::<()>();
+        let handle = tokio::spawn(turnstile::serve(config, bots, listener, async {
+            let _ = rx.await;
+        }));
+        TestServer {
+            addr,
+            shutdown: Some(tx),
+            handle: Some(handle),
+        }
+    }
+
+    /// Starts `turnstile::server::serve_with_store` over `store`, which other servers may share.
+    pub async fn start_with_store(
+        config: Config,
+        store: std::sync::Arc<dyn turnstile::store::Store>,
+        bots: BotRegistry,
+    ) -> TestServer {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = oneshot::channel::<()>();
+        let handle = tokio::spawn(turnstile::server::serve_with_store(
+            config,
+            store,
+            bots,
+            listener,
+            async {
+                let _ = rx.await;
+            },
+        ));
+        TestServer {
+            addr,
+            shutdown: Some(tx),
+            handle: Some(handle),
+        }
+    }
+
+    /// A new client connection to this server.
+    pub async fn client(&self) -> TurnServiceClient<Channel> {
+        let endpoint = format!("http://{}", self.addr);
+        for _ in 0..100 {
+            if let Ok(client) = TurnServiceClient::connect(endpoint.clone()).await {
+                return client;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        panic!("server at {endpoint} never accepted a connection");
+    }
+
+    /// Asks the server to shut down and waits for it to stop.
+    pub async fn stop(mut self) -> Result<(), ServeError> {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        self.handle.take().unwrap().await.unwrap()
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// A configuration with PostgreSQL at `url`.
+pub fn postgres_config(url: &str) -> Config {
+    Config {
+        store: StoreConfig::Postgres {
+            url: DatabaseUrl::new(url),
+            pool_size: 8,
+        },
+        ..Config::default()
+    }
+}
+
+/// A message from `user` in `conversation` on the `test` channel.
+pub fn message(conversation: &str, user: &str, text: &str) -> pb::Activity {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    pb::Activity {
+        r#type: Some("message".into()),
+        id: Some(format!("act-{id}")),
+        channel_id: Some("test".into()),
+        service_url: Some("https://gateway.example/test".into()),
+        conversation: Some(pb::ConversationAccount {
+            id: Some(conversation.into()),
+            ..Default::default()
+        }),
+        from: Some(pb::ChannelAccount {
+            id: Some(user.into()),
+            name: Some(user.into()),
+            role: Some("user".into()),
+            ..Default::default()
+        }),
+        recipient: Some(pb::ChannelAccount {
+            id: Some("bot".into()),
+            role: Some("bot".into()),
+            ..Default::default()
+        }),
+        text: Some(text.into()),
+        ..Default::default()
+    }
+}
+
+/// A request for the default bot.
+pub fn request(activity: pb::Activity) -> pb::ProcessTurnRequest {
+    pb::ProcessTurnRequest {
+        activity: Some(activity),
+        bot: String::new(),
+    }
+}
+
+/// Sends `text` to the default bot and returns the response, panicking on a non-OK status.
+pub async fn say(
+    client: &mut TurnServiceClient<Channel>,
+    conversation: &str,
+    text: &str,
+) -> pb::ProcessTurnResponse {
+    client
+        .process_turn(request(message(conversation, "alice", text)))
+        .await
+        .unwrap_or_else(|s| panic!("`{text}` failed: {s:?}"))
+        .into_inner()
+}
+
+/// The texts of a response's activities.
+pub fn texts(response: &pb::ProcessTurnResponse) -> Vec<String> {
+    response
+        .activities
+        .iter()
+        .map(|a| a.text.clone().unwrap_or_default())
+        .collect()
+}
+
+/// The toppings a pizza bot reply names: `… Your pizza has: a, b, c.`
+pub fn toppings(reply: &str) -> Vec<String> {
+    match reply.split_once("Your pizza has: ") {
+        Some((_, list)) => list
+            .trim_end_matches('.')
+            .split(", ")
+            .map(str::to_owned)
+            .collect(),
+        None => Vec::new(),
+    }
+}

@@ -1,0 +1,275 @@
+//! Throwaway PostgreSQL clusters for the tests, from the server binaries on the machine.
+//!
+//! Each test binary starts one shared cluster on first use and gives every test a fresh database
+//! in it; a test that must stop and restart the database gets a private cluster. With
+//! `TEST_DATABASE_URL` set, the shared cluster is that server instead. A cluster left behind by a
+//! killed test process is stopped and deleted by a small watchdog that outlives it.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use tokio_postgres::NoTls;
+
+const INSTALL_HINT: &str = "the tests need PostgreSQL's server binaries (initdb, pg_ctl, postgres) on \
+     PATH or in /usr/lib/postgresql/<version>/bin. Install them (Debian/Ubuntu: `apt-get install \
+     postgresql`), or point TEST_DATABASE_URL at a server where the tests may create databases";
+
+/// A running PostgreSQL cluster the tests own.
+pub struct Cluster {
+    bin: PathBuf,
+    root: PathBuf,
+    port: u16,
+    as_postgres: bool,
+}
+
+impl Cluster {
+    /// Initializes and starts a new cluster in a temporary directory.
+    pub fn start() -> Cluster {
+        let bin = find_bin_dir().unwrap_or_else(|| panic!("{INSTALL_HINT}"));
+        let as_postgres = is_root();
+        let root = tempfile::Builder::new()
+            .prefix("turnstile-pg-")
+            .tempdir()
+            .expect("creating a temporary directory for PostgreSQL")
+            .keep();
+        if as_postgres {
+            run(Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(&root));
+        }
+        let cluster = Cluster {
+            bin,
+            port: free_port(),
+            root,
+            as_postgres,
+        };
+        let data = cluster.data_dir();
+        run(cluster.command("initdb").arg("-D").arg(&data).args([
+            "-U",
+            "postgres",
+            "-A",
+            "trust",
+            "-E",
+            "UTF8",
+            "--no-locale",
+            "--no-sync",
+        ]));
+        cluster.spawn_watchdog();
+        cluster.resume();
+        cluster
+    }
+
+    /// Starts the stopped cluster again, on the same port; returns when it accepts connections.
+    pub fn resume(&self) {
+        let options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off \
+             -c full_page_writes=off -c max_connections=300 -c shared_buffers=64MB",
+            self.port,
+            self.root.display()
+        );
+        run(self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(self.data_dir())
+            .arg("-l")
+            .arg(self.root.join("server.log"))
+            .args(["-o", &options, "-w", "-t", "60", "start"]));
+    }
+
+    /// Stops the cluster (fast shutdown: open connections are closed).
+    pub fn stop(&self) {
+        run(self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(self.data_dir())
+            .args(["-m", "fast", "-w", "stop"]));
+    }
+
+    /// The URL of database `name` in this cluster.
+    pub fn url(&self, name: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{name}", self.port)
+    }
+
+    fn data_dir(&self) -> PathBuf {
+        self.root.join("data")
+    }
+
+    fn command(&self, program: &str) -> Command {
+        let path = self.bin.join(program);
+        if self.as_postgres {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(path);
+            c
+        } else {
+            Command::new(path)
+        }
+    }
+
+    /// A detached shell that waits for this test process to exit, then stops the cluster and
+    /// deletes its files: the tests' statics are never dropped, and a killed process runs nothing.
+    fn spawn_watchdog(&self) {
+        let pg_ctl = self.bin.join("pg_ctl");
+        let runner = if self.as_postgres {
+            "runuser -u postgres -- "
+        } else {
+            ""
+        };
+        let script = format!(
+            "while kill -0 {pid} 2>/dev/null; do sleep 1; done; \
+             {runner}'{pg_ctl}' -D '{data}' -m immediate stop >/dev/null 2>&1; rm -rf '{root}'",
+            pid = std::process::id(),
+            pg_ctl = pg_ctl.display(),
+            data = self.data_dir().display(),
+            root = self.root.display(),
+        );
+        // `setsid -f` forks the shell into its own session and returns at once.
+        let started = Command::new("setsid")
+            .args(["-f", "sh", "-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("starting the cluster watchdog");
+        assert!(
+            started.success(),
+            "starting the cluster watchdog: {started}"
+        );
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(self.data_dir())
+            .args(["-m", "immediate", "stop"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+/// Where fresh test databases are created: the URL of a server and a database to connect to.
+enum Server {
+    Url(String),
+    Cluster(Cluster),
+}
+
+fn shared() -> &'static Server {
+    static SHARED: OnceLock<Server> = OnceLock::new();
+    SHARED.get_or_init(|| match std::env::var("TEST_DATABASE_URL") {
+        Ok(url) if !url.is_empty() => Server::Url(url),
+        _ => Server::Cluster(Cluster::start()),
+    })
+}
+
+/// A new, empty database on the shared server; returns its URL.
+pub async fn fresh_database() -> String {
+    let admin_url = match shared() {
+        Server::Url(url) => url.clone(),
+        Server::Cluster(c) => c.url("postgres"),
+    };
+    create_database(&admin_url).await
+}
+
+/// A new, empty database in `cluster`; returns its URL.
+pub async fn fresh_database_in(cluster: &Cluster) -> String {
+    create_database(&cluster.url("postgres")).await
+}
+
+async fn create_database(admin_url: &str) -> String {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let name = format!(
+        "turnstile_test_{}_{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
+    let (client, connection) = tokio_postgres::connect(admin_url, NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("connecting to the test PostgreSQL server: {e}"));
+    tokio::spawn(connection);
+    client
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .expect("creating a test database");
+    let mut config: tokio_postgres::Config = admin_url.parse().expect("a valid admin URL");
+    config.dbname(&name);
+    to_url(&config)
+}
+
+/// Rebuilds a URL from a parsed configuration (host, port, user, password, database).
+fn to_url(config: &tokio_postgres::Config) -> String {
+    let host = config
+        .get_hosts()
+        .first()
+        .map(|h| match h {
+            tokio_postgres::config::Host::Tcp(h) => h.clone(),
+            tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
+        })
+        .unwrap_or_else(|| "127.0.0.1".to_owned());
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let user = config.get_user().unwrap_or("postgres");
+    let password = config
+        .get_password()
+        .map(|p| format!(":{}", String::from_utf8_lossy(p)))
+        .unwrap_or_default();
+    let db = config.get_dbname().unwrap_or("postgres");
+    format!("postgres://{user}{password}@{host}:{port}/{db}")
+}
+
+fn find_bin_dir() -> Option<PathBuf> {
+    let on_path = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .find(|dir| dir.join("initdb").is_file() && dir.join("pg_ctl").is_file())
+    });
+    on_path.or_else(|| {
+        let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+            .filter(|bin| bin.join("initdb").is_file())
+            .collect();
+        versions.sort_by_key(|p| version_of(p));
+        versions.pop()
+    })
+}
+
+fn version_of(bin: &Path) -> u32 {
+    bin.parent()
+        .and_then(|p| p.file_name())
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// initdb refuses to run as root; as root the cluster runs as the `postgres` user.
+fn is_root() -> bool {
+    let out = Command::new("id")
+        .arg("-u")
+        .output()
+        .expect("running `id -u`");
+    String::from_utf8_lossy(&out.stdout).trim() == "0"
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("finding a free port")
+}
+
+fn run(command: &mut Command) {
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("running {command:?}: {e}. {INSTALL_HINT}"));
+    assert!(
+        output.status.success(),
+        "{command:?} failed ({}):\n{}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}

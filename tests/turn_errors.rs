@@ -1,0 +1,359 @@
+//! Every way a turn can fail, each with the status a gateway acts on, and never a reply or a state
+//! change from a turn that did not commit.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use support::{TestServer, message, postgres_config, request, say, texts, toppings};
+use tonic::Code;
+use turnstile::bots::PizzaBot;
+use turnstile::grpc::pb;
+use turnstile::{Bot, BotError, BotRegistry, TurnContext};
+
+fn assert_status(
+    result: Result<tonic::Response<pb::ProcessTurnResponse>, tonic::Status>,
+    code: Code,
+    naming: &str,
+) {
+    let status = result.expect_err("the call should fail");
+    assert_eq!(status.code(), code, "{status:?}");
+    assert!(
+        status.message().contains(naming),
+        "the message should name `{naming}`: {:?}",
+        status.message()
+    );
+}
+
+#[tokio::test]
+async fn invalid_activities_get_invalid_argument_naming_the_field_and_change_nothing() {
+    let url = support::pg::fresh_database().await;
+    let config = turnstile::Config {
+        limits: turnstile::grpc::service::Limits {
+            max_activity_bytes: 4096,
+        },
+        ..postgres_config(&url)
+    };
+    let server = TestServer::start(config, turnstile::bots::samples()).await;
+    let mut client = server.client().await;
+    say(&mut client, "c1", "add ham").await;
+
+    let base = || message("c1", "alice", "add pineapple");
+    let cases: Vec<(&str, pb::ProcessTurnRequest)> = vec![
+        (
+            "activity",
+            pb::ProcessTurnRequest {
+                activity: None,
+                bot: String::new(),
+            },
+        ),
+        (
+            "type",
+            request(pb::Activity {
+                r#type: None,
+                ..base()
+            }),
+        ),
+        (
+            "channel_id",
+            request(pb::Activity {
+                channel_id: None,
+                ..base()
+            }),
+        ),
+        (
+            "conversation",
+            request(pb::Activity {
+                conversation: None,
+                ..base()
+            }),
+        ),
+        (
+            "conversation.id",
+            request(pb::Activity {
+                conversation: Some(pb::ConversationAccount::default()),
+                ..base()
+            }),
+        ),
+        (
+            "from.id",
+            request(pb::Activity {
+                from: None,
+                ..base()
+            }),
+        ),
+        (
+            "conversation.id",
+            request(pb::Activity {
+                conversation: Some(pb::ConversationAccount {
+                    id: Some("c1\u{7}".into()),
+                    ..Default::default()
+                }),
+                ..base()
+            }),
+        ),
+        (
+            "text",
+            request(pb::Activity {
+                text: Some("add ".to_owned() + &"x".repeat(5000)),
+                ..base()
+            }),
+        ),
+    ];
+    for (field, req) in cases {
+        let status = client.process_turn(req).await.expect_err(field);
+        assert_eq!(status.code(), Code::InvalidArgument, "{field}: {status:?}");
+        assert!(
+            status.message().contains(&format!("`{field}`")),
+            "the message should name `{field}`: {:?}",
+            status.message()
+        );
+    }
+    let shown = say(&mut client, "c1", "show").await;
+    assert_eq!(texts(&shown), ["Your pizza has: ham."]);
+}
+
+#[tokio::test]
+async fn an_unknown_bot_is_not_found() {
+    let server = TestServer::start(turnstile::Config::default(), turnstile::bots::samples()).await;
+    let mut client = server.client().await;
+    let result = client
+        .process_turn(pb::ProcessTurnRequest {
+            activity: Some(message("c1", "alice", "hi")),
+            bot: "calzone".into(),
+        })
+        .await;
+    assert_status(result, Code::NotFound, "calzone");
+}
+
+/// Notes a value in conversation state; fails or panics after writing when asked to.
+struct Notes;
+
+#[async_trait]
+impl Bot for Notes {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        let text = turn.text().to_owned();
+        let (command, arg) = text.split_once(' ').unwrap_or((text.as_str(), ""));
+        match command {
+            "read" => {
+                let note: String = turn.conversation_property("note")?;
+                turn.send_text(format!("note: {note}"));
+            }
+            "note" => {
+                turn.conversation_state().set("note", arg)?;
+                turn.send_text("noted");
+            }
+            "fail" => {
+                turn.conversation_state().set("note", arg)?;
+                turn.send_text("this reply must never leave");
+                return Err(BotError::msg("the bot's own failure"));
+            }
+            "panic" => {
+                turn.conversation_state().set("note", arg)?;
+                turn.send_text("this reply must never leave");
+                panic!("the bot blew up");
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_failing_or_panicking_bot_is_internal_and_leaves_state_untouched() {
+    let url = support::pg::fresh_database().await;
+    let server = TestServer::start(postgres_config(&url), BotRegistry::new("notes", Notes)).await;
+    let mut client = server.client().await;
+    say(&mut client, "c1", "note first").await;
+
+    let failed = client
+        .process_turn(request(message("c1", "alice", "fail second")))
+        .await;
+    assert_status(failed, Code::Internal, "the bot failed");
+    let panicked = client
+        .process_turn(request(message("c1", "alice", "panic third")))
+        .await;
+    assert_status(panicked, Code::Internal, "the bot failed");
+
+    let read = say(&mut client, "c1", "read").await;
+    assert_eq!(texts(&read), ["note: first"]);
+    assert_eq!(read.version, 1, "only the first note committed");
+}
+
+/// The pizza bot, slowed so that turns on different replicas overlap.
+struct SlowPizza;
+
+#[async_trait]
+impl Bot for SlowPizza {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        PizzaBot.on_turn(turn).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_attempt_under_contention_aborts_and_commits_nothing_for_the_aborted() {
+    let url = support::pg::fresh_database().await;
+    let mut config = postgres_config(&url);
+    config.retry.max_attempts = 1;
+    let servers = [
+        TestServer::start(config.clone(), BotRegistry::new("pizza", SlowPizza)).await,
+        TestServer::start(config.clone(), BotRegistry::new("pizza", SlowPizza)).await,
+        TestServer::start(config, BotRegistry::new("pizza", SlowPizza)).await,
+    ];
+    let mut clients = Vec::new();
+    for s in &servers {
+        clients.push(s.client().await);
+    }
+    let calls: Vec<_> = (0..30)
+        .map(|i| {
+            let mut client = clients[i % 3].clone();
+            tokio::spawn(async move {
+                let topping = format!("t{i:02}");
+                let result = client
+                    .process_turn(request(message(
+                        "hot",
+                        &format!("u{i}"),
+                        &format!("add {topping}"),
+                    )))
+                    .await;
+                (topping, result)
+            })
+        })
+        .collect();
+    let mut acknowledged = BTreeSet::new();
+    let mut aborted = BTreeSet::new();
+    for call in calls {
+        let (topping, result) = call.await.unwrap();
+        match result {
+            Ok(response) => {
+                let response = response.into_inner();
+                assert_eq!(response.attempts, 1);
+                assert!(toppings(&texts(&response)[0]).contains(&topping));
+                acknowledged.insert(topping);
+            }
+            Err(status) => {
+                assert_eq!(status.code(), Code::Aborted, "{status:?}");
+                assert!(
+                    status.message().contains("nothing was committed"),
+                    "{status:?}"
+                );
+                aborted.insert(topping);
+            }
+        }
+    }
+    assert!(
+        !aborted.is_empty(),
+        "with one attempt, some turns must lose the race"
+    );
+    let shown = say(&mut clients[0], "hot", "show").await;
+    let order: BTreeSet<String> = toppings(&texts(&shown)[0]).into_iter().collect();
+    assert_eq!(
+        order, acknowledged,
+        "exactly the acknowledged toppings, none of the aborted"
+    );
+}
+
+#[tokio::test]
+async fn a_stopped_database_is_unavailable_and_state_survives_its_restart() {
+    let cluster = support::pg::Cluster::start();
+    let url = support::pg::fresh_database_in(&cluster).await;
+    let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
+    let mut client = server.client().await;
+    say(&mut client, "c1", "add ham").await;
+
+    cluster.stop();
+    let result = client
+        .process_turn(request(message("c1", "alice", "add olive")))
+        .await;
+    assert_status(result, Code::Unavailable, "state store is unavailable");
+
+    cluster.resume();
+    let added = say(&mut client, "c1", "add mushroom").await;
+    assert_eq!(
+        texts(&added),
+        ["Added mushroom. Your pizza has: ham, mushroom."]
+    );
+    assert_eq!(added.version, 2, "the olive never committed");
+}
+
+#[tokio::test]
+async fn health_and_reflection_answer_without_the_proto_file() {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+
+    let server = TestServer::start(turnstile::Config::default(), turnstile::bots::samples()).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel.clone());
+    for service in ["", "turnstile.v1.TurnService"] {
+        let status = health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        assert_eq!(status, ServingStatus::Serving as i32, "service {service:?}");
+    }
+
+    use tonic_reflection::pb::v1::ServerReflectionRequest as V1Req;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient as V1;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest as V1Request;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse as V1Response;
+    let mut v1 = V1::new(channel.clone());
+    let request = V1Req {
+        host: String::new(),
+        message_request: Some(V1Request::ListServices(String::new())),
+    };
+    let mut stream = v1
+        .server_reflection_info(tokio_stream::iter([request]))
+        .await
+        .unwrap()
+        .into_inner();
+    let response = stream.message().await.unwrap().unwrap();
+    let Some(V1Response::ListServicesResponse(list)) = response.message_response else {
+        panic!("not a service list: {response:?}");
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    assert!(
+        names.contains(&"turnstile.v1.TurnService".to_owned()),
+        "{names:?}"
+    );
+    assert!(
+        names.contains(&"grpc.health.v1.Health".to_owned()),
+        "{names:?}"
+    );
+
+    use tonic_reflection::pb::v1alpha::ServerReflectionRequest as AlphaReq;
+    use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient as V1Alpha;
+    use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest as AlphaRequest;
+    let mut alpha = V1Alpha::new(channel);
+    let request = AlphaReq {
+        host: String::new(),
+        message_request: Some(AlphaRequest::FileContainingSymbol(
+            "turnstile.v1.TurnService".into(),
+        )),
+    };
+    let mut stream = alpha
+        .server_reflection_info(tokio_stream::iter([request]))
+        .await
+        .unwrap()
+        .into_inner();
+    let response = stream.message().await.unwrap().unwrap();
+    assert!(
+        matches!(
+            response.message_response,
+            Some(tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse::FileDescriptorResponse(_))
+        ),
+        "{response:?}"
+    );
+}
