@@ -7,6 +7,16 @@ CREATE TABLE turnstile_state (
     updated_at timestamptz NOT NULL DEFAULT now()
 );
 
+-- What a committed turn answered, kept so that a redelivered activity gets the same answer
+-- without running the bot again. `payload` is opaque to the database (the service's JSON).
+-- Pruned by age in the background.
+CREATE TABLE turnstile_receipt (
+    key        text        PRIMARY KEY,
+    payload    jsonb       NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX turnstile_receipt_created_at ON turnstile_receipt (created_at);
+
 -- Applies one turn's commit in a single round trip, all keys or none.
 --
 -- For each key i (the caller sorts keys, so every commit locks in one order and two commits
@@ -21,12 +31,18 @@ CREATE TABLE turnstile_state (
 -- created the same key since phase 1. Then an exception undoes this commit's earlier writes; the
 -- service reads SQLSTATE TS409 as a conflict.
 --
+-- p_receipt_key and p_receipt, when not NULL, record the turn's answer in turnstile_receipt in the
+-- same transaction; a receipt that already exists is a conflict (the same activity committed
+-- meanwhile), found in phase 1 or, if it appears concurrently, by the insert in phase 2.
+--
 -- Returns the key that conflicted, or NULL and every key's version afterwards (0 for a key that
 -- was only checked for absence).
 CREATE FUNCTION turnstile_commit(
     p_keys text[],
     p_expected bigint[],
     p_states jsonb[],
+    p_receipt_key text,
+    p_receipt jsonb,
     OUT conflict_key text,
     OUT versions bigint[]
 )
@@ -55,6 +71,14 @@ BEGIN
         END IF;
     END LOOP;
 
+    IF p_receipt_key IS NOT NULL THEN
+        PERFORM 1 FROM turnstile_receipt WHERE key = p_receipt_key;
+        IF FOUND THEN
+            conflict_key := p_receipt_key;
+            RETURN;
+        END IF;
+    END IF;
+
     versions := '{}';
     FOR i IN 1 .. n LOOP
         IF p_states[i] IS NULL THEN
@@ -77,5 +101,17 @@ BEGIN
             versions := versions || (p_expected[i] + 1);
         END IF;
     END LOOP;
+
+    IF p_receipt_key IS NOT NULL THEN
+        INSERT INTO turnstile_receipt (key, payload)
+        VALUES (p_receipt_key, p_receipt)
+        ON CONFLICT (key) DO NOTHING;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'TS409',
+                MESSAGE = 'turnstile commit conflict: receipt created concurrently',
+                DETAIL = p_receipt_key;
+        END IF;
+    END IF;
 END
 $$;

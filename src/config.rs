@@ -37,6 +37,8 @@ pub struct Config {
     pub limits: Limits,
     /// How long in-flight turns get to finish after a shutdown signal.
     pub shutdown_grace: Duration,
+    /// How long a turn's receipt is kept, so that a redelivery within it is recognized.
+    pub receipt_retention: Duration,
 }
 
 impl Default for Config {
@@ -47,6 +49,7 @@ impl Default for Config {
             retry: RetryPolicy::default(),
             limits: Limits::default(),
             shutdown_grace: Duration::from_secs(30),
+            receipt_retention: Duration::from_secs(24 * 60 * 60),
         }
     }
 }
@@ -103,6 +106,11 @@ pub struct ServeArgs {
     /// Seconds in-flight turns get to finish after SIGTERM or SIGINT.
     #[arg(long, env = "TURNSTILE_SHUTDOWN_GRACE_SECS", default_value_t = 30)]
     pub shutdown_grace_secs: u64,
+    /// Seconds a turn's receipt is kept: a redelivered activity within this time gets the stored
+    /// answer instead of running again.
+    #[arg(long, env = "TURNSTILE_RECEIPT_RETENTION_SECS", default_value_t = 24 * 60 * 60,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub receipt_retention_secs: u64,
 }
 
 impl ServeArgs {
@@ -126,6 +134,7 @@ impl ServeArgs {
                 max_activity_bytes: self.max_activity_bytes,
             },
             shutdown_grace: Duration::from_secs(self.shutdown_grace_secs),
+            receipt_retention: Duration::from_secs(self.receipt_retention_secs),
         }
     }
 }

@@ -3,6 +3,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
@@ -88,6 +89,7 @@ pub async fn serve_with_store(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let local_addr = listener.local_addr().ok();
+    let pruner = tokio::spawn(prune_receipts(Arc::clone(&store), config.receipt_retention));
     let engine = Engine::new(store, bots, config.retry);
     let max_message = config
         .limits
@@ -136,12 +138,31 @@ pub async fn serve_with_store(
     tracing::info!(address = ?local_addr, "serving TurnService");
 
     let grace = config.shutdown_grace;
-    tokio::select! {
-        result = server => result?,
+    let served = tokio::select! {
+        result = server => result,
         () = async { draining.notified().await; tokio::time::sleep(grace).await } => {
             tracing::warn!(?grace, "in-flight turns did not finish within the grace period; abandoning them uncommitted");
+            Ok(())
         }
-    }
+    };
+    pruner.abort();
+    served?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Deletes receipts older than `retention`, a few times per retention period (at most every five
+/// minutes), off the turns' path. Every replica prunes; the store lets them share the work.
+async fn prune_receipts(store: Arc<dyn Store>, retention: Duration) {
+    let period = (retention / 4).clamp(Duration::from_secs(1), Duration::from_secs(300));
+    let mut ticks = tokio::time::interval(period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        match store.prune_receipts(retention).await {
+            Ok(0) => {}
+            Ok(pruned) => tracing::debug!(pruned, "pruned expired turn receipts"),
+            Err(e) => tracing::warn!(error = %e, "pruning turn receipts failed; will retry"),
+        }
+    }
 }

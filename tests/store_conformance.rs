@@ -73,7 +73,7 @@ fn conflict(outcome: CommitOutcome) -> StateKey {
 }
 
 async fn version_of(store: &dyn Store, key: &StateKey) -> Option<(JsonMap, Version)> {
-    let snapshot = store.load(std::slice::from_ref(key)).await.unwrap();
+    let snapshot = store.load(std::slice::from_ref(key), None).await.unwrap();
     snapshot
         .get(key)
         .map(|row| (row.state.clone(), row.version))
@@ -214,7 +214,7 @@ async fn conformance(store: Arc<dyn Store>) {
 
     // One load reads several keys at once, absent ones left out.
     let snapshot = store
-        .load(&[a.clone(), b.clone(), ghost.clone()])
+        .load(&[a.clone(), b.clone(), ghost.clone()], None)
         .await
         .unwrap();
     assert_eq!(snapshot.get(&a).unwrap().version, Version::new(3));
@@ -313,7 +313,10 @@ async fn crossing_commits_do_not_deadlock(store: Arc<dyn Store>) {
         };
         tasks.push(tokio::spawn(async move {
             for _ in 0..10 {
-                let snapshot = store.load(&[first.clone(), second.clone()]).await.unwrap();
+                let snapshot = store
+                    .load(&[first.clone(), second.clone()], None)
+                    .await
+                    .unwrap();
                 let changes = vec![
                     write(&first, snapshot.precondition(&first), json!({"by": i})),
                     write(&second, snapshot.precondition(&second), json!({"by": i})),
@@ -336,11 +339,154 @@ async fn crossing_commits_do_not_deadlock(store: Arc<dyn Store>) {
     assert_eq!(va.0, vb.0, "and left the same writer's state in both");
 }
 
+fn receipt(id: &str) -> StateKey {
+    StateKey::receipt(
+        "bot",
+        &ChannelId::parse("test", "channel_id").unwrap(),
+        &ConversationId::parse("r", "conversation.id").unwrap(),
+        &turnstile::activity::incoming::ActivityId::parse(id, "id").unwrap(),
+    )
+}
+
+/// Receipts: stored with their commit, read back by a load that asks, never created twice, and
+/// pruned by age.
+async fn receipts(store: Arc<dyn Store>) {
+    let store = store.as_ref();
+    let state_key = conversation("r");
+    let first = receipt("act-1");
+    let payload = json!({"activities": [{"type": "message", "text": "count: 1"}]});
+
+    let snapshot = store
+        .load(std::slice::from_ref(&state_key), Some(&first))
+        .await
+        .unwrap();
+    assert!(snapshot.receipt().is_none());
+    let commit_1 = Commit::new(vec![write(
+        &state_key,
+        Expected::Absent,
+        json!({"count": 1}),
+    )])
+    .with_receipt(first.clone(), payload.clone());
+    committed(store.commit(commit_1).await.unwrap());
+
+    let snapshot = store
+        .load(std::slice::from_ref(&state_key), Some(&first))
+        .await
+        .unwrap();
+    assert_eq!(
+        snapshot.receipt(),
+        Some(&payload),
+        "the receipt comes with the state"
+    );
+    assert_eq!(snapshot.get(&state_key).unwrap().version, Version::FIRST);
+    let without = store
+        .load(std::slice::from_ref(&state_key), None)
+        .await
+        .unwrap();
+    assert!(without.receipt().is_none(), "only when asked for");
+
+    // The same activity again, even at the right version, conflicts on its receipt and applies
+    // nothing.
+    let again = Commit::new(vec![write(
+        &state_key,
+        Expected::Version(Version::FIRST),
+        json!({"count": 2}),
+    )])
+    .with_receipt(first.clone(), json!({"other": true}));
+    assert_eq!(conflict(store.commit(again).await.unwrap()), first);
+    let snapshot = store
+        .load(std::slice::from_ref(&state_key), Some(&first))
+        .await
+        .unwrap();
+    assert_eq!(snapshot.get(&state_key).unwrap().version, Version::FIRST);
+    assert_eq!(snapshot.receipt(), Some(&payload));
+
+    // A receipt alone (a read-only turn) commits too.
+    let read_only = Commit::new(vec![check(&state_key, Expected::Version(Version::FIRST))])
+        .with_receipt(receipt("act-2"), json!({"activities": []}));
+    committed(store.commit(read_only).await.unwrap());
+
+    // Pruning keeps young receipts and removes old ones.
+    assert_eq!(
+        store
+            .prune_receipts(std::time::Duration::from_secs(3600))
+            .await
+            .unwrap(),
+        0
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    assert_eq!(
+        store
+            .prune_receipts(std::time::Duration::from_millis(10))
+            .await
+            .unwrap(),
+        2
+    );
+    let snapshot = store
+        .load(std::slice::from_ref(&state_key), Some(&first))
+        .await
+        .unwrap();
+    assert!(snapshot.receipt().is_none());
+    assert_eq!(
+        snapshot.get(&state_key).unwrap().version,
+        Version::FIRST,
+        "state is never pruned"
+    );
+}
+
+/// Sixteen deliveries of one activity commit at once, each on its own fresh key: exactly one
+/// receipt and one key result.
+async fn one_receipt_per_activity_under_concurrency(store: Arc<dyn Store>) {
+    let key = receipt("dup");
+    let created = winners(&store, |i| {
+        vec![write(
+            &conversation(&format!("dup{i}")),
+            Expected::Absent,
+            json!({}),
+        )]
+    })
+    .await;
+    assert_eq!(created, 16, "different keys, no receipts: all commit");
+    let tasks: Vec<_> = (0..16)
+        .map(|i| {
+            let store = Arc::clone(&store);
+            let commit = Commit::new(vec![write(
+                &user(&format!("dup{i}")),
+                Expected::Absent,
+                json!({}),
+            )])
+            .with_receipt(key.clone(), json!({"by": i}));
+            tokio::spawn(async move {
+                matches!(
+                    store.commit(commit).await.unwrap(),
+                    CommitOutcome::Committed(_)
+                )
+            })
+        })
+        .collect();
+    let mut won = 0;
+    for t in tasks {
+        won += usize::from(t.await.unwrap());
+    }
+    assert_eq!(won, 1, "one delivery commits its receipt");
+    let mut applied = 0;
+    for i in 0..16 {
+        applied += usize::from(
+            version_of(store.as_ref(), &user(&format!("dup{i}")))
+                .await
+                .is_some(),
+        );
+    }
+    assert_eq!(applied, 1, "the losers' state was not applied");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_store_keeps_the_contract() {
     conformance(Arc::new(MemoryStore::new())).await;
     exactly_one_concurrent_writer_wins(Arc::new(MemoryStore::new())).await;
     crossing_commits_do_not_deadlock(Arc::new(MemoryStore::new())).await;
+    receipts(Arc::new(MemoryStore::new())).await;
+    one_receipt_per_activity_under_concurrency(Arc::new(MemoryStore::new())).await;
 }
 
 async fn postgres_store() -> Arc<dyn Store> {
@@ -354,6 +500,8 @@ async fn postgres_store_keeps_the_contract() {
     conformance(postgres_store().await).await;
     exactly_one_concurrent_writer_wins(postgres_store().await).await;
     crossing_commits_do_not_deadlock(postgres_store().await).await;
+    receipts(postgres_store().await).await;
+    one_receipt_per_activity_under_concurrency(postgres_store().await).await;
 }
 
 #[tokio::test]
@@ -380,7 +528,7 @@ async fn an_unreachable_database_is_unavailable_not_a_hang() {
     let url = DatabaseUrl::new(format!("postgres://postgres@127.0.0.1:{port}/none"));
     let store = PostgresStore::connect(&url, 2).unwrap();
     let err = store
-        .load(&[conversation("a")])
+        .load(&[conversation("a")], None)
         .await
         .expect_err("nothing listens there");
     assert!(

@@ -80,6 +80,10 @@ id_newtype!(
     /// A user's id within its channel (the activity's `from.id`).
     UserId
 );
+id_newtype!(
+    /// An activity's id, as the channel assigned it: what identifies a redelivery.
+    ActivityId
+);
 
 fn parse_id<'a>(value: &'a str, field: &str) -> Result<&'a str, InvalidActivity> {
     if value.is_empty() {
@@ -119,6 +123,7 @@ pub struct TurnAddress {
 pub struct IncomingActivity {
     activity: Activity,
     address: TurnAddress,
+    id: Option<ActivityId>,
 }
 
 impl IncomingActivity {
@@ -150,7 +155,12 @@ impl IncomingActivity {
             }
             None => None,
         };
+        let id = match activity.id.as_deref() {
+            Some(id) => Some(ActivityId::parse(id, "id")?),
+            None => None,
+        };
         Ok(Self {
+            id,
             address: TurnAddress {
                 channel,
                 conversation,
@@ -168,6 +178,12 @@ impl IncomingActivity {
     /// Where the turn's state lives.
     pub fn address(&self) -> &TurnAddress {
         &self.address
+    }
+
+    /// The activity's id, which makes a redelivery recognizable; `None` when the channel sent
+    /// none (such activities are not deduplicated).
+    pub fn id(&self) -> Option<&ActivityId> {
+        self.id.as_ref()
     }
 }
 

@@ -11,6 +11,7 @@
 //! queue (see `queue`), so conflicts come only from other replicas.
 
 mod queue;
+mod receipt;
 mod retry;
 
 pub use retry::RetryPolicy;
@@ -36,6 +37,8 @@ pub struct TurnOutcome {
     pub attempts: u32,
     /// The conversation scope's version after the turn, `None` while it has never been written.
     pub conversation_version: Option<Version>,
+    /// Whether this activity had been processed before, and this is its stored answer.
+    pub replayed: bool,
 }
 
 /// A turn that did not commit. None of these returns any activity.
@@ -125,6 +128,10 @@ impl Engine {
         span.record("bot", bot_name);
         let keys = TurnKeys::new(bot_name, incoming.address());
         let key_list: Vec<StateKey> = keys.all().map(|(_, k)| k.clone()).collect();
+        let address = incoming.address();
+        let receipt_key = incoming
+            .id()
+            .map(|id| StateKey::receipt(bot_name, &address.channel, &address.conversation, id));
         let max_attempts = self.retry.max_attempts.max(1);
         let _turn = match deadline {
             Some(deadline) => {
@@ -136,10 +143,19 @@ impl Engine {
         };
 
         let mut attempt = 0;
+        let mut outcome_unknown = false;
         let result = loop {
             attempt += 1;
             span.record("attempts", attempt);
-            let snapshot = self.store.load(&key_list).await?;
+            let snapshot = self.store.load(&key_list, receipt_key.as_ref()).await?;
+            if let Some(receipt) = snapshot.receipt() {
+                // Processed before (or, after an unknown commit outcome, by this very call).
+                break receipt::decode(receipt).map(|mut outcome| {
+                    // After an unknown outcome, the receipt is most likely this call's own commit.
+                    outcome.replayed = !outcome_unknown;
+                    outcome
+                });
+            }
             let context = TurnContext::new(
                 incoming,
                 attempt,
@@ -153,50 +169,76 @@ impl Engine {
             );
             let (scopes, activities) = run_bot(handler.as_ref(), context).await?;
 
-            let commit = commit_of(&keys, scopes, &snapshot);
-            let loaded_version = snapshot.get(&keys.conversation).map(|r| r.version);
+            let mut commit = commit_of(&keys, scopes, &snapshot);
+            let outcome = TurnOutcome {
+                conversation_version: version_after(&commit, &keys.conversation, &snapshot),
+                activities,
+                attempts: attempt,
+                replayed: false,
+            };
+            if let Some(key) = &receipt_key {
+                commit = commit.with_receipt(key.clone(), receipt::encode(&outcome));
+            }
             if !commit.writes_anything() {
-                // A read-only turn answered from one consistent snapshot: nothing to commit.
-                break Ok(TurnOutcome {
-                    activities,
-                    attempts: attempt,
-                    conversation_version: loaded_version,
+                // A read-only turn of an activity without id, answered from one consistent
+                // snapshot: nothing to commit.
+                break Ok(outcome);
+            }
+            let lost = match self.store.commit(commit).await {
+                Ok(CommitOutcome::Committed(_)) => break Ok(outcome),
+                Ok(CommitOutcome::Conflict { key }) => {
+                    tracing::debug!(attempt, %key, "conflict; replaying the turn");
+                    None
+                }
+                // The connection failed while the commit may have been in flight. With a receipt
+                // the next load tells whether it landed: replay, and the receipt answers if so.
+                Err(e @ StoreError::Unavailable(_)) if receipt_key.is_some() => {
+                    tracing::warn!(attempt, error = %e, "commit outcome unknown; re-reading");
+                    outcome_unknown = true;
+                    Some(e)
+                }
+                Err(e) => break Err(e.into()),
+            };
+            if attempt >= max_attempts {
+                break Err(match lost {
+                    Some(e) => TurnError::Store(e),
+                    None => TurnError::Aborted { attempts: attempt },
                 });
             }
-            match self.store.commit(commit).await? {
-                CommitOutcome::Committed(versions) => {
-                    break Ok(TurnOutcome {
-                        activities,
-                        attempts: attempt,
-                        conversation_version: versions
-                            .get(&keys.conversation)
-                            .copied()
-                            .or(loaded_version),
-                    });
-                }
-                CommitOutcome::Conflict { key } => {
-                    tracing::debug!(attempt, %key, "conflict; replaying the turn");
-                    if attempt >= max_attempts {
-                        break Err(TurnError::Aborted { attempts: attempt });
-                    }
-                    let delay = self.retry.delay(attempt, &mut rand::rng());
-                    if deadline.is_some_and(|d| Instant::now() + delay >= d) {
-                        break Err(TurnError::DeadlineExceeded { attempts: attempt });
-                    }
-                    tokio::time::sleep(delay).await;
-                }
+            let delay = self.retry.delay(attempt, &mut rand::rng());
+            if deadline.is_some_and(|d| Instant::now() + delay >= d) {
+                break Err(TurnError::DeadlineExceeded { attempts: attempt });
             }
+            tokio::time::sleep(delay).await;
         };
         span.record(
             "outcome",
             match &result {
+                Ok(o) if o.replayed => "replayed",
                 Ok(_) => "committed",
                 Err(TurnError::Aborted { .. }) => "aborted",
                 Err(TurnError::DeadlineExceeded { .. }) => "deadline_exceeded",
+                Err(TurnError::Store(StoreError::Unavailable(_))) => "unavailable",
                 Err(_) => "failed",
             },
         );
         result
+    }
+}
+
+/// The conversation scope's version once `commit` has applied.
+fn version_after(commit: &Commit, conversation: &StateKey, snapshot: &Snapshot) -> Option<Version> {
+    let change = commit.changes().iter().find(|c| &c.key == conversation);
+    match change {
+        Some(KeyChange {
+            write: Some(_),
+            expected,
+            ..
+        }) => Some(match expected {
+            crate::store::Expected::Absent => Version::FIRST,
+            crate::store::Expected::Version(v) => v.next(),
+        }),
+        _ => snapshot.get(conversation).map(|row| row.version),
     }
 }
 
@@ -274,13 +316,50 @@ mod tests {
 
     #[async_trait]
     impl Store for AlwaysBeaten {
-        async fn load(&self, keys: &[StateKey]) -> Result<Snapshot, StoreError> {
-            self.0.load(keys).await
+        async fn load(
+            &self,
+            keys: &[StateKey],
+            receipt: Option<&StateKey>,
+        ) -> Result<Snapshot, StoreError> {
+            self.0.load(keys, receipt).await
+        }
+        async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
+            self.0.prune_receipts(age).await
         }
         async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
             Ok(CommitOutcome::Conflict {
                 key: commit.changes()[0].key.clone(),
             })
+        }
+    }
+
+    /// A store whose connection breaks right after its first commit applied: the engine cannot
+    /// know whether the commit landed.
+    struct LosesTheFirstAnswer {
+        inner: MemoryStore,
+        lost: std::sync::atomic::AtomicBool,
+    }
+
+    #[async_trait]
+    impl Store for LosesTheFirstAnswer {
+        async fn load(
+            &self,
+            keys: &[StateKey],
+            receipt: Option<&StateKey>,
+        ) -> Result<Snapshot, StoreError> {
+            self.inner.load(keys, receipt).await
+        }
+        async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
+            let outcome = self.inner.commit(commit).await?;
+            if !self.lost.swap(true, Ordering::SeqCst) {
+                return Err(StoreError::Unavailable(anyhow::anyhow!(
+                    "connection reset during COMMIT"
+                )));
+            }
+            Ok(outcome)
+        }
+        async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
+            self.inner.prune_receipts(age).await
         }
     }
 
@@ -304,8 +383,12 @@ mod tests {
     }
 
     fn incoming(text: &str) -> IncomingActivity {
+        incoming_with_id(text, "a1")
+    }
+
+    fn incoming_with_id(text: &str, id: &str) -> IncomingActivity {
         IncomingActivity::parse(Activity {
-            id: Some("a1".into()),
+            id: Some(id.into()),
             channel_id: Some("test".into()),
             service_url: Some("https://gateway.example".into()),
             conversation: Some(ConversationAccount {
@@ -407,12 +490,12 @@ mod tests {
         );
 
         let second = engine
-            .run_turn(None, &incoming("hi"), None)
+            .run_turn(None, &incoming_with_id("hi", "a2"), None)
             .await
             .expect("committed");
         assert_eq!(second.conversation_version, Some(Version::new(2)));
         let peek = engine
-            .run_turn(None, &incoming("peek"), None)
+            .run_turn(None, &incoming_with_id("peek", "a3"), None)
             .await
             .expect("read-only");
         assert_eq!(
@@ -421,6 +504,45 @@ mod tests {
             "nothing written"
         );
         assert_eq!(engine.conversations_in_flight(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_unknown_commit_outcome_is_resolved_by_the_receipt_not_a_second_run() {
+        let store = LosesTheFirstAnswer {
+            inner: MemoryStore::new(),
+            lost: std::sync::atomic::AtomicBool::new(false),
+        };
+        let (engine, runs) = engine(store, RetryPolicy::default());
+        let outcome = engine
+            .run_turn(None, &incoming("hi"), None)
+            .await
+            .expect("resolved");
+        assert_eq!(runs.0.load(Ordering::SeqCst), 1, "the bot ran once");
+        assert_eq!(outcome.activities[0].text.as_deref(), Some("count: 1"));
+        assert!(!outcome.replayed, "it is this call's own commit");
+        let again = engine
+            .run_turn(None, &incoming("hi"), None)
+            .await
+            .expect("redelivery");
+        assert!(again.replayed);
+        assert_eq!(runs.0.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn without_an_activity_id_an_unknown_outcome_is_unavailable() {
+        let store = LosesTheFirstAnswer {
+            inner: MemoryStore::new(),
+            lost: std::sync::atomic::AtomicBool::new(false),
+        };
+        let (engine, _) = engine(store, RetryPolicy::default());
+        let mut activity = incoming("hi").activity().clone();
+        activity.id = None;
+        let no_id = IncomingActivity::parse(activity).expect("valid");
+        let result = engine.run_turn(None, &no_id, None).await;
+        assert!(
+            matches!(result, Err(TurnError::Store(StoreError::Unavailable(_)))),
+            "{result:?}"
+        );
     }
 
     #[tokio::test]

@@ -51,14 +51,22 @@ impl pb::turn_service_server::TurnService for TurnApi {
         let activity = activity.ok_or_else(|| InvalidActivity::new("activity", "is missing"))?;
         check_size(&activity, self.limits)?;
         let incoming = IncomingActivity::parse(Activity::from(activity))?;
-        let outcome = self
-            .engine
-            .run_turn(Some(&bot), &incoming, deadline)
-            .await?;
+        // The turn runs on its own task, so that a caller who hangs up (a timed-out gateway)
+        // does not cut it short mid-commit: it finishes, its receipt is stored, and the
+        // gateway's retry gets the answer.
+        let engine = self.engine.clone();
+        let outcome =
+            tokio::spawn(async move { engine.run_turn(Some(&bot), &incoming, deadline).await })
+                .await
+                .map_err(|e| {
+                    tracing::error!(error = %e, "turn task failed");
+                    Status::internal("the turn failed unexpectedly; state is untouched")
+                })??;
         Ok(Response::new(pb::ProcessTurnResponse {
             activities: outcome.activities.into_iter().map(Into::into).collect(),
             attempts: outcome.attempts,
             version: outcome.conversation_version.map_or(0, |v| v.get()),
+            replayed: outcome.replayed,
         }))
     }
 }

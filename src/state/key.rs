@@ -5,6 +5,7 @@
 //! | conversation | `{bot}/{channelId}/conversations/{conversationId}` |
 //! | user | `{bot}/{channelId}/users/{userId}` |
 //! | private conversation | `{bot}/{channelId}/conversations/{conversationId}/users/{userId}` |
+//! | a turn's receipt | `{bot}/{channelId}/conversations/{conversationId}/activities/{activityId}` |
 //!
 //! Every part is escaped before it is joined: `%` becomes `%25` and `/` becomes `%2F`. After
 //! escaping no part contains a `/`, so a key splits back into exactly the parts it was built from,
@@ -14,7 +15,7 @@
 
 use std::fmt;
 
-use crate::activity::incoming::{ChannelId, ConversationId, TurnAddress, UserId};
+use crate::activity::incoming::{ActivityId, ChannelId, ConversationId, TurnAddress, UserId};
 
 /// Which of a turn's three state scopes a key belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -71,6 +72,23 @@ impl StateKey {
             conversation.as_str(),
             "users",
             user.as_str(),
+        ]))
+    }
+
+    /// The key of the receipt of the turn for activity `activity`: what identifies a redelivery.
+    pub fn receipt(
+        bot: &str,
+        channel: &ChannelId,
+        conversation: &ConversationId,
+        activity: &ActivityId,
+    ) -> Self {
+        Self(join(&[
+            bot,
+            channel.as_str(),
+            "conversations",
+            conversation.as_str(),
+            "activities",
+            activity.as_str(),
         ]))
     }
 
@@ -228,6 +246,7 @@ mod tests {
         Conversation(String, String, String),
         User(String, String, String),
         Private(String, String, String, String),
+        Receipt(String, String, String, String),
     }
 
     fn build(b: &Built) -> StateKey {
@@ -245,6 +264,11 @@ mod tests {
                 let (ch, conv, user) = p(ch, conv, user);
                 StateKey::private_conversation(bot, &ch, &conv, &user)
             }
+            Built::Receipt(bot, ch, conv, activity) => {
+                let (ch, conv, _) = p(ch, conv, "u");
+                let activity = ActivityId::parse(activity, "id").expect("valid activity id");
+                StateKey::receipt(bot, &ch, &conv, &activity)
+            }
         }
     }
 
@@ -253,6 +277,7 @@ mod tests {
             (id(), id(), id()).prop_map(|(b, c, v)| Built::Conversation(b, c, v)),
             (id(), id(), id()).prop_map(|(b, c, u)| Built::User(b, c, u)),
             (id(), id(), id(), id()).prop_map(|(b, c, v, u)| Built::Private(b, c, v, u)),
+            (id(), id(), id(), id()).prop_map(|(b, c, v, a)| Built::Receipt(b, c, v, a)),
         ]
     }
 
@@ -268,6 +293,10 @@ mod tests {
                 Built::Private(bot, ch, conv, user) => vec![
                     bot.clone(), ch.clone(), "conversations".into(), conv.clone(),
                     "users".into(), user.clone(),
+                ],
+                Built::Receipt(bot, ch, conv, activity) => vec![
+                    bot.clone(), ch.clone(), "conversations".into(), conv.clone(),
+                    "activities".into(), activity.clone(),
                 ],
             };
             prop_assert_eq!(parts, expected);

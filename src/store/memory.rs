@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
@@ -17,7 +18,13 @@ use crate::state::StateKey;
 /// Turn state in this process's memory.
 #[derive(Debug, Default)]
 pub struct MemoryStore {
-    rows: Mutex<HashMap<StateKey, Versioned>>,
+    tables: Mutex<Tables>,
+}
+
+#[derive(Debug, Default)]
+struct Tables {
+    rows: HashMap<StateKey, Versioned>,
+    receipts: HashMap<StateKey, (serde_json::Value, Instant)>,
 }
 
 impl MemoryStore {
@@ -26,11 +33,11 @@ impl MemoryStore {
         Self::default()
     }
 
-    fn rows(&self) -> MutexGuard<'_, HashMap<StateKey, Versioned>> {
+    fn tables(&self) -> MutexGuard<'_, Tables> {
         // A panic while the lock was held cannot leave a half-applied commit behind: a commit
         // checks everything before it writes anything. So the data behind a poisoned lock is
         // consistent, and serving on is right.
-        self.rows
+        self.tables
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
@@ -38,17 +45,28 @@ impl MemoryStore {
 
 #[async_trait]
 impl Store for MemoryStore {
-    async fn load(&self, keys: &[StateKey]) -> Result<Snapshot, StoreError> {
-        let rows = self.rows();
+    async fn load(
+        &self,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+    ) -> Result<Snapshot, StoreError> {
+        let tables = self.tables();
         let found = keys
             .iter()
-            .filter_map(|k| rows.get(k).map(|row| (k.clone(), row.clone())))
+            .filter_map(|k| tables.rows.get(k).map(|row| (k.clone(), row.clone())))
             .collect();
-        Ok(Snapshot::new(found))
+        let receipt = receipt.and_then(|k| tables.receipts.get(k).map(|(r, _)| r.clone()));
+        Ok(Snapshot::new(found, receipt))
     }
 
     async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
-        let mut rows = self.rows();
+        let mut tables = self.tables();
+        let Tables { rows, receipts } = &mut *tables;
+        if let Some((key, _)) = commit.receipt() {
+            if receipts.contains_key(key) {
+                return Ok(CommitOutcome::Conflict { key: key.clone() });
+            }
+        }
         for change in commit.changes() {
             let current = rows.get(&change.key).map(|row| row.version);
             let holds = match change.expected {
@@ -84,6 +102,19 @@ impl Store for MemoryStore {
             };
             versions.insert(change.key.clone(), version);
         }
+        if let Some((key, payload)) = commit.receipt() {
+            receipts.insert(key.clone(), (payload.clone(), Instant::now()));
+        }
         Ok(CommitOutcome::Committed(versions))
+    }
+
+    async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
+        let mut tables = self.tables();
+        let before = tables.receipts.len();
+        let now = Instant::now();
+        tables
+            .receipts
+            .retain(|_, (_, created)| now.duration_since(*created) < age);
+        Ok((before - tables.receipts.len()) as u64)
     }
 }

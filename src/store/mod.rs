@@ -7,6 +7,10 @@
 //! versions still holds — all scopes together, or nothing. A failed precondition is an ordinary
 //! outcome, [`CommitOutcome::Conflict`], which the engine answers by replaying the turn; only a
 //! store that cannot answer is an error.
+//!
+//! A commit may also carry a receipt: the turn's answer, stored under the activity's key in the
+//! same transaction, and read back by the next load of a redelivered activity. A receipt that
+//! exists already is a conflict too. Receipts are opaque JSON to the store and pruned by age.
 
 pub mod memory;
 pub mod postgres;
@@ -63,12 +67,18 @@ pub struct Versioned {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Snapshot {
     rows: HashMap<StateKey, Versioned>,
+    receipt: Option<serde_json::Value>,
 }
 
 impl Snapshot {
-    /// A snapshot of `rows`.
-    pub fn new(rows: HashMap<StateKey, Versioned>) -> Self {
-        Self { rows }
+    /// A snapshot of `rows`, and of the receipt asked for if it exists.
+    pub fn new(rows: HashMap<StateKey, Versioned>, receipt: Option<serde_json::Value>) -> Self {
+        Self { rows, receipt }
+    }
+
+    /// The receipt the load asked for, if that turn committed already.
+    pub fn receipt(&self) -> Option<&serde_json::Value> {
+        self.receipt.as_ref()
     }
 
     /// The row of `key`, if it exists.
@@ -109,13 +119,25 @@ pub struct KeyChange {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Commit {
     changes: Vec<KeyChange>,
+    receipt: Option<(StateKey, serde_json::Value)>,
 }
 
 impl Commit {
     /// A commit of `changes`, kept sorted by key so that every store locks keys in one order.
     pub fn new(mut changes: Vec<KeyChange>) -> Self {
         changes.sort_by(|a, b| a.key.cmp(&b.key));
-        Self { changes }
+        Self {
+            changes,
+            receipt: None,
+        }
+    }
+
+    /// The same commit, also creating receipt `key` with `payload`; it conflicts if that receipt
+    /// exists.
+    #[must_use]
+    pub fn with_receipt(mut self, key: StateKey, payload: serde_json::Value) -> Self {
+        self.receipt = Some((key, payload));
+        self
     }
 
     /// The changes, sorted by key.
@@ -123,9 +145,14 @@ impl Commit {
         &self.changes
     }
 
-    /// Whether the commit writes anything at all.
+    /// The receipt to create, if any.
+    pub fn receipt(&self) -> Option<&(StateKey, serde_json::Value)> {
+        self.receipt.as_ref()
+    }
+
+    /// Whether the commit writes anything at all (state or a receipt).
     pub fn writes_anything(&self) -> bool {
-        self.changes.iter().any(|c| c.write.is_some())
+        self.receipt.is_some() || self.changes.iter().any(|c| c.write.is_some())
     }
 }
 
@@ -156,11 +183,15 @@ pub enum StoreError {
 /// Persistent, versioned turn state.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
-    /// Reads `keys` in one consistent read.
+    /// Reads `keys`, and the receipt `receipt` when given, in one consistent read.
     ///
     /// # Errors
     /// [`StoreError`] when the store cannot answer.
-    async fn load(&self, keys: &[StateKey]) -> Result<Snapshot, StoreError>;
+    async fn load(
+        &self,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+    ) -> Result<Snapshot, StoreError>;
 
     /// Applies `commit` if every key's expectation still holds, atomically.
     ///
@@ -168,4 +199,10 @@ pub trait Store: Send + Sync + 'static {
     /// [`StoreError`] when the store cannot answer; a failed expectation is
     /// [`CommitOutcome::Conflict`], not an error.
     async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError>;
+
+    /// Deletes receipts older than `age`; returns how many.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot answer.
+    async fn prune_receipts(&self, age: std::time::Duration) -> Result<u64, StoreError>;
 }

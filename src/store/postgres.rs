@@ -25,8 +25,18 @@ mod embedded {
     refinery::embed_migrations!("migrations");
 }
 
-const LOAD: &str = "SELECT key, state, version FROM turnstile_state WHERE key = ANY($1)";
-const COMMIT: &str = "SELECT conflict_key, versions FROM turnstile_commit($1, $2, $3)";
+/// State rows and, when `$2` is not NULL, the receipt: one statement, so one snapshot.
+const LOAD: &str = "SELECT false, key, state, version FROM turnstile_state WHERE key = ANY($1) \
+                    UNION ALL \
+                    SELECT true, key, payload, 0 FROM turnstile_receipt WHERE key = $2";
+const COMMIT: &str = "SELECT conflict_key, versions FROM turnstile_commit($1, $2, $3, $4, $5)";
+/// Deletes one batch of old receipts. Small batches keep each delete short, and SKIP LOCKED lets
+/// replicas pruning at the same time share the work instead of queueing on each other.
+const PRUNE: &str = "DELETE FROM turnstile_receipt WHERE key IN ( \
+                       SELECT key FROM turnstile_receipt \
+                        WHERE created_at < now() - make_interval(secs => $1) \
+                        ORDER BY created_at LIMIT 1000 FOR UPDATE SKIP LOCKED)";
+const PRUNE_BATCH: u64 = 1000;
 
 /// The SQLSTATE `turnstile_commit` raises when a key it was to create appeared concurrently.
 const COMMIT_CONFLICT: &str = "TS409";
@@ -156,20 +166,32 @@ impl PostgresStore {
 #[async_trait]
 impl Store for PostgresStore {
     #[tracing::instrument(skip_all, fields(keys = keys.len()))]
-    async fn load(&self, keys: &[StateKey]) -> Result<Snapshot, StoreError> {
+    async fn load(
+        &self,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+    ) -> Result<Snapshot, StoreError> {
         let client = self.client().await?;
         let statement = client.prepare_cached(LOAD).await.map_err(classify)?;
         let names: Vec<&str> = keys.iter().map(StateKey::as_str).collect();
+        let receipt_key = receipt.map(StateKey::as_str);
         let rows = client
-            .query(&statement, &[&names])
+            .query(&statement, &[&names, &receipt_key])
             .await
             .map_err(classify)?;
-        let rows = rows
-            .iter()
-            .map(read_row)
-            .collect::<Result<HashMap<_, _>, _>>()
-            .map_err(StoreError::Unexpected)?;
-        Ok(Snapshot::new(rows))
+        let mut states = HashMap::with_capacity(rows.len());
+        let mut found_receipt = None;
+        for row in &rows {
+            let is_receipt: bool = row.try_get(0).map_err(unexpected)?;
+            if is_receipt {
+                let Json(payload): Json<serde_json::Value> = row.try_get(2).map_err(unexpected)?;
+                found_receipt = Some(payload);
+            } else {
+                let (key, versioned) = read_row(row).map_err(StoreError::Unexpected)?;
+                states.insert(key, versioned);
+            }
+        }
+        Ok(Snapshot::new(states, found_receipt))
     }
 
     #[tracing::instrument(skip_all, fields(keys = commit.changes().len()))]
@@ -187,14 +209,16 @@ impl Store for PostgresStore {
         let states: Vec<Option<Json<&JsonMap>>> =
             changes.iter().map(|c| c.write.as_ref().map(Json)).collect();
 
+        let receipt_key = commit.receipt().map(|(k, _)| k.as_str());
+        let receipt = commit.receipt().map(|(_, payload)| Json(payload));
+
         let client = self.client().await?;
         let statement = client.prepare_cached(COMMIT).await.map_err(classify)?;
-        let row = match client
-            .query_one(&statement, &[&keys, &expected, &states])
-            .await
-        {
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+            [&keys, &expected, &states, &receipt_key, &receipt];
+        let row = match client.query_one(&statement, &params).await {
             Ok(row) => row,
-            Err(e) if is_conflict(&e) => return Ok(conflict_from(&e, changes)),
+            Err(e) if is_conflict(&e) => return Ok(conflict_from(&e, &commit)),
             Err(e) => return Err(classify(e)),
         };
         let conflict_key: Option<String> = row.try_get(0).map_err(unexpected)?;
@@ -220,14 +244,31 @@ impl Store for PostgresStore {
             .map_err(|e| StoreError::Unexpected(e.into()))?;
         Ok(CommitOutcome::Committed(versions))
     }
+
+    #[tracing::instrument(skip_all)]
+    async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
+        let client = self.client().await?;
+        let statement = client.prepare_cached(PRUNE).await.map_err(classify)?;
+        let mut pruned = 0;
+        loop {
+            let deleted = client
+                .execute(&statement, &[&age.as_secs_f64()])
+                .await
+                .map_err(classify)?;
+            pruned += deleted;
+            if deleted < PRUNE_BATCH {
+                return Ok(pruned);
+            }
+        }
+    }
 }
 
 fn read_row(row: &Row) -> anyhow::Result<(StateKey, Versioned)> {
-    let key: String = row.try_get(0)?;
+    let key: String = row.try_get(1)?;
     let Json(state): Json<JsonMap> = row
-        .try_get(1)
+        .try_get(2)
         .with_context(|| format!("state of {key} is not a JSON object"))?;
-    let version: i64 = row.try_get(2)?;
+    let version: i64 = row.try_get(3)?;
     let version = Version::new(u64::try_from(version).context("negative version")?);
     Ok((StateKey::from_stored(key), Versioned { state, version }))
 }
@@ -240,14 +281,19 @@ fn is_conflict(e: &tokio_postgres::Error) -> bool {
     })
 }
 
-fn conflict_from(e: &tokio_postgres::Error, changes: &[super::KeyChange]) -> CommitOutcome {
-    let named = e
-        .as_db_error()
-        .and_then(|db| db.detail())
-        .and_then(|detail| changes.iter().find(|c| c.key.as_str() == detail));
-    let key = named
-        .or_else(|| changes.first())
-        .map(|c| c.key.clone())
+/// The conflict an error raised by `turnstile_commit` reports: its DETAIL names the key.
+fn conflict_from(e: &tokio_postgres::Error, commit: &Commit) -> CommitOutcome {
+    let mut keys = commit
+        .changes()
+        .iter()
+        .map(|c| &c.key)
+        .chain(commit.receipt().map(|(k, _)| k));
+    let detail = e.as_db_error().and_then(|db| db.detail());
+    let key = keys
+        .clone()
+        .find(|k| Some(k.as_str()) == detail)
+        .or_else(|| keys.next())
+        .cloned()
         .unwrap_or_else(|| StateKey::from_stored(String::new()));
     CommitOutcome::Conflict { key }
 }

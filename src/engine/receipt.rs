@@ -1,0 +1,89 @@
+//! A committed turn's answer, as stored with its commit so that a redelivered activity gets the
+//! same answer without running the bot again.
+//!
+//! The store keeps it as opaque JSON; this is its one reader and writer. Activities are kept in
+//! Bot Framework JSON, the lossless form, so a replayed answer is the original to the field.
+
+use anyhow::{Context as _, anyhow};
+use serde_json::{Value, json};
+
+use super::TurnOutcome;
+use crate::activity::Activity;
+use crate::store::{StoreError, Version};
+
+/// The receipt of `outcome`.
+pub(super) fn encode(outcome: &TurnOutcome) -> Value {
+    json!({
+        "activities": outcome.activities.iter().map(Activity::to_json).collect::<Vec<_>>(),
+        "attempts": outcome.attempts,
+        "version": outcome.conversation_version.map_or(0, Version::get),
+    })
+}
+
+/// The outcome a receipt recorded, marked as replayed.
+pub(super) fn decode(receipt: &Value) -> Result<TurnOutcome, super::TurnError> {
+    read(receipt)
+        .context("a stored turn receipt is unreadable")
+        .map_err(|e| super::TurnError::Store(StoreError::Unexpected(e)))
+}
+
+fn read(receipt: &Value) -> anyhow::Result<TurnOutcome> {
+    let activities = receipt
+        .get("activities")
+        .and_then(Value::as_array)
+        .ok_or_else(|| anyhow!("no activities"))?
+        .iter()
+        .map(|a| Activity::from_json(a.clone()).map_err(anyhow::Error::from))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let attempts = receipt
+        .get("attempts")
+        .and_then(Value::as_u64)
+        .and_then(|n| u32::try_from(n).ok())
+        .ok_or_else(|| anyhow!("no attempts"))?;
+    let version = receipt
+        .get("version")
+        .and_then(Value::as_u64)
+        .ok_or_else(|| anyhow!("no version"))?;
+    Ok(TurnOutcome {
+        activities,
+        attempts,
+        conversation_version: (version > 0).then(|| Version::new(version)),
+        replayed: true,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_receipt_gives_back_the_outcome_it_recorded() {
+        let mut reply = Activity::message("count: 3");
+        reply
+            .properties
+            .insert("futureField".into(), json!({"kept": [1, 2]}));
+        let outcome = TurnOutcome {
+            activities: vec![reply, Activity::message("second")],
+            attempts: 2,
+            conversation_version: Some(Version::new(3)),
+            replayed: false,
+        };
+        let back = decode(&encode(&outcome)).expect("readable");
+        assert_eq!(
+            back,
+            TurnOutcome {
+                replayed: true,
+                ..outcome
+            }
+        );
+    }
+
+    #[test]
+    fn an_unreadable_receipt_is_an_unexpected_store_error() {
+        let err = decode(&json!({"activities": "nope"})).expect_err("unreadable");
+        assert!(matches!(
+            err,
+            super::super::TurnError::Store(StoreError::Unexpected(_))
+        ));
+    }
+}

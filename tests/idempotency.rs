@@ -1,0 +1,174 @@
+//! Exactly-once turns: a redelivered activity — in a row, all at once, or after its response was
+//! lost — gets the answer its first processing committed, and the bot runs once.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use support::{TestServer, message, postgres_config, texts};
+use tonic::Code;
+use turnstile::bots::CounterBot;
+use turnstile::grpc::pb;
+use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
+use turnstile::{Bot, BotError, BotRegistry, TurnContext};
+
+fn counted(activity: pb::Activity) -> pb::ProcessTurnRequest {
+    pb::ProcessTurnRequest {
+        activity: Some(activity),
+        bot: "counter".into(),
+    }
+}
+
+fn with_id(id: &str) -> pb::Activity {
+    pb::Activity {
+        id: Some(id.into()),
+        ..message("c1", "alice", "hi")
+    }
+}
+
+async fn send(
+    client: &mut TurnServiceClient<tonic::transport::Channel>,
+    activity: pb::Activity,
+) -> pb::ProcessTurnResponse {
+    client
+        .process_turn(counted(activity))
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+#[tokio::test]
+async fn the_same_activity_twice_in_a_row_runs_once() {
+    let url = support::pg::fresh_database().await;
+    let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
+    let mut client = server.client().await;
+
+    let first = send(&mut client, with_id("a1")).await;
+    assert_eq!(texts(&first), ["count: 1"]);
+    assert!(!first.replayed);
+    let again = send(&mut client, with_id("a1")).await;
+    assert!(again.replayed, "recognized as a redelivery");
+    assert_eq!(
+        again.activities, first.activities,
+        "the same answer, to the field"
+    );
+    assert_eq!(
+        (again.attempts, again.version),
+        (first.attempts, first.version)
+    );
+
+    let next = send(&mut client, with_id("a2")).await;
+    assert_eq!(texts(&next), ["count: 2"], "the redelivery did not count");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ten_copies_at_once_across_replicas_run_once() {
+    let url = support::pg::fresh_database().await;
+    let a = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
+    let b = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
+    let clients = [a.client().await, b.client().await];
+    let calls: Vec<_> = (0..10)
+        .map(|i| {
+            let mut client = clients[i % 2].clone();
+            tokio::spawn(async move { send(&mut client, with_id("burst")).await })
+        })
+        .collect();
+    let mut responses = Vec::new();
+    for call in calls {
+        responses.push(call.await.unwrap());
+    }
+    let originals = responses.iter().filter(|r| !r.replayed).count();
+    assert_eq!(
+        originals, 1,
+        "one delivery ran the bot, nine got its receipt"
+    );
+    for r in &responses {
+        assert_eq!(r.activities, responses[0].activities);
+        assert_eq!(r.version, responses[0].version);
+    }
+    assert_eq!(texts(&responses[0]), ["count: 1"]);
+    let mut client = clients[0].clone();
+    let next = send(&mut client, with_id("after-burst")).await;
+    assert_eq!(texts(&next), ["count: 2"]);
+}
+
+/// The counter bot, slow enough for a caller to give up on it.
+struct SlowCounter;
+
+#[async_trait]
+impl Bot for SlowCounter {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        CounterBot.on_turn(turn).await
+    }
+}
+
+#[tokio::test]
+async fn a_lost_response_is_answered_from_the_receipt() {
+    let url = support::pg::fresh_database().await;
+    let bots = BotRegistry::new("counter", SlowCounter);
+    let server = TestServer::start(postgres_config(&url), bots).await;
+    let mut client = server.client().await;
+
+    // The gateway gives up before the turn finishes: its response is lost.
+    let mut hasty = tonic::Request::new(counted(with_id("slow")));
+    hasty.set_timeout(Duration::from_millis(100));
+    let status = client.process_turn(hasty).await.expect_err("times out");
+    // tonic's client reports its own timeout as CANCELLED; a server would say DEADLINE_EXCEEDED.
+    assert!(
+        matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{status:?}"
+    );
+
+    // The turn still finished and committed; the gateway's retry gets its answer.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let retried = send(&mut client, with_id("slow")).await;
+    assert!(retried.replayed, "answered from the receipt, not run again");
+    assert_eq!(texts(&retried), ["count: 1"]);
+    let next = send(&mut client, with_id("slow-2")).await;
+    assert_eq!(texts(&next), ["count: 2"], "the bot ran once for `slow`");
+}
+
+#[tokio::test]
+async fn activities_without_an_id_are_not_deduplicated() {
+    let server = TestServer::start(turnstile::Config::default(), turnstile::bots::samples()).await;
+    let mut client = server.client().await;
+    let no_id = || pb::Activity {
+        id: None,
+        ..message("c1", "alice", "hi")
+    };
+    assert_eq!(texts(&send(&mut client, no_id()).await), ["count: 1"]);
+    let second = send(&mut client, no_id()).await;
+    assert_eq!(texts(&second), ["count: 2"]);
+    assert!(!second.replayed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_replica_queues_its_own_turns_instead_of_conflicting() {
+    let url = support::pg::fresh_database().await;
+    let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
+    let client = server.client().await;
+    let calls: Vec<_> = (0..40)
+        .map(|i| {
+            let mut client = client.clone();
+            tokio::spawn(async move {
+                let activity = message("hot", &format!("u{i}"), "hi");
+                send(&mut client, activity).await
+            })
+        })
+        .collect();
+    let mut counts = Vec::new();
+    for call in calls {
+        let response = call.await.unwrap();
+        assert_eq!(
+            response.attempts, 1,
+            "no turn of this replica conflicted with another"
+        );
+        counts.push(texts(&response)[0].clone());
+    }
+    counts.sort_by_key(|c| c.trim_start_matches("count: ").parse::<u32>().unwrap());
+    let expected: Vec<String> = (1..=40).map(|n| format!("count: {n}")).collect();
+    assert_eq!(counts, expected);
+}
