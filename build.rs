@@ -11,6 +11,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         out_dir.join("turnstile_descriptor.bin"),
         fds.encode_to_vec(),
     )?;
-    tonic_prost_build::configure().compile_fds(fds)?;
+    // Undecodable requests are the caller's mistake: see src/grpc/codec.rs.
+    tonic_prost_build::configure()
+        .codec_path("crate::grpc::codec::StrictCodec")
+        .compile_fds(fds)?;
     Ok(())
 }

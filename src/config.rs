@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::{ArgAction, Args, Parser, Subcommand};
 
 use crate::engine::RetryPolicy;
-use crate::grpc::service::Limits;
+use crate::grpc::limits::Limits;
 use crate::store::postgres::DatabaseUrl;
 
 /// Where turn state is kept.
@@ -101,8 +101,20 @@ pub struct ServeArgs {
     #[arg(long, env = "TURNSTILE_BACKOFF_MAX_MS", default_value_t = 200)]
     pub backoff_max_ms: u64,
     /// Largest activity accepted, in encoded bytes.
-    #[arg(long, env = "TURNSTILE_MAX_ACTIVITY_BYTES", default_value_t = 256 * 1024)]
+    #[arg(long, env = "TURNSTILE_MAX_ACTIVITY_BYTES", default_value_t = Limits::default().max_activity_bytes)]
     pub max_activity_bytes: usize,
+    /// Longest `text`, `speak` or `summary` accepted, in bytes.
+    #[arg(long, env = "TURNSTILE_MAX_TEXT_BYTES", default_value_t = Limits::default().max_text_bytes)]
+    pub max_text_bytes: usize,
+    /// Most bytes of all attachments of one activity.
+    #[arg(long, env = "TURNSTILE_MAX_ATTACHMENTS_BYTES", default_value_t = Limits::default().max_attachments_bytes)]
+    pub max_attachments_bytes: usize,
+    /// Most bytes of an activity's `channel_data`.
+    #[arg(long, env = "TURNSTILE_MAX_CHANNEL_DATA_BYTES", default_value_t = Limits::default().max_channel_data_bytes)]
+    pub max_channel_data_bytes: usize,
+    /// Deepest nesting of any JSON value in an activity.
+    #[arg(long, env = "TURNSTILE_MAX_JSON_DEPTH", default_value_t = Limits::default().max_json_depth)]
+    pub max_json_depth: usize,
     /// Seconds in-flight turns get to finish after SIGTERM or SIGINT.
     #[arg(long, env = "TURNSTILE_SHUTDOWN_GRACE_SECS", default_value_t = 30)]
     pub shutdown_grace_secs: u64,
@@ -132,6 +144,10 @@ impl ServeArgs {
             },
             limits: Limits {
                 max_activity_bytes: self.max_activity_bytes,
+                max_text_bytes: self.max_text_bytes,
+                max_attachments_bytes: self.max_attachments_bytes,
+                max_channel_data_bytes: self.max_channel_data_bytes,
+                max_json_depth: self.max_json_depth,
             },
             shutdown_grace: Duration::from_secs(self.shutdown_grace_secs),
             receipt_retention: Duration::from_secs(self.receipt_retention_secs),

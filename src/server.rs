@@ -14,12 +14,16 @@ use tonic_health::ServingStatus;
 use crate::bot::BotRegistry;
 use crate::config::{Config, StoreConfig};
 use crate::engine::Engine;
+use crate::grpc::drain::Drain;
 use crate::grpc::pb;
 use crate::grpc::pb::turn_service_server::TurnServiceServer;
 use crate::grpc::service::TurnApi;
 use crate::store::Store;
 use crate::store::memory::MemoryStore;
 use crate::store::postgres::{self, PostgresStore};
+
+/// How long connections get to close once every turn has finished during shutdown.
+const CONNECTION_CLOSE_WAIT: Duration = Duration::from_secs(5);
 
 /// Why the server could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
@@ -62,8 +66,9 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServeError> {
 }
 
 /// Serves `TurnService` (with `grpc.health.v1.Health` and server reflection v1 and v1alpha) for
-/// `bots` on `listener` until `shutdown` completes; then stops accepting calls and gives in-flight
-/// turns up to `config.shutdown_grace` to finish.
+/// `bots` on `listener` until `shutdown` completes. Then health turns `NOT_SERVING`, new turns
+/// get `UNAVAILABLE`, turns in flight get up to `config.shutdown_grace` to finish, and the server
+/// stops.
 ///
 /// # Errors
 /// [`ServeError`] when the store cannot be opened or the server fails.
@@ -96,7 +101,8 @@ pub async fn serve_with_store(
         .max_activity_bytes
         .saturating_mul(2)
         .max(4 << 20);
-    let turns = TurnServiceServer::new(TurnApi::new(engine, config.limits))
+    let drain = Drain::new();
+    let turns = TurnServiceServer::new(TurnApi::new(engine, config.limits, Arc::clone(&drain)))
         .max_decoding_message_size(max_message)
         .max_encoding_message_size(max_message);
 
@@ -113,19 +119,32 @@ pub async fn serve_with_store(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?;
 
-    let draining = Arc::new(Notify::new());
+    let grace = config.shutdown_grace;
+    let stopping = Arc::new(Notify::new());
     let signal = {
-        let draining = Arc::clone(&draining);
+        let stopping = Arc::clone(&stopping);
         async move {
             shutdown.await;
-            tracing::info!("shutting down: no new calls; finishing in-flight turns");
+            drain.start();
             health_reporter
                 .set_not_serving::<TurnServiceServer<TurnApi>>()
                 .await;
             health_reporter
                 .set_service_status("", ServingStatus::NotServing)
                 .await;
-            draining.notify_one();
+            tracing::info!(
+                in_flight = drain.in_flight(),
+                "shutting down: refusing new turns, finishing those in flight"
+            );
+            if tokio::time::timeout(grace, drain.idle()).await.is_err() {
+                tracing::warn!(
+                    ?grace,
+                    in_flight = drain.in_flight(),
+                    "in-flight turns did not finish within the grace period; abandoning them \
+                     (an abandoned turn commits all or nothing, and its caller gets an error)"
+                );
+            }
+            stopping.notify_one();
         }
     };
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
@@ -137,11 +156,12 @@ pub async fn serve_with_store(
         .serve_with_incoming_shutdown(incoming, signal);
     tracing::info!(address = ?local_addr, "serving TurnService");
 
-    let grace = config.shutdown_grace;
     let served = tokio::select! {
         result = server => result,
-        () = async { draining.notified().await; tokio::time::sleep(grace).await } => {
-            tracing::warn!(?grace, "in-flight turns did not finish within the grace period; abandoning them uncommitted");
+        // Every turn has finished or been abandoned; a client that keeps its connection open
+        // after that must not hold the process.
+        () = async { stopping.notified().await; tokio::time::sleep(CONNECTION_CLOSE_WAIT).await } => {
+            tracing::warn!("clients kept connections open after the drain; closing them");
             Ok(())
         }
     };

@@ -32,8 +32,9 @@ fn assert_status(
 async fn invalid_activities_get_invalid_argument_naming_the_field_and_change_nothing() {
     let url = support::pg::fresh_database().await;
     let config = turnstile::Config {
-        limits: turnstile::grpc::service::Limits {
+        limits: turnstile::grpc::limits::Limits {
             max_activity_bytes: 4096,
+            ..Default::default()
         },
         ..postgres_config(&url)
     };

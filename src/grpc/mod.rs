@@ -11,6 +11,9 @@ pub mod pb {
         tonic::include_file_descriptor_set!("turnstile_descriptor");
 }
 
+pub mod codec;
 pub mod convert;
+pub mod drain;
 pub mod error;
+pub mod limits;
 pub mod service;

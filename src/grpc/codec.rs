@@ -1,0 +1,65 @@
+//! The protobuf codec, with one change: a request that does not decode is the caller's mistake.
+//!
+//! tonic-prost answers undecodable bytes (garbage, truncation, nesting past prost's recursion
+//! limit) with `INTERNAL`, which tells a gateway that we failed and tempts it to retry the same
+//! bytes forever. This codec answers `INVALID_ARGUMENT`, naming what prost found wrong.
+
+use prost::Message;
+use tonic::Status;
+use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder};
+use tonic_prost::{ProstCodec, ProstDecoder, ProstEncoder};
+
+/// [`ProstCodec`] with decoding failures reported as `INVALID_ARGUMENT`.
+#[derive(Debug)]
+pub struct StrictCodec<T, U>(ProstCodec<T, U>);
+
+impl<T, U> Default for StrictCodec<T, U> {
+    fn default() -> Self {
+        Self(ProstCodec::default())
+    }
+}
+
+impl<T, U> Codec for StrictCodec<T, U>
+where
+    T: Message + Send + 'static,
+    U: Message + Default + Send + 'static,
+{
+    type Encode = T;
+    type Decode = U;
+    type Encoder = ProstEncoder<T>;
+    type Decoder = StrictDecoder<U>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        self.0.encoder()
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        StrictDecoder(self.0.decoder())
+    }
+}
+
+/// Decodes like [`ProstDecoder`], failing with `INVALID_ARGUMENT`.
+#[derive(Debug)]
+pub struct StrictDecoder<U>(ProstDecoder<U>);
+
+impl<U: Message + Default> Decoder for StrictDecoder<U> {
+    type Item = U;
+    type Error = Status;
+
+    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
+        self.0.decode(buf).map_err(|status| {
+            Status::invalid_argument(format!(
+                "the message is not a valid {}: {}",
+                std::any::type_name::<U>()
+                    .rsplit("::")
+                    .next()
+                    .unwrap_or("message"),
+                status.message()
+            ))
+        })
+    }
+
+    fn buffer_settings(&self) -> BufferSettings {
+        self.0.buffer_settings()
+    }
+}

@@ -1,0 +1,273 @@
+//! Hostile and broken input: every case gets a clear status naming the problem, the server stays
+//! up, and no state changes.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use async_trait::async_trait;
+use prost::Message as _;
+use prost_types::value::Kind;
+use support::{TestServer, message, postgres_config, request, say, texts};
+use tonic::Code;
+use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use tonic::codegen::http::uri::PathAndQuery;
+use turnstile::grpc::pb;
+use turnstile::{Bot, BotError, BotRegistry, TurnContext};
+
+/// Sends raw bytes as a ProcessTurn request body, as a broken or hostile gateway might.
+#[derive(Default)]
+struct RawCodec;
+
+struct RawEncoder;
+struct ResponseDecoder;
+
+impl Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = pb::ProcessTurnResponse;
+    type Encoder = RawEncoder;
+    type Decoder = ResponseDecoder;
+    fn encoder(&mut self) -> RawEncoder {
+        RawEncoder
+    }
+    fn decoder(&mut self) -> ResponseDecoder {
+        ResponseDecoder
+    }
+}
+
+impl Encoder for RawEncoder {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(&mut self, item: Vec<u8>, dst: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        use bytes::BufMut as _;
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl Decoder for ResponseDecoder {
+    type Item = pb::ProcessTurnResponse;
+    type Error = tonic::Status;
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Self::Item>, tonic::Status> {
+        pb::ProcessTurnResponse::decode(src)
+            .map(Some)
+            .map_err(|e| tonic::Status::internal(e.to_string()))
+    }
+}
+
+async fn send_raw(server: &TestServer, body: Vec<u8>) -> tonic::Status {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    grpc.unary(
+        tonic::Request::new(body),
+        PathAndQuery::from_static("/turnstile.v1.TurnService/ProcessTurn"),
+        RawCodec,
+    )
+    .await
+    .expect_err("not a valid request")
+}
+
+fn nested_list(levels: usize) -> prost_types::Value {
+    let mut v = prost_types::Value {
+        kind: Some(Kind::StringValue("deep".into())),
+    };
+    for _ in 0..levels {
+        v = prost_types::Value {
+            kind: Some(Kind::ListValue(prost_types::ListValue { values: vec![v] })),
+        };
+    }
+    v
+}
+
+fn expect_invalid(
+    result: Result<tonic::Response<pb::ProcessTurnResponse>, tonic::Status>,
+    naming: &str,
+) {
+    let status = result.expect_err("refused");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().contains(naming),
+        "should name {naming}: {:?}",
+        status.message()
+    );
+}
+
+#[tokio::test]
+async fn broken_and_oversized_input_is_refused_by_name_and_changes_nothing() {
+    let url = support::pg::fresh_database().await;
+    let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
+    let mut client = server.client().await;
+    say(&mut client, "c1", "add ham").await;
+    let add = || message("c1", "alice", "add pineapple");
+
+    // Bytes that are no protobuf at all, and a truncated valid request.
+    let status = send_raw(&server, vec![0xff, 0xff, 0xff, 0xff, 0x0f, 0x01]).await;
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().contains("not a valid ProcessTurnRequest"),
+        "{status:?}"
+    );
+    let whole = request(add()).encode_to_vec();
+    let status = send_raw(&server, whole[..whole.len() / 2].to_vec()).await;
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+
+    // Oversized fields, each named.
+    let limits = turnstile::grpc::limits::Limits::default();
+    let big_text = pb::Activity {
+        text: Some("add ".to_owned() + &"x".repeat(limits.max_text_bytes)),
+        ..add()
+    };
+    expect_invalid(client.process_turn(request(big_text)).await, "`text`");
+    let big_attachment = pb::Activity {
+        attachments: vec![pb::Attachment {
+            content_type: Some("text/plain".into()),
+            content: Some(prost_types::Value {
+                kind: Some(Kind::StringValue("a".repeat(limits.max_attachments_bytes))),
+            }),
+            ..Default::default()
+        }],
+        ..add()
+    };
+    expect_invalid(
+        client.process_turn(request(big_attachment)).await,
+        "`attachments`",
+    );
+    let big_channel_data = pb::Activity {
+        channel_data: Some(prost_types::Value {
+            kind: Some(Kind::StringValue(
+                "c".repeat(limits.max_channel_data_bytes + 1),
+            )),
+        }),
+        ..add()
+    };
+    expect_invalid(
+        client.process_turn(request(big_channel_data)).await,
+        "`channel_data`",
+    );
+    let everything_big = pb::Activity {
+        text: Some("t".repeat(limits.max_activity_bytes)),
+        ..add()
+    };
+    expect_invalid(
+        client.process_turn(request(everything_big)).await,
+        "over the 262144-byte limit",
+    );
+
+    // Deep nesting: past our limit, a named refusal; past prost's recursion limit, the codec's.
+    let deep = pb::Activity {
+        value: Some(nested_list(limits.max_json_depth + 1)),
+        ..add()
+    };
+    expect_invalid(
+        client.process_turn(request(deep)).await,
+        "`value` is nested 33 levels deep",
+    );
+    let deeper = request(pb::Activity {
+        channel_data: Some(nested_list(200)),
+        ..add()
+    });
+    let status = send_raw(&server, deeper.encode_to_vec()).await;
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("recursion limit"), "{status:?}");
+
+    // Ids with control characters.
+    for (field, activity) in [
+        (
+            "`id`",
+            pb::Activity {
+                id: Some("a\nb".into()),
+                ..add()
+            },
+        ),
+        (
+            "`channel_id`",
+            pb::Activity {
+                channel_id: Some("te\u{1b}st".into()),
+                ..add()
+            },
+        ),
+        (
+            "`from.id`",
+            pb::Activity {
+                from: Some(pb::ChannelAccount {
+                    id: Some("al\u{0}ice".into()),
+                    ..Default::default()
+                }),
+                ..add()
+            },
+        ),
+    ] {
+        expect_invalid(client.process_turn(request(activity)).await, field);
+    }
+
+    // The server is still up, and nothing above changed the order.
+    let shown = say(&mut client, "c1", "show").await;
+    assert_eq!(texts(&shown), ["Your pizza has: ham."]);
+    assert_eq!(shown.version, 1);
+}
+
+/// Keeps a secret in private conversation state and tells anyone what is in conversation state.
+struct Secrets;
+
+#[async_trait]
+impl Bot for Secrets {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        let text = turn.text().to_owned();
+        if let Some(secret) = text.strip_prefix("secret ") {
+            turn.private_conversation_state()?.set("secret", secret)?;
+            turn.send_text("kept");
+        } else {
+            let shared = serde_json::Value::Object(turn.conversation_state().properties().clone());
+            let private =
+                serde_json::Value::Object(turn.private_conversation_state()?.properties().clone());
+            turn.send_text(format!("shared: {shared} private: {private}"));
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn ids_with_separators_cannot_reach_anyone_elses_state() {
+    let url = support::pg::fresh_database().await;
+    let server =
+        TestServer::start(postgres_config(&url), BotRegistry::new("secrets", Secrets)).await;
+    let mut client = server.client().await;
+    let send =
+        |conversation: &str, user: &str, text: &str| request(message(conversation, user, text));
+
+    let kept = client
+        .process_turn(send("c", "alice", "secret 4711"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(texts(&kept), ["kept"]);
+
+    // Mallory crafts a conversation whose conversation-scope key would, unescaped, be Alice's
+    // private key in `c`; and a user id that would make his private key hers.
+    for (conversation, user) in [
+        ("c/users/alice", "mallory"),
+        ("c", "alice/../alice"),
+        ("c%2Fusers%2Falice", "mallory"),
+    ] {
+        let peek = client
+            .process_turn(send(conversation, user, "peek"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            texts(&peek),
+            ["shared: {} private: {}"],
+            "{conversation} / {user} saw someone else's state"
+        );
+    }
+    let alice = client
+        .process_turn(send("c", "alice", "peek"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(texts(&alice), [r#"shared: {} private: {"secret":"4711"}"#]);
+}

@@ -1,0 +1,118 @@
+//! Shutdown: health turns NOT_SERVING, new turns are refused with UNAVAILABLE, the turns in
+//! flight finish and commit exactly once, then the server stops.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use support::{TestServer, message, postgres_config, texts};
+use tonic::Code;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use turnstile::bots::CounterBot;
+use turnstile::grpc::pb;
+use turnstile::{Bot, BotError, BotRegistry, TurnContext};
+
+/// The counter bot, slow enough to be caught by a shutdown.
+struct SlowCounter;
+
+#[async_trait]
+impl Bot for SlowCounter {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        CounterBot.on_turn(turn).await
+    }
+}
+
+fn turn(id: &str) -> pb::ProcessTurnRequest {
+    pb::ProcessTurnRequest {
+        activity: Some(pb::Activity {
+            id: Some(id.into()),
+            ..message(&format!("conv-{id}"), "alice", "hi")
+        }),
+        bot: String::new(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_flight_turns_finish_once_and_new_ones_are_refused() {
+    let url = support::pg::fresh_database().await;
+    let server = TestServer::start(
+        postgres_config(&url),
+        BotRegistry::new("counter", SlowCounter),
+    )
+    .await;
+    let client = server.client().await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+
+    let in_flight: Vec<_> = (0..8)
+        .map(|i| {
+            let mut client = client.clone();
+            tokio::spawn(async move { client.process_turn(turn(&format!("t{i}"))).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let stopped = tokio::spawn(server.stop());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let mut health = HealthClient::new(channel);
+    let status = health
+        .check(HealthCheckRequest {
+            service: "turnstile.v1.TurnService".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
+    assert_eq!(
+        status,
+        ServingStatus::NotServing as i32,
+        "probes see the drain"
+    );
+    let refused = client
+        .clone()
+        .process_turn(turn("late"))
+        .await
+        .expect_err("refused");
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    assert!(refused.message().contains("shutting down"), "{refused:?}");
+
+    for call in in_flight {
+        let response = call
+            .await
+            .unwrap()
+            .expect("an in-flight turn finished")
+            .into_inner();
+        assert_eq!(texts(&response), ["count: 1"]);
+    }
+    tokio::time::timeout(Duration::from_secs(10), stopped)
+        .await
+        .expect("the server stopped after the drain")
+        .unwrap()
+        .unwrap();
+
+    // A new replica on the same database: every drained turn committed exactly once, and the
+    // refused one never ran.
+    let next = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
+    let mut client = next.client().await;
+    for i in 0..8 {
+        let mut again = turn(&format!("t{i}"));
+        again.bot = "counter".into();
+        let response = client.process_turn(again).await.unwrap().into_inner();
+        assert!(response.replayed, "t{i} committed before the stop");
+        assert_eq!(texts(&response), ["count: 1"]);
+    }
+    let mut late = turn("late");
+    late.bot = "counter".into();
+    let response = client.process_turn(late).await.unwrap().into_inner();
+    assert!(!response.replayed, "the refused turn had not run");
+    assert_eq!(texts(&response), ["count: 1"]);
+}
