@@ -129,3 +129,53 @@ fn a_bad_flag_is_refused_with_a_message() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--max-attempts"), "{err}");
 }
+
+#[tokio::test]
+async fn the_load_generator_drives_the_counter_bot_and_verifies_it() {
+    let port = free_port();
+    let server = turnstile()
+        .env("TURNSTILE_LISTEN", format!("127.0.0.1:{port}"))
+        .spawn()
+        .unwrap();
+    drop(connect(port).await);
+    let bench = tokio::task::spawn_blocking(move || {
+        Command::new(env!("CARGO_BIN_EXE_turnstile-bench"))
+            .args(["--target", &format!("127.0.0.1:{port}")])
+            .args([
+                "--turns",
+                "300",
+                "--concurrency",
+                "8",
+                "--conversations",
+                "20",
+            ])
+            .args(["--hot-share", "0.5", "--prefill", "--json"])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&bench.stdout);
+    assert!(
+        bench.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&bench.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(report["statuses"]["OK"], 300, "{report}");
+    let check = &report["verification"];
+    assert_eq!(
+        check["acknowledged"], 320,
+        "300 turns and 20 prefills: {report}"
+    );
+    assert_eq!(
+        (&check["lost"], &check["doubled"]),
+        (&0.into(), &0.into()),
+        "{report}"
+    );
+    assert!(report["latency_ms"]["p99"].as_f64().unwrap() > 0.0);
+    let (status, log) = tokio::task::spawn_blocking(move || terminate(server))
+        .await
+        .unwrap();
+    assert!(status.success(), "{log}");
+}

@@ -1,6 +1,11 @@
 //! The counter bot: every message adds one to a conversation-scoped counter and replies
 //! `count: N`. The simplest bot on which a lost or doubled turn is visible — the fault tests and
-//! the benchmark use it.
+//! the load generator use it.
+//!
+//! Two extras serve measurement: an `event` activity named `read` replies `count: N` without
+//! counting, so a checker can read the final state through the API; and a message whose `value`
+//! is `{"pad": B}` keeps a B-byte padding property in the state, so a benchmark can choose the
+//! state size it moves per turn.
 
 use async_trait::async_trait;
 
@@ -8,6 +13,9 @@ use crate::activity::types;
 use crate::bot::{Bot, BotError, TurnContext};
 
 const COUNT: &str = "count";
+const PAD: &str = "pad";
+/// Larger padding is refused: the knob is for realistic state sizes, not for filling the store.
+const MAX_PAD_BYTES: usize = 64 * 1024;
 
 /// Counts the messages of each conversation.
 #[derive(Debug, Clone, Copy, Default)]
@@ -16,12 +24,31 @@ pub struct CounterBot;
 #[async_trait]
 impl Bot for CounterBot {
     async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
-        if turn.activity().activity_type.as_deref() != Some(types::MESSAGE) {
+        let activity = turn.activity();
+        if activity.is_type(types::EVENT) && activity.name.as_deref() == Some("read") {
+            let count: u64 = turn.conversation_property(COUNT)?;
+            turn.send_text(format!("count: {count}"));
             return Ok(());
         }
+        if !activity.is_type(types::MESSAGE) {
+            return Ok(());
+        }
+        let pad = activity
+            .value
+            .as_ref()
+            .and_then(|v| v.get("pad"))
+            .and_then(serde_json::Value::as_u64)
+            .map(|b| usize::try_from(b).unwrap_or(usize::MAX).min(MAX_PAD_BYTES));
         let count: u64 = turn.conversation_property(COUNT)?;
         let count = count + 1;
-        turn.conversation_state().set(COUNT, &count)?;
+        let state = turn.conversation_state();
+        state.set(COUNT, &count)?;
+        if let Some(bytes) = pad {
+            let current: Option<String> = state.get(PAD)?;
+            if current.map(|p| p.len()) != Some(bytes) {
+                state.set(PAD, &".".repeat(bytes))?;
+            }
+        }
         turn.send_text(format!("count: {count}"));
         Ok(())
     }

@@ -1,0 +1,531 @@
+//! `turnstile-bench`: a load generator for `TurnService`, like ghz for any gRPC API, plus the check
+//! ghz cannot make — that no acknowledged turn was lost or applied twice.
+//!
+//! It drives the `counter` bot (every message adds one to a conversation counter): each worker
+//! sends messages with unique activity ids to a chosen conversation, behaving like a gateway on
+//! failure (the same activity again, a few times). At the end it reads every conversation's
+//! counter (an `event` named `read`) and compares it with the turns the service acknowledged.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use clap::Parser;
+use rand::Rng as _;
+use serde_json::json;
+use tokio::sync::Mutex;
+use tonic::transport::{Channel, Endpoint};
+use turnstile::grpc::convert::json_to_proto_value;
+use turnstile::grpc::pb;
+use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
+
+/// Load generator for Turnstile's TurnService.
+#[derive(Debug, Parser)]
+#[command(name = "turnstile-bench", version)]
+struct Args {
+    /// Server addresses (host:port), comma-separated or repeated: several addresses are several
+    /// replicas, and turns are spread over them.
+    #[arg(
+        long = "target",
+        value_delimiter = ',',
+        default_value = "127.0.0.1:50051"
+    )]
+    targets: Vec<String>,
+    /// Calls in flight at once.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// HTTP/2 connections per target.
+    #[arg(long, default_value_t = 4)]
+    connections: usize,
+    /// How long to run, in seconds (ignored with --turns).
+    #[arg(long, default_value_t = 10.0)]
+    duration: f64,
+    /// Stop after this many turns instead of after --duration.
+    #[arg(long)]
+    turns: Option<u64>,
+    /// Seconds of load before measuring starts (not counted in the results).
+    #[arg(long, default_value_t = 0.0)]
+    warmup: f64,
+    /// Number of distinct conversations.
+    #[arg(long, default_value_t = 10_000)]
+    conversations: u64,
+    /// Fraction of turns sent to one hot conversation (0 to 1).
+    #[arg(long, default_value_t = 0.0)]
+    hot_share: f64,
+    /// The bot to drive; it must count like `counter` for the check to mean anything.
+    #[arg(long, default_value = "counter")]
+    bot: String,
+    /// Bytes of padding each conversation's state carries.
+    #[arg(long, default_value_t = 1024)]
+    state_bytes: u64,
+    /// Deadline of each call, in seconds.
+    #[arg(long, default_value_t = 10.0)]
+    call_timeout: f64,
+    /// Before measuring, send one turn to every conversation, so that the measured turns update
+    /// existing state (as in a service that has been running) instead of creating it.
+    #[arg(long)]
+    prefill: bool,
+    /// Skip the final check of the counters.
+    #[arg(long)]
+    no_verify: bool,
+    /// Print the results as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// What the workers saw, merged.
+#[derive(Debug, Default)]
+struct Tally {
+    latencies: Vec<Duration>,
+    statuses: BTreeMap<String, u64>,
+    attempts: BTreeMap<u32, u64>,
+    replayed: u64,
+    retries: u64,
+    /// Per conversation: acknowledged turns, and turns never acknowledged.
+    acked: HashMap<u64, u64>,
+    unacked: HashMap<u64, u64>,
+}
+
+impl Tally {
+    fn merge(&mut self, other: Tally) {
+        self.latencies.extend(other.latencies);
+        for (k, v) in other.statuses {
+            *self.statuses.entry(k).or_default() += v;
+        }
+        for (k, v) in other.attempts {
+            *self.attempts.entry(k).or_default() += v;
+        }
+        self.replayed += other.replayed;
+        self.retries += other.retries;
+        for (k, v) in other.acked {
+            *self.acked.entry(k).or_default() += v;
+        }
+        for (k, v) in other.unacked {
+            *self.unacked.entry(k).or_default() += v;
+        }
+    }
+}
+
+/// How many gateway-style retries of one activity before it counts as unacknowledged.
+const RETRIES: u32 = 5;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if !(0.0..=1.0).contains(&args.hot_share) {
+        bail!("--hot-share must be between 0 and 1");
+    }
+    if args.concurrency == 0 || args.conversations == 0 {
+        bail!("--concurrency and --conversations must be at least 1");
+    }
+    let channels = connect(&args).await?;
+    let run = format!("{:08x}", rand::rng().random::<u32>());
+    let next_id = Arc::new(AtomicU64::new(0));
+    let measuring = Arc::new(AtomicBool::new(args.warmup <= 0.0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let budget = Arc::new(AtomicU64::new(args.turns.unwrap_or(u64::MAX)));
+    let args = Arc::new(args);
+
+    let mut prefilled = Tally::default();
+    if args.prefill {
+        prefilled = prefill(&args, &channels, &run, &next_id).await?;
+    }
+
+    let started = Instant::now();
+    let workers: Vec<_> = (0..args.concurrency)
+        .map(|w| {
+            let client = TurnServiceClient::new(channels[w % channels.len()].clone());
+            let ctx = Worker {
+                args: Arc::clone(&args),
+                run: run.clone(),
+                next_id: Arc::clone(&next_id),
+                measuring: Arc::clone(&measuring),
+                stop: Arc::clone(&stop),
+                budget: Arc::clone(&budget),
+            };
+            tokio::spawn(ctx.run(client))
+        })
+        .collect();
+
+    let warmup = Duration::from_secs_f64(args.warmup.max(0.0));
+    if !warmup.is_zero() {
+        tokio::time::sleep(warmup).await;
+        measuring.store(true, Ordering::SeqCst);
+    }
+    let measure_start = Instant::now();
+    if args.turns.is_none() {
+        tokio::time::sleep(Duration::from_secs_f64(args.duration.max(0.0))).await;
+        stop.store(true, Ordering::SeqCst);
+    }
+    let mut tally = Tally::default();
+    tally.acked = prefilled.acked;
+    for worker in workers {
+        tally.merge(worker.await.context("a worker failed")?);
+    }
+    let elapsed = measure_start.elapsed();
+    let total_elapsed = started.elapsed();
+
+    let verification = if args.no_verify {
+        None
+    } else {
+        Some(verify(&args, &channels, &run, &tally).await?)
+    };
+    report(&args, &tally, elapsed, total_elapsed, verification.as_ref())
+}
+
+/// One turn for every conversation, `concurrency` at a time.
+async fn prefill(
+    args: &Arc<Args>,
+    channels: &[Channel],
+    run: &str,
+    next_id: &Arc<AtomicU64>,
+) -> anyhow::Result<Tally> {
+    let queue = Arc::new(Mutex::new((0..args.conversations).collect::<Vec<_>>()));
+    let fillers: Vec<_> = (0..args.concurrency)
+        .map(|w| {
+            let mut client = TurnServiceClient::new(channels[w % channels.len()].clone());
+            let queue = Arc::clone(&queue);
+            let worker = Worker {
+                args: Arc::clone(args),
+                run: run.to_owned(),
+                next_id: Arc::clone(next_id),
+                measuring: Arc::new(AtomicBool::new(false)),
+                stop: Arc::new(AtomicBool::new(false)),
+                budget: Arc::new(AtomicU64::new(0)),
+            };
+            tokio::spawn(async move {
+                let mut acked = HashMap::new();
+                loop {
+                    let Some(conversation) = queue.lock().await.pop() else {
+                        return Ok::<_, anyhow::Error>(acked);
+                    };
+                    let id = worker.next_id.fetch_add(1, Ordering::Relaxed);
+                    client
+                        .process_turn(worker.request(conversation, id))
+                        .await
+                        .with_context(|| format!("prefilling conversation {conversation}"))?;
+                    acked.insert(conversation, 1);
+                }
+            })
+        })
+        .collect();
+    let mut tally = Tally::default();
+    for filler in fillers {
+        tally
+            .acked
+            .extend(filler.await.context("a prefill worker failed")??);
+    }
+    Ok(tally)
+}
+
+async fn connect(args: &Args) -> anyhow::Result<Vec<Channel>> {
+    let mut channels = Vec::new();
+    for target in &args.targets {
+        let uri = if target.contains("://") {
+            target.clone()
+        } else {
+            format!("http://{target}")
+        };
+        for _ in 0..args.connections.max(1) {
+            let channel = Endpoint::from_shared(uri.clone())
+                .with_context(|| format!("bad target {target}"))?
+                .tcp_nodelay(true)
+                .connect()
+                .await
+                .with_context(|| format!("connecting to {target}"))?;
+            channels.push(channel);
+        }
+    }
+    Ok(channels)
+}
+
+struct Worker {
+    args: Arc<Args>,
+    run: String,
+    next_id: Arc<AtomicU64>,
+    measuring: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    budget: Arc<AtomicU64>,
+}
+
+impl Worker {
+    async fn run(self, mut client: TurnServiceClient<Channel>) -> Tally {
+        let mut tally = Tally::default();
+        let timeout = Duration::from_secs_f64(self.args.call_timeout);
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                break;
+            }
+            if self
+                .budget
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |b| b.checked_sub(1))
+                .is_err()
+            {
+                break;
+            }
+            let conversation = self.pick_conversation();
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let request = self.request(conversation, id);
+            let measuring = self.measuring.load(Ordering::Relaxed);
+            let mut acked = false;
+            for attempt in 0..=RETRIES {
+                if attempt > 0 {
+                    tally.retries += 1;
+                    tokio::time::sleep(Duration::from_millis(20 << attempt.min(5))).await;
+                }
+                let mut call = tonic::Request::new(request.clone());
+                call.set_timeout(timeout);
+                let sent = Instant::now();
+                match client.process_turn(call).await {
+                    Ok(response) => {
+                        let response = response.into_inner();
+                        if measuring {
+                            tally.latencies.push(sent.elapsed());
+                            *tally.statuses.entry("OK".into()).or_default() += 1;
+                            *tally.attempts.entry(response.attempts).or_default() += 1;
+                        }
+                        tally.replayed += u64::from(response.replayed);
+                        acked = true;
+                        break;
+                    }
+                    Err(status) => {
+                        if measuring {
+                            *tally
+                                .statuses
+                                .entry(format!("{:?}", status.code()))
+                                .or_default() += 1;
+                        }
+                        if matches!(
+                            status.code(),
+                            tonic::Code::InvalidArgument
+                                | tonic::Code::NotFound
+                                | tonic::Code::Internal
+                        ) {
+                            break;
+                        }
+                    }
+                }
+            }
+            let counts = if acked {
+                &mut tally.acked
+            } else {
+                &mut tally.unacked
+            };
+            *counts.entry(conversation).or_default() += 1;
+        }
+        tally
+    }
+
+    /// Conversation 0 is the hot one; the rest are drawn uniformly.
+    fn pick_conversation(&self) -> u64 {
+        let mut rng = rand::rng();
+        if self.args.hot_share > 0.0 && rng.random_bool(self.args.hot_share) {
+            0
+        } else {
+            rng.random_range(0..self.args.conversations)
+        }
+    }
+
+    fn request(&self, conversation: u64, id: u64) -> pb::ProcessTurnRequest {
+        let mut activity = base_activity(&self.run, conversation);
+        activity.r#type = Some("message".into());
+        activity.id = Some(format!("{}-{id}", self.run));
+        activity.text = Some("count".into());
+        if self.args.state_bytes > 0 {
+            activity.value = Some(json_to_proto_value(json!({ "pad": self.args.state_bytes })));
+        }
+        pb::ProcessTurnRequest {
+            activity: Some(activity),
+            bot: self.args.bot.clone(),
+        }
+    }
+}
+
+fn base_activity(run: &str, conversation: u64) -> pb::Activity {
+    pb::Activity {
+        channel_id: Some("bench".into()),
+        conversation: Some(pb::ConversationAccount {
+            id: Some(format!("{run}-c{conversation}")),
+            ..Default::default()
+        }),
+        from: Some(pb::ChannelAccount {
+            id: Some(format!("user-{conversation}")),
+            ..Default::default()
+        }),
+        recipient: Some(pb::ChannelAccount {
+            id: Some("bot".into()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The outcome of comparing every counter with the acknowledged turns.
+#[derive(Debug, serde::Serialize)]
+struct Verification {
+    conversations: usize,
+    acknowledged: u64,
+    unacknowledged: u64,
+    lost: u64,
+    doubled: u64,
+}
+
+/// Reads every touched conversation's counter. Each acknowledged turn must be counted (else it
+/// was lost), and nothing beyond the acknowledged turns plus those whose fate is unknown (else a
+/// turn was applied twice).
+async fn verify(
+    args: &Args,
+    channels: &[Channel],
+    run: &str,
+    tally: &Tally,
+) -> anyhow::Result<Verification> {
+    let touched: Vec<u64> = tally
+        .acked
+        .keys()
+        .chain(tally.unacked.keys())
+        .copied()
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let problems = Arc::new(Mutex::new((0u64, 0u64)));
+    let queue = Arc::new(Mutex::new(touched.clone()));
+    let readers: Vec<_> = (0..args.concurrency.min(64))
+        .map(|r| {
+            let mut client = TurnServiceClient::new(channels[r % channels.len()].clone());
+            let queue = Arc::clone(&queue);
+            let problems = Arc::clone(&problems);
+            let run = run.to_owned();
+            let bot = args.bot.clone();
+            let acked = tally.acked.clone();
+            let unacked = tally.unacked.clone();
+            tokio::spawn(async move {
+                loop {
+                    let Some(conversation) = queue.lock().await.pop() else {
+                        return Ok::<_, anyhow::Error>(());
+                    };
+                    let mut read = base_activity(&run, conversation);
+                    read.r#type = Some("event".into());
+                    read.name = Some("read".into());
+                    let response = client
+                        .process_turn(pb::ProcessTurnRequest {
+                            activity: Some(read),
+                            bot: bot.clone(),
+                        })
+                        .await
+                        .with_context(|| format!("reading conversation {conversation}"))?
+                        .into_inner();
+                    let text = response
+                        .activities
+                        .first()
+                        .and_then(|a| a.text.clone())
+                        .unwrap_or_default();
+                    let count: u64 = text
+                        .strip_prefix("count: ")
+                        .and_then(|n| n.parse().ok())
+                        .with_context(|| format!("unexpected reply {text:?}"))?;
+                    let acked = acked.get(&conversation).copied().unwrap_or(0);
+                    let unknown = unacked.get(&conversation).copied().unwrap_or(0);
+                    let mut p = problems.lock().await;
+                    p.0 += acked.saturating_sub(count);
+                    p.1 += count.saturating_sub(acked + unknown);
+                }
+            })
+        })
+        .collect();
+    for reader in readers {
+        reader.await.context("a reader failed")??;
+    }
+    let (lost, doubled) = *problems.lock().await;
+    Ok(Verification {
+        conversations: touched.len(),
+        acknowledged: tally.acked.values().sum(),
+        unacknowledged: tally.unacked.values().sum(),
+        lost,
+        doubled,
+    })
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1].as_secs_f64() * 1000.0
+}
+
+fn report(
+    args: &Args,
+    tally: &Tally,
+    elapsed: Duration,
+    total_elapsed: Duration,
+    verification: Option<&Verification>,
+) -> anyhow::Result<()> {
+    let mut sorted = tally.latencies.clone();
+    sorted.sort_unstable();
+    let ok = sorted.len() as f64;
+    let throughput = ok / elapsed.as_secs_f64().max(f64::EPSILON);
+    let latency = json!({
+        "p50": percentile(&sorted, 50.0),
+        "p90": percentile(&sorted, 90.0),
+        "p99": percentile(&sorted, 99.0),
+        "p99.9": percentile(&sorted, 99.9),
+        "max": sorted.last().map_or(0.0, |d| d.as_secs_f64() * 1000.0),
+    });
+    if args.json {
+        let out = json!({
+            "targets": args.targets,
+            "concurrency": args.concurrency,
+            "conversations": args.conversations,
+            "hot_share": args.hot_share,
+            "state_bytes": args.state_bytes,
+            "seconds": elapsed.as_secs_f64(),
+            "turns_per_second": throughput,
+            "latency_ms": latency,
+            "statuses": tally.statuses,
+            "attempts": tally.attempts,
+            "retries": tally.retries,
+            "replayed": tally.replayed,
+            "verification": verification,
+        });
+        println!("{out}");
+    } else {
+        println!(
+            "{} turns in {:.2} s ({:.2} s with warm-up): {throughput:.0} turns/s",
+            sorted.len(),
+            elapsed.as_secs_f64(),
+            total_elapsed.as_secs_f64()
+        );
+        println!(
+            "latency ms: p50 {:.2}  p90 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
+            latency["p50"].as_f64().unwrap_or(0.0),
+            latency["p90"].as_f64().unwrap_or(0.0),
+            latency["p99"].as_f64().unwrap_or(0.0),
+            latency["p99.9"].as_f64().unwrap_or(0.0),
+            latency["max"].as_f64().unwrap_or(0.0),
+        );
+        println!("statuses: {:?}", tally.statuses);
+        println!("attempts: {:?}", tally.attempts);
+        println!(
+            "gateway retries: {}, replayed answers: {}",
+            tally.retries, tally.replayed
+        );
+        if let Some(v) = verification {
+            println!(
+                "verified {} conversations: {} acknowledged, {} unacknowledged, {} lost, {} doubled",
+                v.conversations, v.acknowledged, v.unacknowledged, v.lost, v.doubled
+            );
+        }
+    }
+    if let Some(v) = verification {
+        if v.lost > 0 || v.doubled > 0 {
+            bail!(
+                "VERIFICATION FAILED: {} acknowledged turns lost, {} turns applied twice",
+                v.lost,
+                v.doubled
+            );
+        }
+    }
+    Ok(())
+}
