@@ -54,7 +54,9 @@ pub use prompts::{
     Choice, ChoicePrompt, ConfirmPrompt, FoundChoice, ListStyle, NumberPrompt, Prompt,
     PromptOptions, PromptValidatorContext, TextPrompt,
 };
-pub use waterfall::{StepAction, StepFuture, StepResult, WaterfallDialog, WaterfallStep};
+pub use waterfall::{
+    StepAction, StepFuture, StepResult, WaterfallDialog, WaterfallStep, WaterfallStepFn,
+};
 
 use std::collections::HashMap;
 
