@@ -11,6 +11,8 @@
 //! - [`store`] — the versioned store trait and its memory and PostgreSQL implementations.
 //! - [`bot`] — the trait a bot implements and the turn context it works through.
 //! - [`engine`] — the turn loop with buffering, bounded replay and backoff.
+//! - [`dialogs`] — Bot Framework's dialog model: dialog sets and stacks, waterfalls, components,
+//!   prompts.
 //! - [`bots`] — the sample bots the binary hosts.
 //! - [`grpc`] — generated code, wire conversions, status mapping, the `TurnService` handler.
 //! - [`config`] — command-line flags and the configuration `serve` takes.
@@ -20,6 +22,7 @@ pub mod activity;
 pub mod bot;
 pub mod bots;
 pub mod config;
+pub mod dialogs;
 pub mod engine;
 pub mod grpc;
 pub mod server;

@@ -159,8 +159,10 @@ async fn main() -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_secs_f64(args.duration.max(0.0))).await;
         stop.store(true, Ordering::SeqCst);
     }
-    let mut tally = Tally::default();
-    tally.acked = prefilled.acked;
+    let mut tally = Tally {
+        acked: prefilled.acked,
+        ..Tally::default()
+    };
     for worker in workers {
         tally.merge(worker.await.context("a worker failed")?);
     }
