@@ -39,6 +39,8 @@ pub struct Config {
     pub shutdown_grace: Duration,
     /// How long a turn's receipt is kept, so that a redelivery within it is recognized.
     pub receipt_retention: Duration,
+    /// How many keys' last committed state a replica remembers to skip loads (0: none).
+    pub state_cache_entries: usize,
 }
 
 impl Default for Config {
@@ -50,6 +52,7 @@ impl Default for Config {
             limits: Limits::default(),
             shutdown_grace: Duration::from_secs(30),
             receipt_retention: Duration::from_secs(24 * 60 * 60),
+            state_cache_entries: 100_000,
         }
     }
 }
@@ -123,6 +126,10 @@ pub struct ServeArgs {
     #[arg(long, env = "TURNSTILE_RECEIPT_RETENTION_SECS", default_value_t = 24 * 60 * 60,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub receipt_retention_secs: u64,
+    /// Keys whose last committed state this replica remembers, so that a conversation's next
+    /// turn here skips the load (one database round trip instead of two); 0 turns it off.
+    #[arg(long, env = "TURNSTILE_STATE_CACHE_ENTRIES", default_value_t = 100_000)]
+    pub state_cache_entries: usize,
 }
 
 impl ServeArgs {
@@ -151,6 +158,7 @@ impl ServeArgs {
             },
             shutdown_grace: Duration::from_secs(self.shutdown_grace_secs),
             receipt_retention: Duration::from_secs(self.receipt_retention_secs),
+            state_cache_entries: self.state_cache_entries,
         }
     }
 }

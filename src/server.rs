@@ -95,7 +95,8 @@ pub async fn serve_with_store(
 ) -> Result<(), ServeError> {
     let local_addr = listener.local_addr().ok();
     let pruner = tokio::spawn(prune_receipts(Arc::clone(&store), config.receipt_retention));
-    let engine = Engine::new(store, bots, config.retry);
+    let engine =
+        Engine::new(store, bots, config.retry).with_state_cache(config.state_cache_entries);
     let max_message = config
         .limits
         .max_activity_bytes

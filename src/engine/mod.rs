@@ -10,6 +10,7 @@
 //! and stop short of the caller's deadline. Within one replica, turns of the same conversation
 //! queue (see `queue`), so conflicts come only from other replicas.
 
+mod cache;
 mod queue;
 mod receipt;
 mod retry;
@@ -78,6 +79,7 @@ pub struct Engine {
     bots: BotRegistry,
     retry: RetryPolicy,
     queue: Arc<queue::KeyQueue>,
+    cache: Arc<cache::StateCache>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -97,7 +99,16 @@ impl Engine {
             bots,
             retry,
             queue: Arc::new(queue::KeyQueue::new()),
+            cache: Arc::new(cache::StateCache::new(0)),
         }
+    }
+
+    /// The same engine, remembering the last committed state of about `entries` keys so that a
+    /// conversation's next turn on this replica skips the load (see `cache`); 0 turns it off.
+    #[must_use]
+    pub fn with_state_cache(mut self, entries: usize) -> Self {
+        self.cache = Arc::new(cache::StateCache::new(entries));
+        self
     }
 
     /// How many conversations have a turn in flight or queued in this engine.
@@ -147,7 +158,22 @@ impl Engine {
         let result = loop {
             attempt += 1;
             span.record("attempts", attempt);
-            let snapshot = self.store.load(&key_list, receipt_key.as_ref()).await?;
+            // The cache may stand in for the load only when the turn will commit (it has an id,
+            // so its receipt is written), since only the commit can tell a stale guess.
+            let cached = match (&receipt_key, attempt) {
+                (Some(_), 1) => self.cache.snapshot(&key_list),
+                _ => None,
+            };
+            let snapshot = match cached {
+                Some(snapshot) => snapshot,
+                None => {
+                    let snapshot = self.store.load(&key_list, receipt_key.as_ref()).await?;
+                    for key in &key_list {
+                        self.cache.remember(key.clone(), snapshot.get(key).cloned());
+                    }
+                    snapshot
+                }
+            };
             if let Some(receipt) = snapshot.receipt() {
                 // Processed before (or, after an unknown commit outcome, by this very call).
                 break receipt::decode(receipt).map(|mut outcome| {
@@ -184,8 +210,31 @@ impl Engine {
                 // snapshot: nothing to commit.
                 break Ok(outcome);
             }
-            let lost = match self.store.commit(commit).await {
-                Ok(CommitOutcome::Committed(_)) => break Ok(outcome),
+            let written: Vec<(StateKey, crate::activity::JsonMap)> = if self.cache.is_enabled() {
+                commit
+                    .changes()
+                    .iter()
+                    .filter_map(|c| Some((c.key.clone(), c.write.clone()?)))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let result = self.store.commit(commit).await;
+            if !matches!(result, Ok(CommitOutcome::Committed(_))) {
+                self.cache.forget(&key_list);
+            }
+            let lost = match result {
+                Ok(CommitOutcome::Committed(versions)) => {
+                    for (key, state) in written {
+                        match versions.get(&key) {
+                            Some(&version) => self
+                                .cache
+                                .remember(key, Some(crate::store::Versioned { state, version })),
+                            None => self.cache.forget([&key]),
+                        }
+                    }
+                    break Ok(outcome);
+                }
                 Ok(CommitOutcome::Conflict { key }) => {
                     tracing::debug!(attempt, %key, "conflict; replaying the turn");
                     None
@@ -543,6 +592,60 @@ mod tests {
             matches!(result, Err(TurnError::Store(StoreError::Unavailable(_)))),
             "{result:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_stale_cache_costs_a_replay_never_a_wrong_count() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let counter = || {
+            struct Plain;
+            #[async_trait]
+            impl Bot for Plain {
+                async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+                    Counter::default().on_turn(turn).await
+                }
+            }
+            BotRegistry::new("counter", Plain)
+        };
+        // Two replicas over one store, the first with a cache.
+        let cached = Engine::new(Arc::clone(&store), counter(), RetryPolicy::default())
+            .with_state_cache(100);
+        let other = Engine::new(Arc::clone(&store), counter(), RetryPolicy::default());
+        let text = |o: &TurnOutcome| o.activities[0].text.clone().unwrap_or_default();
+
+        let first = cached
+            .run_turn(None, &incoming_with_id("hi", "1"), None)
+            .await
+            .expect("ok");
+        assert_eq!(text(&first), "count: 1");
+        let second = cached
+            .run_turn(None, &incoming_with_id("hi", "2"), None)
+            .await
+            .expect("ok");
+        assert_eq!(
+            (text(&second), second.attempts),
+            ("count: 2".into(), 1),
+            "a cache hit"
+        );
+        let third = other
+            .run_turn(None, &incoming_with_id("hi", "3"), None)
+            .await
+            .expect("ok");
+        assert_eq!(text(&third), "count: 3");
+        // The cached replica still believes in version 2: its guess conflicts, and the replay
+        // on the loaded state counts right.
+        let fourth = cached
+            .run_turn(None, &incoming_with_id("hi", "4"), None)
+            .await
+            .expect("ok");
+        assert_eq!((text(&fourth), fourth.attempts), ("count: 4".into(), 2));
+        // A redelivery served from a cache hit still finds its receipt.
+        let again = cached
+            .run_turn(None, &incoming_with_id("hi", "4"), None)
+            .await
+            .expect("ok");
+        assert!(again.replayed);
+        assert_eq!(text(&again), "count: 4");
     }
 
     #[tokio::test]
