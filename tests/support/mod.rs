@@ -3,6 +3,7 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 pub mod pg;
+pub mod proxy;
 
 use std::net::SocketAddr;
 
