@@ -22,7 +22,9 @@ const READY_WITHIN: Duration = Duration::from_secs(30);
 /// How long a server may take to exit after SIGTERM.
 const STOP_WITHIN: Duration = Duration::from_secs(20);
 
-/// Server processes of the `turnstile` binary, all with the same database.
+/// Server processes of the `turnstile` binary, all with the same database. Its blocking waits use
+/// `block_in_place`, so it needs a multi-thread runtime: the test's other tasks (the load) keep
+/// running meanwhile.
 pub struct Fleet {
     servers: Vec<Server>,
     database_url: String,
