@@ -2,7 +2,11 @@
 //! starts them (on port 0), and builders for requests.
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod check;
+pub mod fleet;
+pub mod load;
 pub mod pg;
+pub mod proxy;
 
 use std::net::SocketAddr;
 
