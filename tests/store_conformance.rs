@@ -536,3 +536,33 @@ async fn an_unreachable_database_is_unavailable_not_a_hang() {
         "{err:?}"
     );
 }
+
+#[tokio::test]
+async fn a_silent_database_is_unavailable_within_a_bound() {
+    // A server that accepts connections and never says a word.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            open.push(socket);
+        }
+    });
+    let url = DatabaseUrl::new(format!("postgres://postgres@127.0.0.1:{port}/silent"));
+    let store = PostgresStore::connect(&url, 2).unwrap();
+    let started = std::time::Instant::now();
+    let err = store
+        .load(&[conversation("a")], None)
+        .await
+        .expect_err("no answer");
+    assert!(
+        matches!(err, turnstile::store::StoreError::Unavailable(_)),
+        "{err:?}"
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(15),
+        "gave up after {:?}",
+        started.elapsed()
+    );
+    held.abort();
+}

@@ -49,6 +49,16 @@ const MIGRATION_LOCK: i64 = 0x7475_726e_7374_696c;
 /// store counts as unavailable.
 const CONNECTION_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long one load or commit may take before the store counts as unavailable. A connection that
+/// goes silent (a partition rather than a reset) would otherwise hold the turn, and its
+/// conversation's queue, for as long as TCP takes to give up. A commit cut short this way has an
+/// unknown outcome, which the engine resolves through the turn's receipt.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The server-side limit on one statement (lock waits included), below [`CALL_TIMEOUT`] so that
+/// the server gives up first and says so.
+const STATEMENT_TIMEOUT: Duration = Duration::from_secs(8);
+
 /// A PostgreSQL connection URL or key-value string, which may hold a password: never printed.
 #[derive(Clone)]
 pub struct DatabaseUrl(String);
@@ -72,6 +82,19 @@ impl DatabaseUrl {
         if config.get_application_name().is_none() {
             config.application_name("turnstile");
         }
+        if config.get_options().is_none() {
+            config.options(format!(
+                "-c statement_timeout={}",
+                STATEMENT_TIMEOUT.as_millis()
+            ));
+        }
+        if config.get_tcp_user_timeout().is_none() {
+            // Unacknowledged data this long means the peer is gone: fail the connection.
+            config.tcp_user_timeout(CALL_TIMEOUT);
+        }
+        config
+            .keepalives(true)
+            .keepalives_idle(Duration::from_secs(10));
         Ok(config)
     }
 }
@@ -171,6 +194,51 @@ impl Store for PostgresStore {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
     ) -> Result<Snapshot, StoreError> {
+        within_call_timeout(self.load_now(keys, receipt)).await
+    }
+
+    #[tracing::instrument(skip_all, fields(keys = commit.changes().len()))]
+    async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
+        within_call_timeout(self.commit_now(&commit)).await
+    }
+
+    #[tracing::instrument(skip_all)]
+    async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
+        let client = self.client().await?;
+        let statement = client.prepare_cached(PRUNE).await.map_err(classify)?;
+        let mut pruned = 0;
+        loop {
+            let deleted = client
+                .execute(&statement, &[&age.as_secs_f64()])
+                .await
+                .map_err(classify)?;
+            pruned += deleted;
+            if deleted < PRUNE_BATCH {
+                return Ok(pruned);
+            }
+        }
+    }
+}
+
+/// Runs one store call, counting the store unavailable when it takes longer than [`CALL_TIMEOUT`].
+async fn within_call_timeout<T>(
+    call: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(CALL_TIMEOUT, call)
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::Unavailable(anyhow!(
+                "no answer from PostgreSQL within {CALL_TIMEOUT:?}"
+            )))
+        })
+}
+
+impl PostgresStore {
+    async fn load_now(
+        &self,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+    ) -> Result<Snapshot, StoreError> {
         let client = self.client().await?;
         let statement = client.prepare_cached(LOAD).await.map_err(classify)?;
         let names: Vec<&str> = keys.iter().map(StateKey::as_str).collect();
@@ -194,8 +262,7 @@ impl Store for PostgresStore {
         Ok(Snapshot::new(states, found_receipt))
     }
 
-    #[tracing::instrument(skip_all, fields(keys = commit.changes().len()))]
-    async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
+    async fn commit_now(&self, commit: &Commit) -> Result<CommitOutcome, StoreError> {
         let changes = commit.changes();
         let keys: Vec<&str> = changes.iter().map(|c| c.key.as_str()).collect();
         let expected = changes
@@ -218,7 +285,7 @@ impl Store for PostgresStore {
             [&keys, &expected, &states, &receipt_key, &receipt];
         let row = match client.query_one(&statement, &params).await {
             Ok(row) => row,
-            Err(e) if is_conflict(&e) => return Ok(conflict_from(&e, &commit)),
+            Err(e) if is_conflict(&e) => return Ok(conflict_from(&e, commit)),
             Err(e) => return Err(classify(e)),
         };
         let conflict_key: Option<String> = row.try_get(0).map_err(unexpected)?;
@@ -243,23 +310,6 @@ impl Store for PostgresStore {
             .collect::<Result<HashMap<_, _>, std::num::TryFromIntError>>()
             .map_err(|e| StoreError::Unexpected(e.into()))?;
         Ok(CommitOutcome::Committed(versions))
-    }
-
-    #[tracing::instrument(skip_all)]
-    async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
-        let client = self.client().await?;
-        let statement = client.prepare_cached(PRUNE).await.map_err(classify)?;
-        let mut pruned = 0;
-        loop {
-            let deleted = client
-                .execute(&statement, &[&age.as_secs_f64()])
-                .await
-                .map_err(classify)?;
-            pruned += deleted;
-            if deleted < PRUNE_BATCH {
-                return Ok(pruned);
-            }
-        }
     }
 }
 
@@ -308,8 +358,9 @@ fn classify(e: tokio_postgres::Error) -> StoreError {
         Some(db) => {
             let code = db.code().code();
             // Class 08: connection exceptions; 57P0x: the server is shutting down or starting;
-            // 53300: too many connections.
-            code.starts_with("08") || code.starts_with("57P") || code == "53300"
+            // 53300: too many connections; 57014: a statement cancelled by statement_timeout
+            // (the database is too slow or a lock is held too long: retry later).
+            code.starts_with("08") || code.starts_with("57P") || code == "53300" || code == "57014"
         }
         // No answer from the server at all: a closed connection, an I/O error, a connect timeout.
         None => {
