@@ -51,11 +51,11 @@ SQL
 cat > "$WORK/turn.sql" <<SQL
 \set k random(1, $KEYS)
 SELECT state, version FROM state WHERE key = 'c' || :k \gset
-UPDATE state SET state = jsonb_set(:'state'::jsonb, '{count}', to_jsonb(:version + 1)), version = version + 1 WHERE key = 'c' || :k AND version = :version;
+UPDATE state SET state = jsonb_set(:state::jsonb, '{count}', to_jsonb(:version + 1)), version = version + 1 WHERE key = 'c' || :k AND version = :version;
 SQL
 cat > "$WORK/hot.sql" <<SQL
 SELECT state, version FROM state WHERE key = 'c1' \gset
-UPDATE state SET state = jsonb_set(:'state'::jsonb, '{count}', to_jsonb(:version + 1)), version = version + 1 WHERE key = 'c1' AND version = :version;
+UPDATE state SET state = jsonb_set(:state::jsonb, '{count}', to_jsonb(:version + 1)), version = version + 1 WHERE key = 'c1' AND version = :version;
 SQL
 
 # pgbench SCRIPT CLIENTS -> "turns/s p99_ms"

@@ -324,9 +324,10 @@ async fn run_bot(
     }
 }
 
-/// What an attempt asks the store to apply: every changed scope written, every other scope
-/// checked, each against the version the attempt read. Checking the unchanged scopes too makes a
-/// turn that wrote one scope on the strength of another replay when that other one moved.
+/// What an attempt asks the store to apply: every changed scope written, and every scope the bot
+/// only read checked, each against the version the attempt read. Checking the read scopes too
+/// makes a turn that wrote one scope on the strength of another replay when that other one moved;
+/// a scope the bot never looked at is left out, so changes there cost this turn nothing.
 fn commit_of(keys: &TurnKeys, scopes: TurnScopes, snapshot: &Snapshot) -> Commit {
     let TurnScopes {
         conversation,
@@ -339,6 +340,7 @@ fn commit_of(keys: &TurnKeys, scopes: TurnScopes, snapshot: &Snapshot) -> Commit
     ]);
     let changes = scoped
         .filter_map(|(key, state)| Some((key?, state?)))
+        .filter(|(_, state)| state.was_used() || state.is_changed())
         .map(|(key, state)| KeyChange {
             key: key.clone(),
             expected: snapshot.precondition(key),

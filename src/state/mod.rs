@@ -9,6 +9,8 @@ mod key;
 
 pub use key::{Scope, StateKey, TurnKeys};
 
+use std::cell::Cell;
+
 use serde::{Serialize, de::DeserializeOwned};
 
 use crate::activity::JsonMap;
@@ -24,11 +26,16 @@ pub struct PropertyError {
 }
 
 /// One scope's state during a turn: named JSON properties, read and written with serde.
+///
+/// It records whether the turn looked at it at all: a scope the bot never read or wrote cannot
+/// have influenced the turn, so its commit need not check that scope's version (and a concurrent
+/// change there need not cost a replay).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScopeState {
     scope: Scope,
     properties: JsonMap,
     loaded: JsonMap,
+    used: Cell<bool>,
 }
 
 impl ScopeState {
@@ -38,6 +45,7 @@ impl ScopeState {
             scope,
             properties: loaded.clone(),
             loaded,
+            used: Cell::new(false),
         }
     }
 
@@ -51,6 +59,7 @@ impl ScopeState {
     /// # Errors
     /// When the stored JSON does not deserialize into `T`.
     pub fn get<T: DeserializeOwned>(&self, name: &str) -> Result<Option<T>, PropertyError> {
+        self.used.set(true);
         self.properties
             .get(name)
             .map(|v| T::deserialize(v).map_err(|e| self.error(name, e)))
@@ -77,6 +86,7 @@ impl ScopeState {
         name: &str,
         value: &T,
     ) -> Result<(), PropertyError> {
+        self.used.set(true);
         let json = serde_json::to_value(value).map_err(|e| self.error(name, e))?;
         self.properties.insert(name.to_owned(), json);
         Ok(())
@@ -84,17 +94,25 @@ impl ScopeState {
 
     /// Removes property `name`; a no-op when it is not set.
     pub fn remove(&mut self, name: &str) {
+        self.used.set(true);
         self.properties.remove(name);
     }
 
     /// Removes every property of this scope.
     pub fn clear(&mut self) {
+        self.used.set(true);
         self.properties.clear();
     }
 
     /// The properties as they stand now.
     pub fn properties(&self) -> &JsonMap {
+        self.used.set(true);
         &self.properties
+    }
+
+    /// Whether the turn read or wrote this scope at all.
+    pub fn was_used(&self) -> bool {
+        self.used.get()
     }
 
     /// Whether the turn changed this scope since it was loaded.
@@ -124,7 +142,9 @@ mod tests {
     fn typed_properties_round_trip_and_track_changes() {
         let mut state = ScopeState::new(Scope::Conversation, JsonMap::new());
         assert!(!state.is_changed());
+        assert!(!state.was_used());
         assert_eq!(state.get::<Vec<String>>("order").expect("readable"), None);
+        assert!(state.was_used(), "a read is a use");
         state
             .set("order", &vec!["ham".to_owned()])
             .expect("writable");
