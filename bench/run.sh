@@ -29,6 +29,7 @@ AS=()
 if [ "$(id -u)" = 0 ]; then chown postgres: "$WORK"; AS=(runuser -u postgres --); fi
 PIDS=()
 cleanup() {
+    [ -n "${KEEP:-}" ] && { echo "kept $WORK port $PORT"; return; }
     for pid in "${PIDS[@]:-}"; do [ -n "$pid" ] && kill "$pid" 2>/dev/null || true; done
     "${AS[@]}" "$PGBIN/pg_ctl" -D "$WORK/data" -m immediate stop >/dev/null 2>&1 || true
     rm -rf "$WORK"

@@ -32,10 +32,10 @@ const LOAD: &str = "SELECT false, key, state, version FROM turnstile_state WHERE
 const COMMIT: &str = "SELECT conflict_key, versions FROM turnstile_commit($1, $2, $3, $4, $5)";
 /// Deletes one batch of old receipts. Small batches keep each delete short, and SKIP LOCKED lets
 /// replicas pruning at the same time share the work instead of queueing on each other.
-const PRUNE: &str = "DELETE FROM turnstile_receipt WHERE key IN ( \
-                       SELECT key FROM turnstile_receipt \
+const PRUNE: &str = "DELETE FROM turnstile_receipt WHERE ctid IN ( \
+                       SELECT ctid FROM turnstile_receipt \
                         WHERE created_at < now() - make_interval(secs => $1) \
-                        ORDER BY created_at LIMIT 1000 FOR UPDATE SKIP LOCKED)";
+                        LIMIT 1000 FOR UPDATE SKIP LOCKED)";
 const PRUNE_BATCH: u64 = 1000;
 
 /// The SQLSTATE `turnstile_commit` raises when a key it was to create appeared concurrently.
