@@ -277,28 +277,16 @@ impl Gateway {
 
 /// The request that delivers `turn`: a message from one user, to the `counter` bot.
 pub fn request_for(turn: &Turn) -> pb::ProcessTurnRequest {
+    let activity = super::message(
+        &conversation_id(turn.conversation),
+        &format!("user-{}", turn.conversation),
+        "hi",
+    );
+    debug_assert_eq!(activity.channel_id.as_deref(), Some(CHANNEL));
     pb::ProcessTurnRequest {
         activity: Some(pb::Activity {
-            r#type: Some("message".into()),
             id: Some(turn.id.clone()),
-            channel_id: Some(CHANNEL.into()),
-            service_url: Some("https://gateway.example/test".into()),
-            conversation: Some(pb::ConversationAccount {
-                id: Some(conversation_id(turn.conversation)),
-                ..Default::default()
-            }),
-            from: Some(pb::ChannelAccount {
-                id: Some(format!("user-{}", turn.conversation)),
-                role: Some("user".into()),
-                ..Default::default()
-            }),
-            recipient: Some(pb::ChannelAccount {
-                id: Some("bot".into()),
-                role: Some("bot".into()),
-                ..Default::default()
-            }),
-            text: Some("hi".into()),
-            ..Default::default()
+            ..activity
         }),
         bot: BOT.into(),
     }
