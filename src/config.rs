@@ -84,6 +84,9 @@ pub struct ServeArgs {
     /// Address to listen on for gRPC.
     #[arg(long, env = "TURNSTILE_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
+    /// Address to serve Prometheus metrics on (plain HTTP, `GET /metrics`); off when unset.
+    #[arg(long, env = "TURNSTILE_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
     /// PostgreSQL connection URL; without it, state is kept in memory (one replica only).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,

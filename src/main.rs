@@ -34,10 +34,21 @@ async fn serve(args: turnstile::config::ServeArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
-    turnstile::serve(
+    let metrics = match args.metrics_listen {
+        Some(address) => Some(
+            tokio::net::TcpListener::bind(address)
+                .await
+                .with_context(|| format!("binding {address} for metrics"))?,
+        ),
+        None => None,
+    };
+    turnstile::server::serve_on(
         args.config(),
         turnstile::bots::samples(),
-        listener,
+        turnstile::server::Listeners {
+            grpc: listener,
+            metrics,
+        },
         shutdown_signal(),
     )
     .await?;

@@ -40,6 +40,27 @@ pub enum ServeError {
     /// The gRPC server failed.
     #[error("the gRPC server failed")]
     Transport(#[from] tonic::transport::Error),
+    /// The metrics recorder could not be installed.
+    #[error(transparent)]
+    Metrics(#[from] crate::telemetry::metrics::MetricsError),
+}
+
+/// The sockets a server answers on.
+#[derive(Debug)]
+pub struct Listeners {
+    /// gRPC: `TurnService`, health and reflection.
+    pub grpc: TcpListener,
+    /// Plain HTTP `GET /metrics` in Prometheus text format; no metrics endpoint when `None`.
+    pub metrics: Option<TcpListener>,
+}
+
+impl From<TcpListener> for Listeners {
+    fn from(grpc: TcpListener) -> Self {
+        Self {
+            grpc,
+            metrics: None,
+        }
+    }
 }
 
 /// Builds the store `config` names, migrating it first when configured to.
@@ -78,8 +99,21 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    serve_on(config, bots, listener.into(), shutdown).await
+}
+
+/// [`serve`] on every socket of `listeners`.
+///
+/// # Errors
+/// [`ServeError`] when the store cannot be opened or the server fails.
+pub async fn serve_on(
+    config: Config,
+    bots: BotRegistry,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
     let store = open_store(&config).await?;
-    serve_with_store(config, store, bots, listener, shutdown).await
+    serve_on_store(config, store, bots, listeners, shutdown).await
 }
 
 /// [`serve`] over a store the caller built.
@@ -93,7 +127,37 @@ pub async fn serve_with_store(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    serve_on_store(config, store, bots, listener.into(), shutdown).await
+}
+
+/// [`serve_on`] over a store the caller built.
+///
+/// # Errors
+/// [`ServeError`] when the metrics recorder cannot be installed or the server fails.
+pub async fn serve_on_store(
+    config: Config,
+    store: Arc<dyn Store>,
+    bots: BotRegistry,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let Listeners {
+        grpc: listener,
+        metrics,
+    } = listeners;
     let local_addr = listener.local_addr().ok();
+    let metrics = match metrics {
+        Some(metrics_listener) => {
+            let handle = crate::telemetry::metrics::recorder()?;
+            tracing::info!(address = ?metrics_listener.local_addr().ok(), "serving /metrics");
+            Some(tokio::spawn(crate::telemetry::metrics::serve(
+                metrics_listener,
+                handle,
+                Arc::clone(&store),
+            )))
+        }
+        None => None,
+    };
     let pruner = tokio::spawn(prune_receipts(Arc::clone(&store), config.receipt_retention));
     let engine =
         Engine::new(store, bots, config.retry).with_state_cache(config.state_cache_entries);
@@ -167,6 +231,9 @@ pub async fn serve_with_store(
         }
     };
     pruner.abort();
+    if let Some(metrics) = metrics {
+        metrics.abort();
+    }
     served?;
     tracing::info!("stopped");
     Ok(())

@@ -28,6 +28,9 @@ use crate::activity::incoming::IncomingActivity;
 use crate::bot::{BotError, BotRegistry, TurnContext, TurnScopes, UnknownBot};
 use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
 use crate::store::{Commit, CommitOutcome, KeyChange, Snapshot, Store, StoreError, Version};
+use crate::telemetry::metrics::{
+    CONFLICTS, REPLAYS_SERVED, STORE_DURATION, TURN_ATTEMPTS, TURN_DURATION, TURNS,
+};
 
 /// A turn that committed (or changed nothing): what to deliver.
 #[derive(Debug, Clone, PartialEq)]
@@ -127,8 +130,38 @@ impl Engine {
     /// # Errors
     /// [`TurnError`]: in every case nothing was committed (but see [`StoreError::Unavailable`]
     /// for a connection lost during a commit) and no activity may be delivered.
-    #[tracing::instrument(name = "turn", skip_all, fields(bot, attempts, outcome))]
+    #[tracing::instrument(name = "turn", skip_all, fields(bot, channel, attempts, outcome))]
     pub async fn run_turn(
+        &self,
+        bot: Option<&str>,
+        incoming: &IncomingActivity,
+        deadline: Option<Instant>,
+    ) -> Result<TurnOutcome, TurnError> {
+        let started = std::time::Instant::now();
+        let result = self.turn(bot, incoming, deadline).await;
+        let outcome = outcome_name(&result);
+        tracing::Span::current().record("outcome", outcome);
+        metrics::counter!(TURNS, "outcome" => outcome).increment(1);
+        metrics::histogram!(TURN_DURATION).record(started.elapsed());
+        let attempts = match &result {
+            Ok(o) if o.replayed => None,
+            Ok(o) => Some(o.attempts),
+            Err(TurnError::Aborted { attempts } | TurnError::DeadlineExceeded { attempts }) => {
+                Some(*attempts)
+            }
+            Err(_) => None,
+        };
+        if let Some(attempts) = attempts.filter(|&a| a > 0) {
+            metrics::histogram!(TURN_ATTEMPTS).record(f64::from(attempts));
+        }
+        if matches!(&result, Ok(o) if o.replayed) {
+            metrics::counter!(REPLAYS_SERVED).increment(1);
+        }
+        result
+    }
+
+    /// [`Engine::run_turn`] without the bookkeeping of its outcome.
+    async fn turn(
         &self,
         bot: Option<&str>,
         incoming: &IncomingActivity,
@@ -136,6 +169,7 @@ impl Engine {
     ) -> Result<TurnOutcome, TurnError> {
         let (bot_name, handler) = self.bots.get(bot)?;
         let span = tracing::Span::current();
+        span.record("channel", incoming.address().channel.as_str());
         span.record("bot", bot_name);
         let keys = TurnKeys::new(bot_name, incoming.address());
         let key_list: Vec<StateKey> = keys.all().map(|(_, k)| k.clone()).collect();
@@ -155,7 +189,7 @@ impl Engine {
 
         let mut attempt = 0;
         let mut outcome_unknown = false;
-        let result = loop {
+        loop {
             attempt += 1;
             span.record("attempts", attempt);
             // The cache may stand in for the load only when the turn will commit (it has an id,
@@ -167,7 +201,10 @@ impl Engine {
             let snapshot = match cached {
                 Some(snapshot) => snapshot,
                 None => {
-                    let snapshot = self.store.load(&key_list, receipt_key.as_ref()).await?;
+                    let loading = std::time::Instant::now();
+                    let loaded = self.store.load(&key_list, receipt_key.as_ref()).await;
+                    metrics::histogram!(STORE_DURATION, "op" => "load").record(loading.elapsed());
+                    let snapshot = loaded?;
                     for key in &key_list {
                         self.cache.remember(key.clone(), snapshot.get(key).cloned());
                     }
@@ -219,7 +256,9 @@ impl Engine {
             } else {
                 Vec::new()
             };
+            let committing = std::time::Instant::now();
             let result = self.store.commit(commit).await;
+            metrics::histogram!(STORE_DURATION, "op" => "commit").record(committing.elapsed());
             if !matches!(result, Ok(CommitOutcome::Committed(_))) {
                 self.cache.forget(&key_list);
             }
@@ -236,6 +275,7 @@ impl Engine {
                     break Ok(outcome);
                 }
                 Ok(CommitOutcome::Conflict { key }) => {
+                    metrics::counter!(CONFLICTS).increment(1);
                     tracing::debug!(attempt, %key, "conflict; replaying the turn");
                     None
                 }
@@ -259,19 +299,20 @@ impl Engine {
                 break Err(TurnError::DeadlineExceeded { attempts: attempt });
             }
             tokio::time::sleep(delay).await;
-        };
-        span.record(
-            "outcome",
-            match &result {
-                Ok(o) if o.replayed => "replayed",
-                Ok(_) => "committed",
-                Err(TurnError::Aborted { .. }) => "aborted",
-                Err(TurnError::DeadlineExceeded { .. }) => "deadline_exceeded",
-                Err(TurnError::Store(StoreError::Unavailable(_))) => "unavailable",
-                Err(_) => "failed",
-            },
-        );
-        result
+        }
+    }
+}
+
+/// A turn's outcome as the `outcome` span field and metric label name it.
+fn outcome_name(result: &Result<TurnOutcome, TurnError>) -> &'static str {
+    match result {
+        Ok(o) if o.replayed => "replayed",
+        Ok(_) => "committed",
+        Err(TurnError::UnknownBot(_)) => "invalid",
+        Err(TurnError::Aborted { .. }) => "aborted",
+        Err(TurnError::DeadlineExceeded { .. }) => "deadline_exceeded",
+        Err(TurnError::Store(StoreError::Unavailable(_))) => "unavailable",
+        Err(_) => "failed",
     }
 }
 

@@ -33,6 +33,15 @@ impl TurnApi {
     }
 }
 
+impl TurnApi {
+    /// The request's activity, parsed, or why it is refused.
+    fn check(&self, activity: Option<pb::Activity>) -> Result<IncomingActivity, Status> {
+        let activity = activity.ok_or_else(|| InvalidActivity::new("activity", "is missing"))?;
+        self.limits.check(&activity)?;
+        Ok(IncomingActivity::parse(Activity::from(activity))?)
+    }
+}
+
 #[tonic::async_trait]
 impl pb::turn_service_server::TurnService for TurnApi {
     #[tracing::instrument(name = "process_turn", skip_all)]
@@ -47,9 +56,10 @@ impl pb::turn_service_server::TurnService for TurnApi {
         };
         let deadline = deadline(&request);
         let pb::ProcessTurnRequest { activity, bot } = request.into_inner();
-        let activity = activity.ok_or_else(|| InvalidActivity::new("activity", "is missing"))?;
-        self.limits.check(&activity)?;
-        let incoming = IncomingActivity::parse(Activity::from(activity))?;
+        let incoming = self.check(activity).inspect_err(|_| {
+            metrics::counter!(crate::telemetry::metrics::TURNS, "outcome" => "invalid")
+                .increment(1);
+        })?;
         // The turn runs on its own task, so that a caller who hangs up (a timed-out gateway)
         // does not cut it short mid-commit: it finishes, its receipt is stored, and the
         // gateway's retry gets the answer.
