@@ -7,13 +7,15 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
-use tonic::transport::Server;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 use tonic_health::ServingStatus;
 
 use crate::bot::BotRegistry;
-use crate::config::{Config, StoreConfig};
+use crate::config::{Config, StoreConfig, TlsFiles};
 use crate::engine::Engine;
+use crate::grpc::auth::{self, Authenticate};
 use crate::grpc::drain::Drain;
 use crate::grpc::pb;
 use crate::grpc::pb::turn_service_server::TurnServiceServer;
@@ -40,6 +42,24 @@ pub enum ServeError {
     /// The gRPC server failed.
     #[error("the gRPC server failed")]
     Transport(#[from] tonic::transport::Error),
+    /// The bearer tokens file could not be read.
+    #[error("reading the auth tokens file {path} failed")]
+    AuthTokens {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A TLS file could not be read.
+    #[error("reading the TLS file {path} failed")]
+    TlsFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// The metrics recorder could not be installed.
     #[error(transparent)]
     Metrics(#[from] crate::telemetry::metrics::MetricsError),
@@ -167,9 +187,13 @@ pub async fn serve_on_store(
         .saturating_mul(2)
         .max(4 << 20);
     let drain = Drain::new();
-    let turns = TurnServiceServer::new(TurnApi::new(engine, config.limits, Arc::clone(&drain)))
-        .max_decoding_message_size(max_message)
-        .max_encoding_message_size(max_message);
+    let authenticate = authenticate(&config)?;
+    let turns = InterceptedService::new(
+        TurnServiceServer::new(TurnApi::new(engine, config.limits, Arc::clone(&drain)))
+            .max_decoding_message_size(max_message)
+            .max_encoding_message_size(max_message),
+        authenticate,
+    );
 
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
@@ -213,7 +237,11 @@ pub async fn serve_on_store(
         }
     };
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let server = Server::builder()
+    let mut builder = Server::builder();
+    if let Some(tls) = &config.tls {
+        builder = builder.tls_config(tls_config(tls)?)?;
+    }
+    let server = builder
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
@@ -237,6 +265,45 @@ pub async fn serve_on_store(
     served?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The rustls configuration `tls` describes: the server's identity and, for mutual TLS, the CA
+/// every client certificate must chain to (a client without one is refused in the handshake).
+fn tls_config(tls: &TlsFiles) -> Result<ServerTlsConfig, ServeError> {
+    let read = |path: &std::path::PathBuf| {
+        std::fs::read(path).map_err(|source| ServeError::TlsFile {
+            path: path.clone(),
+            source,
+        })
+    };
+    let mut config =
+        ServerTlsConfig::new().identity(Identity::from_pem(read(&tls.cert)?, read(&tls.key)?));
+    if let Some(ca) = &tls.client_ca {
+        config = config.client_ca_root(Certificate::from_pem(read(ca)?));
+    }
+    tracing::info!(mutual = tls.client_ca.is_some(), "serving gRPC over TLS");
+    Ok(config)
+}
+
+/// The `TurnService` interceptor for the tokens `config` names (inline and in its file).
+fn authenticate(config: &Config) -> Result<Authenticate, ServeError> {
+    let mut tokens = config.auth_tokens.clone();
+    if let Some(path) = &config.auth_tokens_file {
+        tokens.extend(
+            auth::read_tokens_file(path).map_err(|source| ServeError::AuthTokens {
+                path: path.clone(),
+                source,
+            })?,
+        );
+    }
+    let authenticate = Authenticate::new(tokens);
+    if !authenticate.is_enabled() {
+        tracing::warn!(
+            "no auth tokens configured: any caller that reaches the port may run turns; set \
+             TURNSTILE_AUTH_TOKENS_FILE or TURNSTILE_AUTH_TOKENS to require a bearer token"
+        );
+    }
+    Ok(authenticate)
 }
 
 /// Deletes receipts older than `retention`, a few times per retention period (at most every five
