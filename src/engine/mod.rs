@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 use futures::FutureExt as _;
 use tokio::time::Instant;
+use tracing::Instrument as _;
 
 use crate::activity::Activity;
 use crate::activity::incoming::IncomingActivity;
@@ -192,6 +193,14 @@ impl Engine {
         loop {
             attempt += 1;
             span.record("attempts", attempt);
+            // One span per run of the bot, so that a trace shows what each replay cost and why
+            // it ended; its store calls and the bot run are its children.
+            let attempt_span = tracing::info_span!(
+                "attempt",
+                attempt,
+                outcome = tracing::field::Empty,
+                version = tracing::field::Empty
+            );
             // The cache may stand in for the load only when the turn will commit (it has an id,
             // so its receipt is written), since only the commit can tell a stale guess.
             let cached = match (&receipt_key, attempt) {
@@ -202,9 +211,15 @@ impl Engine {
                 Some(snapshot) => snapshot,
                 None => {
                     let loading = std::time::Instant::now();
-                    let loaded = self.store.load(&key_list, receipt_key.as_ref()).await;
+                    let loaded = self
+                        .store
+                        .load(&key_list, receipt_key.as_ref())
+                        .instrument(attempt_span.clone())
+                        .await;
                     metrics::histogram!(STORE_DURATION, "op" => "load").record(loading.elapsed());
-                    let snapshot = loaded?;
+                    let snapshot = loaded.inspect_err(|_| {
+                        attempt_span.record("outcome", "store_failed");
+                    })?;
                     for key in &key_list {
                         self.cache.remember(key.clone(), snapshot.get(key).cloned());
                     }
@@ -212,6 +227,7 @@ impl Engine {
                 }
             };
             if let Some(receipt) = snapshot.receipt() {
+                attempt_span.record("outcome", "receipt");
                 // Processed before (or, after an unknown commit outcome, by this very call).
                 break receipt::decode(receipt).map(|mut outcome| {
                     // After an unknown outcome, the receipt is most likely this call's own commit.
@@ -230,7 +246,12 @@ impl Engine {
                     .as_ref()
                     .map(|k| scope_state(Scope::PrivateConversation, k, &snapshot)),
             );
-            let (scopes, activities) = run_bot(handler.as_ref(), context).await?;
+            let (scopes, activities) = run_bot(handler.as_ref(), context)
+                .instrument(attempt_span.clone())
+                .await
+                .inspect_err(|_| {
+                    attempt_span.record("outcome", "bot_failed");
+                })?;
 
             let mut commit = commit_of(&keys, scopes, &snapshot);
             let outcome = TurnOutcome {
@@ -245,6 +266,7 @@ impl Engine {
             if !commit.writes_anything() {
                 // A read-only turn of an activity without id, answered from one consistent
                 // snapshot: nothing to commit.
+                attempt_span.record("outcome", "read_only");
                 break Ok(outcome);
             }
             let written: Vec<(StateKey, crate::activity::JsonMap)> = if self.cache.is_enabled() {
@@ -257,7 +279,11 @@ impl Engine {
                 Vec::new()
             };
             let committing = std::time::Instant::now();
-            let result = self.store.commit(commit).await;
+            let result = self
+                .store
+                .commit(commit)
+                .instrument(attempt_span.clone())
+                .await;
             metrics::histogram!(STORE_DURATION, "op" => "commit").record(committing.elapsed());
             if !matches!(result, Ok(CommitOutcome::Committed(_))) {
                 self.cache.forget(&key_list);
@@ -272,10 +298,15 @@ impl Engine {
                             None => self.cache.forget([&key]),
                         }
                     }
+                    attempt_span.record("outcome", "committed");
+                    if let Some(version) = outcome.conversation_version {
+                        attempt_span.record("version", version.get());
+                    }
                     break Ok(outcome);
                 }
                 Ok(CommitOutcome::Conflict { key }) => {
                     metrics::counter!(CONFLICTS).increment(1);
+                    attempt_span.record("outcome", "conflict");
                     tracing::debug!(attempt, %key, "conflict; replaying the turn");
                     None
                 }
@@ -284,9 +315,13 @@ impl Engine {
                 Err(e @ StoreError::Unavailable(_)) if receipt_key.is_some() => {
                     tracing::warn!(attempt, error = %e, "commit outcome unknown; re-reading");
                     outcome_unknown = true;
+                    attempt_span.record("outcome", "commit_unknown");
                     Some(e)
                 }
-                Err(e) => break Err(e.into()),
+                Err(e) => {
+                    attempt_span.record("outcome", "store_failed");
+                    break Err(e.into());
+                }
             };
             if attempt >= max_attempts {
                 break Err(match lost {
@@ -529,6 +564,96 @@ mod tests {
             3,
             "the bot ran once per attempt"
         );
+    }
+
+    /// Records every span's name and fields, as `name field=value`.
+    #[derive(Clone, Default)]
+    struct Spans(Arc<std::sync::Mutex<Vec<String>>>);
+
+    struct Fields<'a>(&'a str, &'a mut Vec<String>);
+
+    impl tracing::field::Visit for Fields<'_> {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            self.1
+                .push(format!("{} {}={value:?}", self.0, field.name()));
+        }
+    }
+
+    impl<S> tracing_subscriber::Layer<S> for Spans
+    where
+        S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    {
+        fn on_new_span(
+            &self,
+            attrs: &tracing::span::Attributes<'_>,
+            _: &tracing::span::Id,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            let mut seen = self
+                .0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            attrs.record(&mut Fields(attrs.metadata().name(), &mut seen));
+        }
+
+        fn on_record(
+            &self,
+            id: &tracing::span::Id,
+            values: &tracing::span::Record<'_>,
+            ctx: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            let name = ctx.span(id).map_or("?", |s| s.name());
+            let mut seen = self
+                .0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            values.record(&mut Fields(name, &mut seen));
+        }
+    }
+
+    #[tokio::test]
+    async fn each_attempt_has_a_span_with_its_outcome_and_no_message_text() {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        let spans = Spans::default();
+        let _default =
+            tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+        let retry = RetryPolicy {
+            max_attempts: 2,
+            base_delay: Duration::from_millis(1),
+            max_delay: Duration::from_millis(1),
+        };
+        let (beaten, _) = engine(AlwaysBeaten(MemoryStore::new()), retry);
+        let _ = beaten.run_turn(None, &incoming("secret words"), None).await;
+        let (winning, _) = engine(MemoryStore::new(), RetryPolicy::default());
+        winning
+            .run_turn(None, &incoming("secret words"), None)
+            .await
+            .expect("an uncontested turn commits");
+
+        let seen = spans.0.lock().expect("no test thread panicked").clone();
+        for expected in [
+            "attempt attempt=1",
+            "attempt attempt=2",
+            "attempt outcome=\"conflict\"",
+            "turn outcome=\"aborted\"",
+            "attempt outcome=\"committed\"",
+            "attempt version=1",
+            "turn outcome=\"committed\"",
+            "turn bot=\"counter\"",
+            "turn channel=\"test\"",
+        ] {
+            assert!(
+                seen.iter().any(|s| s == expected),
+                "no `{expected}` in {seen:#?}"
+            );
+        }
+        assert_eq!(
+            seen.iter()
+                .filter(|s| *s == "attempt outcome=\"conflict\"")
+                .count(),
+            2
+        );
+        assert!(!seen.iter().any(|s| s.contains("secret")), "{seen:#?}");
     }
 
     #[tokio::test]
