@@ -2,11 +2,13 @@
 //! plain [`Config`] that `serve` takes, which tests build directly.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{ArgAction, Args, Parser, Subcommand};
 
 use crate::engine::RetryPolicy;
+use crate::grpc::auth::{self, Token};
 use crate::grpc::limits::Limits;
 use crate::store::postgres::DatabaseUrl;
 
@@ -41,6 +43,25 @@ pub struct Config {
     pub receipt_retention: Duration,
     /// How many keys' last committed state a replica remembers to skip loads (0: none).
     pub state_cache_entries: usize,
+    /// Bearer tokens a `TurnService` caller may present; with none here nor in
+    /// `auth_tokens_file`, calls need no token.
+    pub auth_tokens: Vec<Token>,
+    /// A file of further tokens, one per line, read when the server starts.
+    pub auth_tokens_file: Option<PathBuf>,
+    /// TLS on the gRPC port; plaintext when `None`.
+    pub tls: Option<TlsFiles>,
+}
+
+/// The PEM files TLS is served from, read when the server starts.
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    /// The server's certificate chain.
+    pub cert: PathBuf,
+    /// The server certificate's private key.
+    pub key: PathBuf,
+    /// The CA that client certificates must chain to; when set, a client without such a
+    /// certificate cannot connect (mutual TLS).
+    pub client_ca: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -53,6 +74,9 @@ impl Default for Config {
             shutdown_grace: Duration::from_secs(30),
             receipt_retention: Duration::from_secs(24 * 60 * 60),
             state_cache_entries: 100_000,
+            auth_tokens: Vec::new(),
+            auth_tokens_file: None,
+            tls: None,
         }
     }
 }
@@ -71,6 +95,7 @@ pub struct Cli {
 
 /// The binary's subcommands.
 #[derive(Debug, Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once per process; boxing buys nothing
 pub enum Command {
     /// Serve `TurnService` over gRPC (the default).
     Serve(ServeArgs),
@@ -84,6 +109,9 @@ pub struct ServeArgs {
     /// Address to listen on for gRPC.
     #[arg(long, env = "TURNSTILE_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
+    /// Address to serve Prometheus metrics on (plain HTTP, `GET /metrics`); off when unset.
+    #[arg(long, env = "TURNSTILE_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
     /// PostgreSQL connection URL; without it, state is kept in memory (one replica only).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
@@ -130,6 +158,23 @@ pub struct ServeArgs {
     /// turn here skips the load (one database round trip instead of two); 0 turns it off.
     #[arg(long, env = "TURNSTILE_STATE_CACHE_ENTRIES", default_value_t = 100_000)]
     pub state_cache_entries: usize,
+    /// File of bearer tokens, one per line; when any token is configured, every `TurnService`
+    /// call needs `authorization: Bearer <token>` (health and reflection stay open).
+    #[arg(long, env = "TURNSTILE_AUTH_TOKENS_FILE")]
+    pub auth_tokens_file: Option<PathBuf>,
+    /// Bearer tokens, comma-separated; prefer the environment variable or the file, since
+    /// command lines are visible to other local users.
+    #[arg(long, env = "TURNSTILE_AUTH_TOKENS", hide_env_values = true)]
+    pub auth_tokens: Option<String>,
+    /// PEM certificate chain for TLS on the gRPC port (with `--tls-key`); plaintext without.
+    #[arg(long, env = "TURNSTILE_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `--tls-cert`.
+    #[arg(long, env = "TURNSTILE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA certificate(s) client certificates must chain to: turns on mutual TLS.
+    #[arg(long, env = "TURNSTILE_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
 }
 
 impl ServeArgs {
@@ -159,6 +204,20 @@ impl ServeArgs {
             shutdown_grace: Duration::from_secs(self.shutdown_grace_secs),
             receipt_retention: Duration::from_secs(self.receipt_retention_secs),
             state_cache_entries: self.state_cache_entries,
+            auth_tokens: self
+                .auth_tokens
+                .as_deref()
+                .map(|t| auth::parse_tokens(t, ','))
+                .unwrap_or_default(),
+            auth_tokens_file: self.auth_tokens_file.clone(),
+            tls: match (&self.tls_cert, &self.tls_key) {
+                (Some(cert), Some(key)) => Some(TlsFiles {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                    client_ca: self.tls_client_ca.clone(),
+                }),
+                _ => None,
+            },
         }
     }
 }

@@ -17,6 +17,7 @@
 //! - [`grpc`] — generated code, wire conversions, status mapping, the `TurnService` handler.
 //! - [`config`] — command-line flags and the configuration `serve` takes.
 //! - [`server`] — [`server::serve`], the one way to start the service.
+//! - [`telemetry`] — Prometheus metrics on their own port.
 
 pub mod activity;
 pub mod bot;
@@ -28,6 +29,7 @@ pub mod grpc;
 pub mod server;
 pub mod state;
 pub mod store;
+pub mod telemetry;
 
 pub use bot::{Bot, BotError, BotRegistry, TurnContext};
 pub use config::Config;

@@ -5,20 +5,44 @@ use std::io::IsTerminal as _;
 use anyhow::Context as _;
 use clap::Parser as _;
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
 use turnstile::config::{Cli, Command};
 use turnstile::store::postgres::{self, DatabaseUrl};
+use turnstile::telemetry::traces;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
+        .with_ansi(std::io::stderr().is_terminal());
+    let (otlp, provider) = match std::env::var(traces::OTLP_ENDPOINT_ENV) {
+        Ok(endpoint) if !endpoint.is_empty() => {
+            let (layer, provider) = traces::otlp_layer(&endpoint)
+                .with_context(|| format!("setting up OTLP export to {endpoint}"))?;
+            (Some(layer), Some(provider))
+        }
+        _ => (None, None),
+    };
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(fmt)
+        .with(otlp)
         .init();
 
+    let result = run(cli).await;
+    if let Some(provider) = provider {
+        // Flushes the spans still buffered.
+        if let Err(e) = provider.shutdown() {
+            tracing::warn!(error = %e, "flushing traces failed");
+        }
+    }
+    result
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Some(Command::Migrate(args)) => {
             let applied = postgres::migrate(&DatabaseUrl::new(args.database_url)).await?;
@@ -34,10 +58,21 @@ async fn serve(args: turnstile::config::ServeArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
-    turnstile::serve(
+    let metrics = match args.metrics_listen {
+        Some(address) => Some(
+            tokio::net::TcpListener::bind(address)
+                .await
+                .with_context(|| format!("binding {address} for metrics"))?,
+        ),
+        None => None,
+    };
+    turnstile::server::serve_on(
         args.config(),
         turnstile::bots::samples(),
-        listener,
+        turnstile::server::Listeners {
+            grpc: listener,
+            metrics,
+        },
         shutdown_signal(),
     )
     .await?;

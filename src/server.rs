@@ -7,13 +7,15 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
-use tonic::transport::Server;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 use tonic_health::ServingStatus;
 
 use crate::bot::BotRegistry;
-use crate::config::{Config, StoreConfig};
+use crate::config::{Config, StoreConfig, TlsFiles};
 use crate::engine::Engine;
+use crate::grpc::auth::{self, Authenticate};
 use crate::grpc::drain::Drain;
 use crate::grpc::pb;
 use crate::grpc::pb::turn_service_server::TurnServiceServer;
@@ -40,6 +42,45 @@ pub enum ServeError {
     /// The gRPC server failed.
     #[error("the gRPC server failed")]
     Transport(#[from] tonic::transport::Error),
+    /// The bearer tokens file could not be read.
+    #[error("reading the auth tokens file {path} failed")]
+    AuthTokens {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A TLS file could not be read.
+    #[error("reading the TLS file {path} failed")]
+    TlsFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The metrics recorder could not be installed.
+    #[error(transparent)]
+    Metrics(#[from] crate::telemetry::metrics::MetricsError),
+}
+
+/// The sockets a server answers on.
+#[derive(Debug)]
+pub struct Listeners {
+    /// gRPC: `TurnService`, health and reflection.
+    pub grpc: TcpListener,
+    /// Plain HTTP `GET /metrics` in Prometheus text format; no metrics endpoint when `None`.
+    pub metrics: Option<TcpListener>,
+}
+
+impl From<TcpListener> for Listeners {
+    fn from(grpc: TcpListener) -> Self {
+        Self {
+            grpc,
+            metrics: None,
+        }
+    }
 }
 
 /// Builds the store `config` names, migrating it first when configured to.
@@ -78,8 +119,21 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    serve_on(config, bots, listener.into(), shutdown).await
+}
+
+/// [`serve`] on every socket of `listeners`.
+///
+/// # Errors
+/// [`ServeError`] when the store cannot be opened or the server fails.
+pub async fn serve_on(
+    config: Config,
+    bots: BotRegistry,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
     let store = open_store(&config).await?;
-    serve_with_store(config, store, bots, listener, shutdown).await
+    serve_on_store(config, store, bots, listeners, shutdown).await
 }
 
 /// [`serve`] over a store the caller built.
@@ -93,7 +147,37 @@ pub async fn serve_with_store(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    serve_on_store(config, store, bots, listener.into(), shutdown).await
+}
+
+/// [`serve_on`] over a store the caller built.
+///
+/// # Errors
+/// [`ServeError`] when the metrics recorder cannot be installed or the server fails.
+pub async fn serve_on_store(
+    config: Config,
+    store: Arc<dyn Store>,
+    bots: BotRegistry,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let Listeners {
+        grpc: listener,
+        metrics,
+    } = listeners;
     let local_addr = listener.local_addr().ok();
+    let metrics = match metrics {
+        Some(metrics_listener) => {
+            let handle = crate::telemetry::metrics::recorder()?;
+            tracing::info!(address = ?metrics_listener.local_addr().ok(), "serving /metrics");
+            Some(tokio::spawn(crate::telemetry::metrics::serve(
+                metrics_listener,
+                handle,
+                Arc::clone(&store),
+            )))
+        }
+        None => None,
+    };
     let pruner = tokio::spawn(prune_receipts(Arc::clone(&store), config.receipt_retention));
     let engine =
         Engine::new(store, bots, config.retry).with_state_cache(config.state_cache_entries);
@@ -103,9 +187,13 @@ pub async fn serve_with_store(
         .saturating_mul(2)
         .max(4 << 20);
     let drain = Drain::new();
-    let turns = TurnServiceServer::new(TurnApi::new(engine, config.limits, Arc::clone(&drain)))
-        .max_decoding_message_size(max_message)
-        .max_encoding_message_size(max_message);
+    let authenticate = authenticate(&config)?;
+    let turns = InterceptedService::new(
+        TurnServiceServer::new(TurnApi::new(engine, config.limits, Arc::clone(&drain)))
+            .max_decoding_message_size(max_message)
+            .max_encoding_message_size(max_message),
+        authenticate,
+    );
 
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
@@ -149,7 +237,11 @@ pub async fn serve_with_store(
         }
     };
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let server = Server::builder()
+    let mut builder = Server::builder();
+    if let Some(tls) = &config.tls {
+        builder = builder.tls_config(tls_config(tls)?)?;
+    }
+    let server = builder
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
@@ -167,9 +259,51 @@ pub async fn serve_with_store(
         }
     };
     pruner.abort();
+    if let Some(metrics) = metrics {
+        metrics.abort();
+    }
     served?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The rustls configuration `tls` describes: the server's identity and, for mutual TLS, the CA
+/// every client certificate must chain to (a client without one is refused in the handshake).
+fn tls_config(tls: &TlsFiles) -> Result<ServerTlsConfig, ServeError> {
+    let read = |path: &std::path::PathBuf| {
+        std::fs::read(path).map_err(|source| ServeError::TlsFile {
+            path: path.clone(),
+            source,
+        })
+    };
+    let mut config =
+        ServerTlsConfig::new().identity(Identity::from_pem(read(&tls.cert)?, read(&tls.key)?));
+    if let Some(ca) = &tls.client_ca {
+        config = config.client_ca_root(Certificate::from_pem(read(ca)?));
+    }
+    tracing::info!(mutual = tls.client_ca.is_some(), "serving gRPC over TLS");
+    Ok(config)
+}
+
+/// The `TurnService` interceptor for the tokens `config` names (inline and in its file).
+fn authenticate(config: &Config) -> Result<Authenticate, ServeError> {
+    let mut tokens = config.auth_tokens.clone();
+    if let Some(path) = &config.auth_tokens_file {
+        tokens.extend(
+            auth::read_tokens_file(path).map_err(|source| ServeError::AuthTokens {
+                path: path.clone(),
+                source,
+            })?,
+        );
+    }
+    let authenticate = Authenticate::new(tokens);
+    if !authenticate.is_enabled() {
+        tracing::warn!(
+            "no auth tokens configured: any caller that reaches the port may run turns; set \
+             TURNSTILE_AUTH_TOKENS_FILE or TURNSTILE_AUTH_TOKENS to require a bearer token"
+        );
+    }
+    Ok(authenticate)
 }
 
 /// Deletes receipts older than `retention`, a few times per retention period (at most every five

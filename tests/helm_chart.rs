@@ -331,6 +331,21 @@ fn default_values_render_a_valid_single_replica_server_and_migration_hook() {
     assert_eq!(env_value(server, "TURNSTILE_LISTEN"), "0.0.0.0:50051");
     assert_eq!(env_value(server, "TURNSTILE_MIGRATE_ON_START"), "false");
     assert_eq!(env_value(server, "RUST_LOG"), "info");
+    for off in [
+        "TURNSTILE_METRICS_LISTEN",
+        "TURNSTILE_AUTH_TOKENS_FILE",
+        "TURNSTILE_TLS_CERT",
+        "TURNSTILE_TLS_CLIENT_CA",
+    ] {
+        assert!(
+            !server["env"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|v| v["name"] == off),
+            "{off} set by default"
+        );
+    }
     let secret = &env(server, "DATABASE_URL")["valueFrom"]["secretKeyRef"];
     assert_eq!(secret["name"], "turnstile-database");
     assert_eq!(secret["key"], "database-url");
@@ -416,6 +431,35 @@ fn ci_values_render_every_optional_object() {
         deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"],
         3 + 20 + 7
     );
+    assert_eq!(
+        env_value(server, "TURNSTILE_METRICS_LISTEN"),
+        "0.0.0.0:9090"
+    );
+    assert_eq!(
+        env_value(server, "TURNSTILE_AUTH_TOKENS_FILE"),
+        "/etc/turnstile/auth/tokens"
+    );
+    assert_eq!(
+        env_value(server, "TURNSTILE_TLS_CERT"),
+        "/etc/turnstile/tls/tls.crt"
+    );
+    assert_eq!(
+        env_value(server, "TURNSTILE_TLS_KEY"),
+        "/etc/turnstile/tls/tls.key"
+    );
+    assert_eq!(
+        env_value(server, "TURNSTILE_TLS_CLIENT_CA"),
+        "/etc/turnstile/tls/ca.crt"
+    );
+    // Kubernetes' gRPC probes cannot speak TLS.
+    for probe in ["startupProbe", "livenessProbe", "readinessProbe"] {
+        assert_eq!(server[probe]["tcpSocket"]["port"], 50051, "{probe}");
+    }
+    let mounts = server["volumeMounts"].as_array().unwrap();
+    assert!(mounts.iter().all(|m| m["readOnly"] == true), "{mounts:?}");
+    let volumes = &deployment["spec"]["template"]["spec"]["volumes"];
+    assert_eq!(volumes[0]["secret"]["secretName"], "turnstile-ci-tokens");
+    assert_eq!(volumes[1]["secret"]["secretName"], "turnstile-ci-tls");
 
     let hpa = one(&docs, "HorizontalPodAutoscaler");
     assert_eq!(hpa["apiVersion"], "autoscaling/v2");

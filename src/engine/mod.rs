@@ -22,12 +22,16 @@ use std::sync::Arc;
 
 use futures::FutureExt as _;
 use tokio::time::Instant;
+use tracing::Instrument as _;
 
 use crate::activity::Activity;
 use crate::activity::incoming::IncomingActivity;
 use crate::bot::{BotError, BotRegistry, TurnContext, TurnScopes, UnknownBot};
 use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
 use crate::store::{Commit, CommitOutcome, KeyChange, Snapshot, Store, StoreError, Version};
+use crate::telemetry::metrics::{
+    CONFLICTS, REPLAYS_SERVED, STORE_DURATION, TURN_ATTEMPTS, TURN_DURATION, TURNS,
+};
 
 /// A turn that committed (or changed nothing): what to deliver.
 #[derive(Debug, Clone, PartialEq)]
@@ -127,8 +131,38 @@ impl Engine {
     /// # Errors
     /// [`TurnError`]: in every case nothing was committed (but see [`StoreError::Unavailable`]
     /// for a connection lost during a commit) and no activity may be delivered.
-    #[tracing::instrument(name = "turn", skip_all, fields(bot, attempts, outcome))]
+    #[tracing::instrument(name = "turn", skip_all, fields(bot, channel, attempts, outcome))]
     pub async fn run_turn(
+        &self,
+        bot: Option<&str>,
+        incoming: &IncomingActivity,
+        deadline: Option<Instant>,
+    ) -> Result<TurnOutcome, TurnError> {
+        let started = std::time::Instant::now();
+        let result = self.turn(bot, incoming, deadline).await;
+        let outcome = outcome_name(&result);
+        tracing::Span::current().record("outcome", outcome);
+        metrics::counter!(TURNS, "outcome" => outcome).increment(1);
+        metrics::histogram!(TURN_DURATION).record(started.elapsed());
+        let attempts = match &result {
+            Ok(o) if o.replayed => None,
+            Ok(o) => Some(o.attempts),
+            Err(TurnError::Aborted { attempts } | TurnError::DeadlineExceeded { attempts }) => {
+                Some(*attempts)
+            }
+            Err(_) => None,
+        };
+        if let Some(attempts) = attempts.filter(|&a| a > 0) {
+            metrics::histogram!(TURN_ATTEMPTS).record(f64::from(attempts));
+        }
+        if matches!(&result, Ok(o) if o.replayed) {
+            metrics::counter!(REPLAYS_SERVED).increment(1);
+        }
+        result
+    }
+
+    /// [`Engine::run_turn`] without the bookkeeping of its outcome.
+    async fn turn(
         &self,
         bot: Option<&str>,
         incoming: &IncomingActivity,
@@ -136,6 +170,7 @@ impl Engine {
     ) -> Result<TurnOutcome, TurnError> {
         let (bot_name, handler) = self.bots.get(bot)?;
         let span = tracing::Span::current();
+        span.record("channel", incoming.address().channel.as_str());
         span.record("bot", bot_name);
         let keys = TurnKeys::new(bot_name, incoming.address());
         let key_list: Vec<StateKey> = keys.all().map(|(_, k)| k.clone()).collect();
@@ -155,9 +190,17 @@ impl Engine {
 
         let mut attempt = 0;
         let mut outcome_unknown = false;
-        let result = loop {
+        loop {
             attempt += 1;
             span.record("attempts", attempt);
+            // One span per run of the bot, so that a trace shows what each replay cost and why
+            // it ended; its store calls and the bot run are its children.
+            let attempt_span = tracing::info_span!(
+                "attempt",
+                attempt,
+                outcome = tracing::field::Empty,
+                version = tracing::field::Empty
+            );
             // The cache may stand in for the load only when the turn will commit (it has an id,
             // so its receipt is written), since only the commit can tell a stale guess.
             let cached = match (&receipt_key, attempt) {
@@ -167,7 +210,16 @@ impl Engine {
             let snapshot = match cached {
                 Some(snapshot) => snapshot,
                 None => {
-                    let snapshot = self.store.load(&key_list, receipt_key.as_ref()).await?;
+                    let loading = std::time::Instant::now();
+                    let loaded = self
+                        .store
+                        .load(&key_list, receipt_key.as_ref())
+                        .instrument(attempt_span.clone())
+                        .await;
+                    metrics::histogram!(STORE_DURATION, "op" => "load").record(loading.elapsed());
+                    let snapshot = loaded.inspect_err(|_| {
+                        attempt_span.record("outcome", "store_failed");
+                    })?;
                     for key in &key_list {
                         self.cache.remember(key.clone(), snapshot.get(key).cloned());
                     }
@@ -175,6 +227,7 @@ impl Engine {
                 }
             };
             if let Some(receipt) = snapshot.receipt() {
+                attempt_span.record("outcome", "receipt");
                 // Processed before (or, after an unknown commit outcome, by this very call).
                 break receipt::decode(receipt).map(|mut outcome| {
                     // After an unknown outcome, the receipt is most likely this call's own commit.
@@ -193,7 +246,12 @@ impl Engine {
                     .as_ref()
                     .map(|k| scope_state(Scope::PrivateConversation, k, &snapshot)),
             );
-            let (scopes, activities) = run_bot(handler.as_ref(), context).await?;
+            let (scopes, activities) = run_bot(handler.as_ref(), context)
+                .instrument(attempt_span.clone())
+                .await
+                .inspect_err(|_| {
+                    attempt_span.record("outcome", "bot_failed");
+                })?;
 
             let mut commit = commit_of(&keys, scopes, &snapshot);
             let outcome = TurnOutcome {
@@ -208,6 +266,7 @@ impl Engine {
             if !commit.writes_anything() {
                 // A read-only turn of an activity without id, answered from one consistent
                 // snapshot: nothing to commit.
+                attempt_span.record("outcome", "read_only");
                 break Ok(outcome);
             }
             let written: Vec<(StateKey, crate::activity::JsonMap)> = if self.cache.is_enabled() {
@@ -219,7 +278,13 @@ impl Engine {
             } else {
                 Vec::new()
             };
-            let result = self.store.commit(commit).await;
+            let committing = std::time::Instant::now();
+            let result = self
+                .store
+                .commit(commit)
+                .instrument(attempt_span.clone())
+                .await;
+            metrics::histogram!(STORE_DURATION, "op" => "commit").record(committing.elapsed());
             if !matches!(result, Ok(CommitOutcome::Committed(_))) {
                 self.cache.forget(&key_list);
             }
@@ -233,9 +298,15 @@ impl Engine {
                             None => self.cache.forget([&key]),
                         }
                     }
+                    attempt_span.record("outcome", "committed");
+                    if let Some(version) = outcome.conversation_version {
+                        attempt_span.record("version", version.get());
+                    }
                     break Ok(outcome);
                 }
                 Ok(CommitOutcome::Conflict { key }) => {
+                    metrics::counter!(CONFLICTS).increment(1);
+                    attempt_span.record("outcome", "conflict");
                     tracing::debug!(attempt, %key, "conflict; replaying the turn");
                     None
                 }
@@ -244,9 +315,13 @@ impl Engine {
                 Err(e @ StoreError::Unavailable(_)) if receipt_key.is_some() => {
                     tracing::warn!(attempt, error = %e, "commit outcome unknown; re-reading");
                     outcome_unknown = true;
+                    attempt_span.record("outcome", "commit_unknown");
                     Some(e)
                 }
-                Err(e) => break Err(e.into()),
+                Err(e) => {
+                    attempt_span.record("outcome", "store_failed");
+                    break Err(e.into());
+                }
             };
             if attempt >= max_attempts {
                 break Err(match lost {
@@ -259,19 +334,20 @@ impl Engine {
                 break Err(TurnError::DeadlineExceeded { attempts: attempt });
             }
             tokio::time::sleep(delay).await;
-        };
-        span.record(
-            "outcome",
-            match &result {
-                Ok(o) if o.replayed => "replayed",
-                Ok(_) => "committed",
-                Err(TurnError::Aborted { .. }) => "aborted",
-                Err(TurnError::DeadlineExceeded { .. }) => "deadline_exceeded",
-                Err(TurnError::Store(StoreError::Unavailable(_))) => "unavailable",
-                Err(_) => "failed",
-            },
-        );
-        result
+        }
+    }
+}
+
+/// A turn's outcome as the `outcome` span field and metric label name it.
+fn outcome_name(result: &Result<TurnOutcome, TurnError>) -> &'static str {
+    match result {
+        Ok(o) if o.replayed => "replayed",
+        Ok(_) => "committed",
+        Err(TurnError::UnknownBot(_)) => "invalid",
+        Err(TurnError::Aborted { .. }) => "aborted",
+        Err(TurnError::DeadlineExceeded { .. }) => "deadline_exceeded",
+        Err(TurnError::Store(StoreError::Unavailable(_))) => "unavailable",
+        Err(_) => "failed",
     }
 }
 
@@ -490,6 +566,96 @@ mod tests {
             3,
             "the bot ran once per attempt"
         );
+    }
+
+    /// Records every span's name and fields, as `name field=value`.
+    #[derive(Clone, Default)]
+    struct Spans(Arc<std::sync::Mutex<Vec<String>>>);
+
+    struct Fields<'a>(&'a str, &'a mut Vec<String>);
+
+    impl tracing::field::Visit for Fields<'_> {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            self.1
+                .push(format!("{} {}={value:?}", self.0, field.name()));
+        }
+    }
+
+    impl<S> tracing_subscriber::Layer<S> for Spans
+    where
+        S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    {
+        fn on_new_span(
+            &self,
+            attrs: &tracing::span::Attributes<'_>,
+            _: &tracing::span::Id,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            let mut seen = self
+                .0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            attrs.record(&mut Fields(attrs.metadata().name(), &mut seen));
+        }
+
+        fn on_record(
+            &self,
+            id: &tracing::span::Id,
+            values: &tracing::span::Record<'_>,
+            ctx: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            let name = ctx.span(id).map_or("?", |s| s.name());
+            let mut seen = self
+                .0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            values.record(&mut Fields(name, &mut seen));
+        }
+    }
+
+    #[tokio::test]
+    async fn each_attempt_has_a_span_with_its_outcome_and_no_message_text() {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        let spans = Spans::default();
+        let _default =
+            tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+        let retry = RetryPolicy {
+            max_attempts: 2,
+            base_delay: Duration::from_millis(1),
+            max_delay: Duration::from_millis(1),
+        };
+        let (beaten, _) = engine(AlwaysBeaten(MemoryStore::new()), retry);
+        let _ = beaten.run_turn(None, &incoming("secret words"), None).await;
+        let (winning, _) = engine(MemoryStore::new(), RetryPolicy::default());
+        winning
+            .run_turn(None, &incoming("secret words"), None)
+            .await
+            .expect("an uncontested turn commits");
+
+        let seen = spans.0.lock().expect("no test thread panicked").clone();
+        for expected in [
+            "attempt attempt=1",
+            "attempt attempt=2",
+            "attempt outcome=\"conflict\"",
+            "turn outcome=\"aborted\"",
+            "attempt outcome=\"committed\"",
+            "attempt version=1",
+            "turn outcome=\"committed\"",
+            "turn bot=\"counter\"",
+            "turn channel=\"test\"",
+        ] {
+            assert!(
+                seen.iter().any(|s| s == expected),
+                "no `{expected}` in {seen:#?}"
+            );
+        }
+        assert_eq!(
+            seen.iter()
+                .filter(|s| *s == "attempt outcome=\"conflict\"")
+                .count(),
+            2
+        );
+        assert!(!seen.iter().any(|s| s.contains("secret")), "{seen:#?}");
     }
 
     #[tokio::test]

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use tokio::time::Instant;
 use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
 
 use super::drain::Drain;
 use super::limits::Limits;
@@ -33,10 +34,30 @@ impl TurnApi {
     }
 }
 
+impl TurnApi {
+    /// The request's activity, parsed, or why it is refused.
+    fn check(&self, activity: Option<pb::Activity>) -> Result<IncomingActivity, Status> {
+        let activity = activity.ok_or_else(|| InvalidActivity::new("activity", "is missing"))?;
+        self.limits.check(&activity)?;
+        Ok(IncomingActivity::parse(Activity::from(activity))?)
+    }
+}
+
 #[tonic::async_trait]
 impl pb::turn_service_server::TurnService for TurnApi {
-    #[tracing::instrument(name = "process_turn", skip_all)]
     async fn process_turn(
+        &self,
+        request: Request<pb::ProcessTurnRequest>,
+    ) -> Result<Response<pb::ProcessTurnResponse>, Status> {
+        // The parent must be set before the span is first entered.
+        let span = tracing::info_span!("process_turn");
+        crate::telemetry::traces::continue_trace(&span, request.metadata());
+        self.process(request).instrument(span).await
+    }
+}
+
+impl TurnApi {
+    async fn process(
         &self,
         request: Request<pb::ProcessTurnRequest>,
     ) -> Result<Response<pb::ProcessTurnResponse>, Status> {
@@ -47,19 +68,23 @@ impl pb::turn_service_server::TurnService for TurnApi {
         };
         let deadline = deadline(&request);
         let pb::ProcessTurnRequest { activity, bot } = request.into_inner();
-        let activity = activity.ok_or_else(|| InvalidActivity::new("activity", "is missing"))?;
-        self.limits.check(&activity)?;
-        let incoming = IncomingActivity::parse(Activity::from(activity))?;
+        let incoming = self.check(activity).inspect_err(|_| {
+            metrics::counter!(crate::telemetry::metrics::TURNS, "outcome" => "invalid")
+                .increment(1);
+        })?;
         // The turn runs on its own task, so that a caller who hangs up (a timed-out gateway)
         // does not cut it short mid-commit: it finishes, its receipt is stored, and the
         // gateway's retry gets the answer.
         let engine = self.engine.clone();
-        let outcome = tokio::spawn(async move {
-            let outcome = engine.run_turn(Some(&bot), &incoming, deadline).await;
-            // Only now, committed or not, has this turn left the drain.
-            drop(in_flight);
-            outcome
-        })
+        let outcome = tokio::spawn(
+            async move {
+                let outcome = engine.run_turn(Some(&bot), &incoming, deadline).await;
+                // Only now, committed or not, has this turn left the drain.
+                drop(in_flight);
+                outcome
+            }
+            .in_current_span(),
+        )
         .await
         .map_err(|e| {
             tracing::error!(error = %e, "turn task failed");

@@ -205,4 +205,20 @@ pub trait Store: Send + Sync + 'static {
     /// # Errors
     /// [`StoreError`] when the store cannot answer.
     async fn prune_receipts(&self, age: std::time::Duration) -> Result<u64, StoreError>;
+
+    /// The connection pool's occupancy, for stores that pool connections.
+    fn pool_status(&self) -> Option<PoolStatus> {
+        None
+    }
+}
+
+/// How a store's connection pool is used right now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolStatus {
+    /// Connections lent to a call.
+    pub in_use: usize,
+    /// Open connections waiting to be lent.
+    pub idle: usize,
+    /// Calls waiting for a connection.
+    pub waiting: usize,
 }

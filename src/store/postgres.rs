@@ -218,6 +218,15 @@ impl Store for PostgresStore {
             }
         }
     }
+
+    fn pool_status(&self) -> Option<super::PoolStatus> {
+        let status = self.pool.status();
+        Some(super::PoolStatus {
+            in_use: status.size.saturating_sub(status.available),
+            idle: status.available,
+            waiting: status.waiting,
+        })
+    }
 }
 
 /// Runs one store call, counting the store unavailable when it takes longer than [`CALL_TIMEOUT`].

@@ -1,0 +1,165 @@
+//! Prometheus metrics on their own HTTP port, apart from gRPC, so that a scraper needs neither
+//! gRPC nor the callers' credentials.
+//!
+//! The engine and the gRPC layer record through the `metrics` facade's macros; this module
+//! installs the one process-wide recorder that collects them and answers `GET /metrics`. A
+//! recorder can be installed only once per process, so every server in a process (tests start
+//! several) shares it. The HTTP side is a deliberately tiny HTTP/1.1 responder: one fixed page,
+//! read-only, no keep-alive, which is all a scraper needs and keeps a web framework out.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::store::Store;
+
+/// Turns by how they ended (`outcome`).
+pub const TURNS: &str = "turnstile_turns_total";
+/// How many times the bot ran for one turn.
+pub const TURN_ATTEMPTS: &str = "turnstile_turn_attempts";
+/// Commits that lost to another replica's and were replayed (or gave up).
+pub const CONFLICTS: &str = "turnstile_conflicts_total";
+/// Wall time of one turn, queueing included.
+pub const TURN_DURATION: &str = "turnstile_turn_duration_seconds";
+/// Wall time of one store call (`op` = `load` | `commit`).
+pub const STORE_DURATION: &str = "turnstile_store_duration_seconds";
+/// Database connections by `state` (`in_use` | `idle` | `waiting`).
+pub const POOL_CONNECTIONS: &str = "turnstile_pool_connections";
+/// Redelivered activities answered from their stored receipt, without running the bot.
+pub const REPLAYS_SERVED: &str = "turnstile_replays_served_total";
+
+/// Latency buckets, in seconds: from a cached turn (sub-millisecond) to the store's call timeout.
+const SECONDS_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+/// Attempt buckets: 1 is the common case; the default limit is 10.
+const ATTEMPT_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 5.0, 10.0, 20.0];
+
+/// How long a scraper gets to send its request line.
+const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// The most request bytes read before answering; a scrape request is a few hundred.
+const MAX_REQUEST: usize = 8 * 1024;
+
+/// Why metrics could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[error("installing the Prometheus metrics recorder failed: {0}")]
+pub struct MetricsError(String);
+
+/// The process-wide Prometheus recorder, installed on first use.
+///
+/// # Errors
+/// [`MetricsError`] when another metrics recorder was installed in this process first.
+pub fn recorder() -> Result<PrometheusHandle, MetricsError> {
+    static HANDLE: OnceLock<Result<PrometheusHandle, String>> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let handle = PrometheusBuilder::new()
+                .set_buckets(SECONDS_BUCKETS)
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Full(TURN_ATTEMPTS.into()), ATTEMPT_BUCKETS)
+                })
+                .and_then(PrometheusBuilder::install_recorder)
+                .map_err(|e| e.to_string())?;
+            describe();
+            Ok(handle)
+        })
+        .clone()
+        .map_err(MetricsError)
+}
+
+fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(TURNS, "Turns by outcome");
+    describe_histogram!(TURN_ATTEMPTS, "How many times the bot ran for one turn");
+    describe_counter!(CONFLICTS, "Commits that lost a race with another replica");
+    describe_histogram!(TURN_DURATION, Unit::Seconds, "Wall time of one turn");
+    describe_histogram!(STORE_DURATION, Unit::Seconds, "Wall time of one store call");
+    describe_gauge!(POOL_CONNECTIONS, "Database connections by state");
+    describe_counter!(
+        REPLAYS_SERVED,
+        "Redelivered activities answered from their receipt"
+    );
+}
+
+/// Answers `GET /metrics` on `listener` with `handle`'s rendering, sampling `store`'s connection
+/// pool first, until the task is dropped.
+pub async fn serve(listener: TcpListener, handle: PrometheusHandle, store: Arc<dyn Store>) {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                // Out of file descriptors, say: back off instead of spinning.
+                tracing::warn!(error = %e, "accepting a metrics connection failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let handle = handle.clone();
+        let store = Arc::clone(&store);
+        tokio::spawn(async move {
+            if let Err(e) = answer(stream, &handle, store.as_ref()).await {
+                tracing::debug!(error = %e, "metrics scrape failed");
+            }
+        });
+    }
+}
+
+async fn answer(
+    mut stream: TcpStream,
+    handle: &PrometheusHandle,
+    store: &dyn Store,
+) -> std::io::Result<()> {
+    let mut request = Vec::with_capacity(512);
+    let mut buf = [0u8; 1024];
+    let read = tokio::time::timeout(READ_TIMEOUT, async {
+        while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < MAX_REQUEST {
+            let n = stream.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            request.extend_from_slice(&buf[..n]);
+        }
+        Ok::<_, std::io::Error>(())
+    })
+    .await;
+    if !matches!(read, Ok(Ok(()))) {
+        return Ok(());
+    }
+    let line = request.split(|&b| b == b'\r').next().unwrap_or_default();
+    let mut parts = line.split(|&b| b == b' ');
+    let (method, path) = (parts.next(), parts.next());
+    let path = path.map(|p| p.split(|&b| b == b'?').next().unwrap_or_default());
+    let (status, body) = match (method, path) {
+        (Some(b"GET"), Some(b"/metrics")) => {
+            sample_pool(store);
+            ("200 OK", handle.render())
+        }
+        (Some(b"GET"), _) => ("404 Not Found", "only /metrics is served here\n".to_owned()),
+        _ => ("405 Method Not Allowed", String::new()),
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await?;
+    stream.write_all(body.as_bytes()).await?;
+    stream.shutdown().await
+}
+
+/// Sets the pool gauges from the store's pool, when it has one.
+fn sample_pool(store: &dyn Store) {
+    if let Some(pool) = store.pool_status() {
+        #[allow(clippy::cast_precision_loss)] // connection counts are far below 2^52
+        for (state, value) in [
+            ("in_use", pool.in_use),
+            ("idle", pool.idle),
+            ("waiting", pool.waiting),
+        ] {
+            metrics::gauge!(POOL_CONNECTIONS, "state" => state).set(value as f64);
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! `/metrics`: a scrape over plain HTTP shows the counters move after turns, a redelivery and a
+//! conflict between two replicas sharing one store.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
+use turnstile::config::Config;
+use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
+use turnstile::server::Listeners;
+use turnstile::store::Store;
+use turnstile::store::memory::MemoryStore;
+
+/// Starts a server over `store` with metrics on a free port; returns its gRPC and metrics
+/// addresses and the sender that stops it.
+async fn start(store: Arc<dyn Store>) -> (SocketAddr, SocketAddr, oneshot::Sender<()>) {
+    let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let metrics = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addrs = (grpc.local_addr().unwrap(), metrics.local_addr().unwrap());
+    let (tx, rx) = oneshot::channel::<()>();
+    tokio::spawn(turnstile::server::serve_on_store(
+        Config::default(),
+        store,
+        turnstile::bots::samples(),
+        Listeners {
+            grpc,
+            metrics: Some(metrics),
+        },
+        async {
+            let _ = rx.await;
+        },
+    ));
+    (addrs.0, addrs.1, tx)
+}
+
+async fn get(addr: SocketAddr, path: &str) -> (String, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: test\r\nAccept: */*\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    (head.lines().next().unwrap().to_owned(), body.to_owned())
+}
+
+/// The value of the sample `name` (with its labels, as rendered), 0 when absent.
+fn value(body: &str, name: &str) -> f64 {
+    body.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+async fn client(addr: SocketAddr) -> TurnServiceClient<Channel> {
+    let endpoint = format!("http://{addr}");
+    for _ in 0..100 {
+        if let Ok(c) = TurnServiceClient::connect(endpoint.clone()).await {
+            return c;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("no server at {endpoint}");
+}
+
+/// One turn of the counter bot, which writes conversation state every turn.
+async fn count(
+    client: &mut TurnServiceClient<Channel>,
+) -> turnstile::grpc::pb::ProcessTurnResponse {
+    let request = turnstile::grpc::pb::ProcessTurnRequest {
+        activity: Some(support::message("metrics-conv", "alice", "count")),
+        bot: "counter".into(),
+    };
+    client.process_turn(request).await.unwrap().into_inner()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scrapes_show_turns_replays_and_conflicts() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let (grpc_a, metrics_a, _stop_a) = start(Arc::clone(&store)).await;
+    let (grpc_b, _, _stop_b) = start(Arc::clone(&store)).await;
+    let (mut a, mut b) = (client(grpc_a).await, client(grpc_b).await);
+
+    let (status, before) = get(metrics_a, "/metrics").await;
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    let committed = r#"turnstile_turns_total{outcome="committed"}"#;
+    let replayed = r#"turnstile_turns_total{outcome="replayed"}"#;
+
+    // A turn on each replica, then one on A whose remembered state B has made stale: its first
+    // commit conflicts and it replays.
+    count(&mut a).await;
+    count(&mut b).await;
+    let third = count(&mut a).await;
+    assert_eq!(third.attempts, 2, "the stale cache should cost one replay");
+    // A redelivery is answered from its receipt.
+    let activity = support::message("metrics-conv", "alice", "again");
+    a.process_turn(support::request(activity.clone()))
+        .await
+        .unwrap();
+    let again = a.process_turn(support::request(activity)).await.unwrap();
+    assert!(again.into_inner().replayed);
+
+    let (_, after) = get(metrics_a, "/metrics").await;
+    let moved = |name: &str| value(&after, name) - value(&before, name);
+    assert!(moved(committed) >= 4.0, "{after}");
+    assert!(moved(replayed) >= 1.0, "{after}");
+    assert!(moved("turnstile_replays_served_total") >= 1.0, "{after}");
+    assert!(moved("turnstile_conflicts_total") >= 1.0, "{after}");
+    assert!(moved("turnstile_turn_attempts_count") >= 4.0, "{after}");
+    assert!(
+        moved("turnstile_turn_duration_seconds_count") >= 5.0,
+        "{after}"
+    );
+    assert!(
+        moved(r#"turnstile_store_duration_seconds_count{op="commit"}"#) >= 5.0,
+        "{after}"
+    );
+    assert!(
+        after.contains("# TYPE turnstile_turn_attempts histogram"),
+        "{after}"
+    );
+    assert!(
+        after.contains(r#"turnstile_turn_attempts_bucket{le="2"}"#),
+        "{after}"
+    );
+
+    let (status, _) = get(metrics_a, "/other").await;
+    assert_eq!(status, "HTTP/1.1 404 Not Found");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_gauges_come_from_postgres() {
+    let url = support::pg::fresh_database().await;
+    let config = support::postgres_config(&url);
+    let store = turnstile::server::open_store(&config).await.unwrap();
+    let (grpc, metrics, _stop) = start(store).await;
+    let mut c = client(grpc).await;
+    support::say(&mut c, "pool-conv", "hello").await;
+    let (_, body) = get(metrics, "/metrics").await;
+    assert!(
+        body.contains(r#"turnstile_pool_connections{state="idle"}"#),
+        "{body}"
+    );
+    assert!(
+        body.contains(r#"turnstile_pool_connections{state="in_use"}"#),
+        "{body}"
+    );
+}

@@ -1,0 +1,164 @@
+//! TLS on the gRPC port, and mutual TLS: certificates made here with rcgen — a CA, a server
+//! certificate for `localhost`, a client certificate from that CA and one from another CA.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+use turnstile::config::{Config, TlsFiles};
+use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
+
+/// A certificate and its key, in PEM.
+struct Pem {
+    cert: String,
+    key: String,
+}
+
+fn new_ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, name);
+    CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
+}
+
+fn leaf(issuer: &CertifiedIssuer<'static, KeyPair>, names: &[&str]) -> Pem {
+    let key = KeyPair::generate().unwrap();
+    let params =
+        CertificateParams::new(names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>()).unwrap();
+    let cert = params.signed_by(&key, issuer).unwrap();
+    Pem {
+        cert: cert.pem(),
+        key: key.serialize_pem(),
+    }
+}
+
+struct Pki {
+    dir: tempfile::TempDir,
+    ca: String,
+    client: Pem,
+    stranger: Pem,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = new_ca("turnstile test CA");
+        let other = new_ca("another CA");
+        let server = leaf(&ca, &["localhost", "127.0.0.1"]);
+        std::fs::write(dir.path().join("ca.pem"), ca.pem()).unwrap();
+        std::fs::write(dir.path().join("server.pem"), &server.cert).unwrap();
+        std::fs::write(dir.path().join("server.key"), &server.key).unwrap();
+        Pki {
+            ca: ca.pem(),
+            client: leaf(&ca, &["gateway"]),
+            stranger: leaf(&other, &["gateway"]),
+            dir,
+        }
+    }
+
+    fn files(&self, mutual: bool) -> TlsFiles {
+        TlsFiles {
+            cert: self.path("server.pem"),
+            key: self.path("server.key"),
+            client_ca: mutual.then(|| self.path("ca.pem")),
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+async fn tls_channel(
+    addr: SocketAddr,
+    ca: &str,
+    identity: Option<&Pem>,
+) -> Result<Channel, tonic::transport::Error> {
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca))
+        .domain_name("localhost");
+    if let Some(id) = identity {
+        tls = tls.identity(Identity::from_pem(&id.cert, &id.key));
+    }
+    Endpoint::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(tls)?
+        .connect()
+        .await
+}
+
+/// Whether a turn over `channel` (or its connection) succeeds.
+async fn turn(channel: Result<Channel, tonic::transport::Error>) -> Result<(), String> {
+    let channel = channel.map_err(|e| format!("connect: {e:?}"))?;
+    TurnServiceClient::new(channel)
+        .process_turn(support::request(support::message("tls", "alice", "hi")))
+        .await
+        .map(|_| ())
+        .map_err(|s| format!("{s:?}"))
+}
+
+async fn start(pki: &Pki, mutual: bool) -> support::TestServer {
+    let config = Config {
+        tls: Some(pki.files(mutual)),
+        ..Config::default()
+    };
+    support::TestServer::start(config, turnstile::bots::samples()).await
+}
+
+#[tokio::test]
+async fn tls_serves_tls_clients_only() {
+    let pki = Pki::new();
+    let server = start(&pki, false).await;
+    let ok = turn(tls_channel(server.addr, &pki.ca, None).await).await;
+    assert!(ok.is_ok(), "{ok:?}");
+
+    let plaintext = Endpoint::from_shared(format!("http://{}", server.addr))
+        .unwrap()
+        .connect()
+        .await;
+    assert!(turn(plaintext).await.is_err());
+}
+
+#[tokio::test]
+async fn mutual_tls_needs_a_client_certificate_from_the_configured_ca() {
+    let pki = Pki::new();
+    let server = start(&pki, true).await;
+
+    let with_client = turn(tls_channel(server.addr, &pki.ca, Some(&pki.client)).await).await;
+    assert!(with_client.is_ok(), "{with_client:?}");
+
+    let without = turn(tls_channel(server.addr, &pki.ca, None).await).await;
+    assert!(
+        without.is_err(),
+        "a client without a certificate got through"
+    );
+
+    let stranger = turn(tls_channel(server.addr, &pki.ca, Some(&pki.stranger)).await).await;
+    assert!(
+        stranger.is_err(),
+        "a certificate from another CA got through"
+    );
+}
+
+#[tokio::test]
+async fn a_missing_key_file_stops_the_start() {
+    let pki = Pki::new();
+    let mut files = pki.files(false);
+    files.key = pki.path("absent.key");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let config = Config {
+        tls: Some(files),
+        ..Config::default()
+    };
+    let result = turnstile::serve(config, turnstile::bots::samples(), listener, async {}).await;
+    assert!(
+        matches!(result, Err(turnstile::server::ServeError::TlsFile { .. })),
+        "{result:?}"
+    );
+}
