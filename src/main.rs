@@ -11,6 +11,10 @@ use turnstile::config::{Cli, Command};
 use turnstile::store::postgres::{self, DatabaseUrl};
 use turnstile::telemetry::traces;
 
+/// mimalloc: glibc malloc took a third of the server's CPU under load (bench/RESULTS.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();

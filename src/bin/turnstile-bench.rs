@@ -111,6 +111,10 @@ impl Tally {
 /// How many gateway-style retries of one activity before it counts as unacknowledged.
 const RETRIES: u32 = 5;
 
+/// mimalloc: glibc malloc took a third of the server's CPU under load (bench/RESULTS.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
