@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # Turnstile's benchmark, anchored on pgbench in the same run on the same machine.
 #
-#   bench/run.sh           every workload (about 6 minutes after the release build)
+#   bench/run.sh           every workload (about 8 minutes after the release build)
 #   bench/run.sh --quick   10,000 conversations at 32 calls only (under two minutes after the build)
+#   bench/run.sh --soak    10 minutes of the 32-call workload, the server's memory sampled every 30 s
+#
+# Two layouts of the machine's cores. "split": PostgreSQL on one half, the clients (pgbench, or the
+# service and its load generator) on the other, as in a deployment where the database has its own
+# machine; this is the one the last line reports. "shared": everything on every core, so that the
+# service and the load generator take CPU from PostgreSQL that pgbench's thin client does not.
 #
 # It starts a throwaway PostgreSQL cluster, measures pgbench running the naive per-turn SQL
 # (SELECT state, version; then UPDATE ... WHERE key = $k AND version = $v) over the same keys,
@@ -11,9 +17,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-QUICK=0
+QUICK=0; SOAK=0
 [ "${1:-}" = "--quick" ] && QUICK=1
-if [ "$QUICK" = 1 ]; then SECS=15; WARMUP=3; else SECS=20; WARMUP=3; fi
+[ "${1:-}" = "--soak" ] && SOAK=1
+if [ "$QUICK" = 1 ]; then SECS=10; WARMUP=2; else SECS=20; WARMUP=3; fi
+[ "$SOAK" = 1 ] && SECS=${SOAK_SECONDS:-600}
 KEYS=10000
 PAD=1024
 
@@ -54,19 +62,77 @@ cat > "$WORK/turn.sql" <<SQL
 SELECT state, version FROM state WHERE key = 'c' || :k \gset
 UPDATE state SET state = jsonb_set(:state::jsonb, '{count}', to_jsonb(:version + 1)), version = version + 1 WHERE key = 'c' || :k AND version = :version;
 SQL
+# The service's own common commit (src/store/postgres.rs, UPDATE_ONE): write the scope over the
+# version it read and insert the turn's receipt, one statement. The service knows the version from
+# its cache; pgbench has no cache, so a subquery reads it in the same statement.
+"${PSQL[@]}" -d anchor <<SQL
+CREATE TABLE receipt (key text PRIMARY KEY, payload jsonb NOT NULL,
+                      created_at timestamptz NOT NULL DEFAULT now());
+CREATE INDEX receipt_created_at ON receipt USING brin (created_at);
+SQL
+cat > "$WORK/own.sql" <<SQL
+\set k random(1, $KEYS)
+WITH written AS (UPDATE state SET state = jsonb_set(state, '{count}', to_jsonb(version + 1)), version = version + 1 WHERE key = 'c' || :k AND version = (SELECT version FROM state WHERE key = 'c' || :k) RETURNING version), receipt AS (INSERT INTO receipt (key, payload) SELECT 'counter/bench/conversations/run-c' || :k || '/activities/' || md5(random()::text), jsonb_build_object('activities', jsonb_build_array(jsonb_build_object('type', 'message', 'text', 'count: ' || version)), 'attempts', 1, 'version', version) FROM written) SELECT version FROM written;
+SQL
 cat > "$WORK/hot.sql" <<SQL
 SELECT state, version FROM state WHERE key = 'c1' \gset
 UPDATE state SET state = jsonb_set(:state::jsonb, '{count}', to_jsonb(:version + 1)), version = version + 1 WHERE key = 'c1' AND version = :version;
 SQL
 
-# pgbench SCRIPT CLIENTS -> "turns/s p99_ms"
+PGPID=$(head -n 1 "$WORK/data/postmaster.pid")
+# CPU clock ticks used so far by process PID and all its descendants (a postmaster's count every
+# backend, the exited ones through its reaped-children times).
+tree_ticks() {
+    python3 - "$1" <<'PY'
+import os, sys
+procs = {}
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        continue
+    procs[int(pid)] = (int(fields[1]), sum(int(f) for f in fields[11:15]))
+children = {}
+for pid, (parent, _) in procs.items():
+    children.setdefault(parent, []).append(pid)
+total, stack = 0, [int(sys.argv[1])]
+while stack:
+    pid = stack.pop()
+    total += procs.get(pid, (0, 0))[1]
+    stack.extend(children.get(pid, []))
+print(total)
+PY
+}
+
+# The layout: which cores PostgreSQL and the clients run on; CLIENT is the prefix of every client.
+NCPU=$(nproc)
+CLIENT=()
+layout() {  # split | shared
+    local db=0-$((NCPU - 1)) pid
+    CLIENT=()
+    if [ "$1" = split ]; then
+        db=0-$((NCPU / 2 - 1))
+        CLIENT=(taskset -c "$((NCPU / 2))-$((NCPU - 1))")
+    fi
+    # New backends inherit the postmaster's affinity; the running ones are moved too.
+    for pid in "$PGPID" $(ps -o pid= --ppid "$PGPID"); do taskset -pc "$db" "$pid" >/dev/null; done
+    LAYOUT=$1
+}
+
+# pgbench SCRIPT CLIENTS -> "turns/s p99_ms pgbench_cpu_us_per_turn postgres_cpu_us_per_turn"
 pgbench_run() {
-    local script=$1 clients=$2 dir
+    local script=$1 clients=$2 dir pg0 pg1
     dir=$(mktemp -d "$WORK/pgbench.XXXX")
-    (cd "$dir" && pgbench -h 127.0.0.1 -p "$PORT" -U postgres -n -M prepared -f "$WORK/$script" \
+    pg0=$(tree_ticks "$PGPID")
+    (cd "$dir" && "${CLIENT[@]}" python3 -c 'import resource, subprocess, sys
+code = subprocess.call(sys.argv[1:])
+r = resource.getrusage(resource.RUSAGE_CHILDREN)
+open("cpu", "w").write(str(r.ru_utime + r.ru_stime))
+sys.exit(code)' pgbench -h 127.0.0.1 -p "$PORT" -U postgres -n -M prepared -f "$WORK/$script" \
         -c "$clients" -j 2 -T "$SECS" -l anchor >/dev/null 2>"$dir/err") \
         || { cat "$dir/err" >&2; exit 1; }
-    python3 - "$dir" "$SECS" <<'PY'
+    pg1=$(tree_ticks "$PGPID")
+    python3 - "$dir" "$SECS" "$pg0" "$pg1" <<'PY'
 import glob, sys
 lat = []
 for f in glob.glob(sys.argv[1] + "/pgbench_log.*"):
@@ -76,7 +142,10 @@ for f in glob.glob(sys.argv[1] + "/pgbench_log.*"):
             lat.append(int(parts[2]) / 1000.0)
 lat.sort()
 p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else 0.0
-print(f"{len(lat) / float(sys.argv[2]):.0f} {p99:.2f}")
+n = max(len(lat), 1)
+client = float(open(sys.argv[1] + "/cpu").read()) * 1e6 / n
+server = (int(sys.argv[4]) - int(sys.argv[3])) / 100 * 1e6 / n
+print(f"{len(lat) / float(sys.argv[2]):.0f} {p99:.2f} {client:.0f} {server:.0f}")
 PY
 }
 
@@ -84,11 +153,13 @@ PY
 start_servers() {  # N -> sets TARGETS
     local n=$1 i port
     TARGETS=""
+    CPU_OF=(--cpu-of "postgres=$PGPID")
     for i in $(seq 1 "$n"); do
         port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-        RUST_LOG=warn "$BIN/turnstile" serve --listen "127.0.0.1:$port" \
+        RUST_LOG=warn "${CLIENT[@]}" "$BIN/turnstile" serve --listen "127.0.0.1:$port" \
             --database-url "postgres://postgres@127.0.0.1:$PORT/service" >>"$WORK/service.log" 2>&1 &
         PIDS+=($!)
+        CPU_OF+=(--cpu-of "server$i=$!")
         TARGETS="${TARGETS:+$TARGETS,}127.0.0.1:$port"
         for _ in $(seq 1 100); do
             (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
@@ -108,8 +179,8 @@ stop_servers() {
 }
 # bench ARGS... -> JSON on stdout
 bench() {
-    "$BIN/turnstile-bench" --target "$TARGETS" --duration "$SECS" --warmup "$WARMUP" \
-        --state-bytes "$PAD" --json "$@"
+    "${CLIENT[@]}" "$BIN/turnstile-bench" --target "$TARGETS" --duration "$SECS" --warmup "$WARMUP" \
+        --state-bytes "$PAD" --json "${CPU_OF[@]}" "$@"
 }
 field() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 
@@ -117,16 +188,23 @@ echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}
 echo "PostgreSQL $("$PGBIN/postgres" --version | awk '{print $3}'), default settings; $KEYS keys, ~$PAD-byte state; ${SECS}s per run"
 echo
 
-uniform() {  # CONCURRENCY
-    local c=$1 anchor tps p99 json stps sp99
-    anchor=$(pgbench_run turn.sql "$c"); tps=${anchor% *}; p99=${anchor#* }
+cpu_of() { echo "$1" | field '", ".join(f"{k} {v:.0f}" for k, v in d["cpu_us_per_turn"].items())'; }
+
+uniform() {  # CONCURRENCY [own] -- "own" also runs pgbench on the service's own commit statement
+    local c=$1 tps p99 client pg otps op99 oclient opg json stps sp99
+    read -r tps p99 client pg <<<"$(pgbench_run turn.sql "$c")"
     start_servers 1
     json=$(bench --conversations "$KEYS" --concurrency "$c" --prefill)
     stop_servers
     stps=$(echo "$json" | field 'round(d["turns_per_second"])')
     sp99=$(echo "$json" | field 'round(d["latency_ms"]["p99"], 2)')
-    echo "$KEYS conversations, $c concurrent: service $stps turns/s p99 $sp99 ms; pgbench $tps turns/s p99 $p99 ms; peak RSS $((PEAK_KB / 1024)) MiB"
+    echo "$KEYS conversations, $c concurrent, $LAYOUT cores: service $stps turns/s p99 $sp99 ms; pgbench $tps turns/s p99 $p99 ms; peak RSS $((PEAK_KB / 1024)) MiB"
     echo "  attempts $(echo "$json" | field 'd["attempts"]'), statuses $(echo "$json" | field 'd["statuses"]'), check $(echo "$json" | field 'd["verification"]')"
+    echo "  CPU µs per turn: service run: $(cpu_of "$json"); pgbench run: pgbench $client, postgres $pg"
+    if [ "${2:-}" = own ]; then
+        read -r otps op99 oclient opg <<<"$(pgbench_run own.sql "$c")"
+        echo "  pgbench running the service's own commit statement: $otps turns/s p99 $op99 ms (CPU µs per turn: pgbench $oclient, postgres $opg); service/that $(python3 -c "print(f'{$stps/$otps:.2f}')")"
+    fi
     LINE=$(python3 -c "print(f'throughput ratio {$stps/$tps:.2f} (service $stps turns/s, pgbench $tps); p99 ratio {$sp99/$p99:.2f} (service $sp99 ms, pgbench $p99 ms)')")
     echo "  $LINE"
 }
@@ -136,18 +214,44 @@ hot() {  # REPLICAS
     start_servers "$n"
     json=$(bench --conversations 1 --hot-share 1 --concurrency 64)
     stop_servers
-    echo "1 hot conversation, 64 concurrent, $n replica(s): $(echo "$json" | field 'round(d["turns_per_second"])') turns/s, p99 $(echo "$json" | field 'round(d["latency_ms"]["p99"], 2)') ms; attempts $(echo "$json" | field 'd["attempts"]'); statuses $(echo "$json" | field 'd["statuses"]'); check $(echo "$json" | field 'd["verification"]')"
+    echo "1 hot conversation, 64 concurrent, $n replica(s), $LAYOUT cores: $(echo "$json" | field 'round(d["turns_per_second"])') turns/s, p99 $(echo "$json" | field 'round(d["latency_ms"]["p99"], 2)') ms; attempts $(echo "$json" | field 'd["attempts"]'); statuses $(echo "$json" | field 'd["statuses"]'); check $(echo "$json" | field 'd["verification"]'); peak RSS $((PEAK_KB / 1024)) MiB"
+    echo "  CPU µs per turn: $(cpu_of "$json")"
 }
 
+[ "$NCPU" -ge 2 ] || { echo "the split layout needs at least 2 cores" >&2; exit 1; }
+if [ "$SOAK" = 1 ]; then
+    layout shared
+    start_servers 1
+    server=${PIDS[0]}
+    (
+        start=$(date +%s)
+        while kill -0 "$server" 2>/dev/null; do
+            echo "$(($(date +%s) - start)) $(awk '/VmRSS/ {print $2}' "/proc/$server/status" 2>/dev/null)"
+            sleep 30
+        done
+    ) >"$WORK/rss" &
+    json=$(bench --conversations "$KEYS" --concurrency 32 --prefill)
+    stop_servers
+    echo "soak: $KEYS conversations, 32 concurrent, $SECS s: $(echo "$json" | field 'round(d["turns_per_second"])') turns/s, p99 $(echo "$json" | field 'round(d["latency_ms"]["p99"], 2)') ms; statuses $(echo "$json" | field 'd["statuses"]'); check $(echo "$json" | field 'd["verification"]')"
+    echo "server resident memory (s: MiB): $(awk 'NF == 2 {printf "%s%d: %.1f", sep, $1, $2 / 1024; sep = ", "}' "$WORK/rss"); peak $((PEAK_KB / 1024)) MiB"
+    exit 0
+fi
 if [ "$QUICK" = 1 ]; then
+    layout shared
+    uniform 32
+    layout split
     uniform 32
     echo "$LINE"
     exit 0
 fi
+layout shared
 uniform 8
-uniform 32
-anchor=$(pgbench_run hot.sql 1)
-echo "pgbench, 1 client on 1 key (one commit per round trip, serialized): ${anchor% *} turns/s, p99 ${anchor#* } ms"
+uniform 32 own
+read -r htps hp99 _ _ <<<"$(pgbench_run hot.sql 1)"
+echo "pgbench, 1 client on 1 key (one commit per round trip, serialized), $LAYOUT cores: $htps turns/s, p99 $hp99 ms"
 hot 1
 hot 3
+layout split
+uniform 8
+uniform 32 own
 echo "$LINE"

@@ -138,6 +138,7 @@ async fn the_load_generator_drives_the_counter_bot_and_verifies_it() {
         .spawn()
         .unwrap();
     drop(connect(port).await);
+    let server_pid = server.id().to_string();
     let bench = tokio::task::spawn_blocking(move || {
         Command::new(env!("CARGO_BIN_EXE_turnstile-bench"))
             .args(["--target", &format!("127.0.0.1:{port}")])
@@ -150,6 +151,7 @@ async fn the_load_generator_drives_the_counter_bot_and_verifies_it() {
                 "20",
             ])
             .args(["--hot-share", "0.5", "--prefill", "--json"])
+            .args(["--cpu-of", &format!("server={server_pid}")])
             .output()
             .unwrap()
     })
@@ -174,6 +176,11 @@ async fn the_load_generator_drives_the_counter_bot_and_verifies_it() {
         "{report}"
     );
     assert!(report["latency_ms"]["p99"].as_f64().unwrap() > 0.0);
+    let cpu = &report["cpu_us_per_turn"];
+    assert!(
+        cpu["server"].as_f64().is_some() && cpu["turnstile-bench"].as_f64().is_some(),
+        "CPU per turn of the server and of the load generator: {report}"
+    );
     let (status, log) = tokio::task::spawn_blocking(move || terminate(server))
         .await
         .unwrap();

@@ -73,6 +73,21 @@ struct Args {
     /// Print the results as one JSON object.
     #[arg(long)]
     json: bool,
+    /// Also report the CPU time per measured turn of process PID and all its descendants, as
+    /// NAME=PID (repeatable; Linux, from /proc). Point it at the server, or at PostgreSQL's
+    /// postmaster to count every backend. The load generator's own is always reported.
+    #[arg(long = "cpu-of", value_name = "NAME=PID", value_parser = parse_cpu_of)]
+    cpu_of: Vec<(String, u32)>,
+}
+
+fn parse_cpu_of(s: &str) -> Result<(String, u32), String> {
+    let (name, pid) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected NAME=PID, got {s:?}"))?;
+    let pid = pid
+        .parse()
+        .map_err(|_| format!("{pid:?} is not a process id"))?;
+    Ok((name.to_owned(), pid))
 }
 
 /// What the workers saw, merged.
@@ -159,6 +174,7 @@ async fn main() -> anyhow::Result<()> {
         measuring.store(true, Ordering::SeqCst);
     }
     let measure_start = Instant::now();
+    let cpu_start = cpu::Usage::now(&args.cpu_of);
     if args.turns.is_none() {
         tokio::time::sleep(Duration::from_secs_f64(args.duration.max(0.0))).await;
         stop.store(true, Ordering::SeqCst);
@@ -172,13 +188,22 @@ async fn main() -> anyhow::Result<()> {
     }
     let elapsed = measure_start.elapsed();
     let total_elapsed = started.elapsed();
+    let measured_calls = tally.statuses.values().sum();
+    let cpu = cpu::Usage::now(&args.cpu_of).per_call_since(&cpu_start, measured_calls);
 
     let verification = if args.no_verify {
         None
     } else {
         Some(verify(&args, &channels, &run, &tally).await?)
     };
-    report(&args, &tally, elapsed, total_elapsed, verification.as_ref())
+    report(
+        &args,
+        &tally,
+        elapsed,
+        total_elapsed,
+        &cpu,
+        verification.as_ref(),
+    )
 }
 
 /// One turn for every conversation, `concurrency` at a time.
@@ -466,6 +491,7 @@ fn report(
     tally: &Tally,
     elapsed: Duration,
     total_elapsed: Duration,
+    cpu: &BTreeMap<String, f64>,
     verification: Option<&Verification>,
 ) -> anyhow::Result<()> {
     let mut sorted = tally.latencies.clone();
@@ -493,6 +519,7 @@ fn report(
             "attempts": tally.attempts,
             "retries": tally.retries,
             "replayed": tally.replayed,
+            "cpu_us_per_turn": cpu,
             "verification": verification,
         });
         println!("{out}");
@@ -517,6 +544,10 @@ fn report(
             "gateway retries: {}, replayed answers: {}",
             tally.retries, tally.replayed
         );
+        if !cpu.is_empty() {
+            let per: Vec<String> = cpu.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();
+            println!("CPU µs per turn: {}", per.join(", "));
+        }
         if let Some(v) = verification {
             println!(
                 "verified {} conversations: {} acknowledged, {} unacknowledged, {} lost, {} doubled",
@@ -534,4 +565,124 @@ fn report(
         }
     }
     Ok(())
+}
+
+/// CPU time of processes, read from Linux's /proc, to tell which process a turn's cost lands in
+/// when the server, PostgreSQL and this load generator share the machine.
+mod cpu {
+    use std::collections::{BTreeMap, HashMap};
+
+    /// /proc reports times in USER_HZ, which Linux fixes at 100 for user space.
+    const TICKS_PER_SECOND: f64 = 100.0;
+    const SELF: &str = "turnstile-bench";
+
+    /// Clock ticks used so far by each named process tree, and by this process.
+    pub(super) struct Usage(BTreeMap<String, u64>);
+
+    impl Usage {
+        pub(super) fn now(trees: &[(String, u32)]) -> Self {
+            let mut usage = BTreeMap::new();
+            let Some(table) = processes() else {
+                return Self(usage);
+            };
+            if let Some(own) = table.get(&std::process::id()) {
+                usage.insert(SELF.to_owned(), own.ticks);
+            }
+            for (name, root) in trees {
+                usage.insert(name.clone(), tree_ticks(&table, *root));
+            }
+            Self(usage)
+        }
+
+        /// Microseconds of CPU per call between `start` and now; empty without /proc.
+        pub(super) fn per_call_since(&self, start: &Usage, calls: u64) -> BTreeMap<String, f64> {
+            self.0
+                .iter()
+                .filter(|_| calls > 0)
+                .map(|(name, &end)| {
+                    let used = end.saturating_sub(start.0.get(name).copied().unwrap_or(end));
+                    (
+                        name.clone(),
+                        used as f64 / TICKS_PER_SECOND * 1e6 / calls as f64,
+                    )
+                })
+                .collect()
+        }
+    }
+
+    struct Process {
+        parent: u32,
+        /// Its own user and system time, plus that of its children it has reaped.
+        ticks: u64,
+    }
+
+    fn processes() -> Option<HashMap<u32, Process>> {
+        let mut table = HashMap::new();
+        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
+                continue;
+            };
+            if let Some(process) = std::fs::read_to_string(entry.path().join("stat"))
+                .ok()
+                .and_then(|stat| parse_stat(&stat))
+            {
+                table.insert(pid, process);
+            }
+        }
+        Some(table)
+    }
+
+    /// Fields after the command name (which may hold spaces): state, ppid, … utime (14th field of
+    /// the line), stime, cutime, cstime.
+    fn parse_stat(stat: &str) -> Option<Process> {
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let field = |i: usize| fields.get(i)?.parse::<u64>().ok();
+        Some(Process {
+            parent: u32::try_from(field(1)?).ok()?,
+            ticks: field(11)? + field(12)? + field(13)? + field(14)?,
+        })
+    }
+
+    fn tree_ticks(table: &HashMap<u32, Process>, root: u32) -> u64 {
+        let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
+        for (&pid, process) in table {
+            children.entry(process.parent).or_default().push(pid);
+        }
+        let mut total = 0;
+        let mut stack = vec![root];
+        while let Some(pid) = stack.pop() {
+            if let Some(process) = table.get(&pid) {
+                total += process.ticks;
+            }
+            stack.extend(children.get(&pid).into_iter().flatten());
+        }
+        total
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn a_stat_line_with_spaces_in_the_name_parses() {
+            let line = "42 (tokio rt) S 7 42 42 0 -1 4194560 100 0 0 0 250 30 5 2 20 0 4 0";
+            let process = parse_stat(line).expect("parses");
+            assert_eq!(process.parent, 7);
+            assert_eq!(process.ticks, 250 + 30 + 5 + 2);
+        }
+
+        #[test]
+        fn this_process_uses_cpu() {
+            let start = Usage::now(&[("me".to_owned(), std::process::id())]);
+            let mut x = 0u64;
+            for i in 0..50_000_000u64 {
+                x = x.wrapping_mul(31).wrapping_add(i);
+            }
+            std::hint::black_box(x);
+            let per =
+                Usage::now(&[("me".to_owned(), std::process::id())]).per_call_since(&start, 1);
+            assert!(per["me"] > 0.0, "{per:?}");
+            assert!(per.contains_key(SELF));
+        }
+    }
 }
