@@ -156,7 +156,8 @@ impl TurnKeys {
 }
 
 fn join(parts: &[&str]) -> String {
-    let mut key = String::new();
+    // Every turn builds its keys: one allocation, and runs copied whole rather than by character.
+    let mut key = String::with_capacity(parts.iter().map(|p| p.len() + 1).sum());
     for (i, part) in parts.iter().enumerate() {
         if i > 0 {
             key.push('/');
@@ -167,13 +168,18 @@ fn join(parts: &[&str]) -> String {
 }
 
 fn escape_into(part: &str, out: &mut String) {
-    for c in part.chars() {
-        match c {
-            '%' => out.push_str("%25"),
-            '/' => out.push_str("%2F"),
-            c => out.push(c),
-        }
+    let mut rest = part;
+    // Both specials are ASCII, so the byte index found is a character boundary.
+    while let Some(at) = rest.bytes().position(|b| b == b'%' || b == b'/') {
+        out.push_str(&rest[..at]);
+        out.push_str(if rest.as_bytes()[at] == b'%' {
+            "%25"
+        } else {
+            "%2F"
+        });
+        rest = &rest[at + 1..];
     }
+    out.push_str(rest);
 }
 
 fn unescape(part: &str) -> String {
