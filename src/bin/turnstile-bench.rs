@@ -7,6 +7,7 @@
 //! counter (an `event` named `read`) and compares it with the turns the service acknowledged.
 
 use std::collections::{BTreeMap, HashMap};
+use std::io::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -494,6 +495,8 @@ fn report(
     cpu: &BTreeMap<String, f64>,
     verification: Option<&Verification>,
 ) -> anyhow::Result<()> {
+    // A closed stdout (the report piped into `head`) ends the run with an error, not a panic.
+    let mut stdout = std::io::stdout().lock();
     let mut sorted = tally.latencies.clone();
     sorted.sort_unstable();
     let ok = sorted.len() as f64;
@@ -522,37 +525,41 @@ fn report(
             "cpu_us_per_turn": cpu,
             "verification": verification,
         });
-        println!("{out}");
+        writeln!(stdout, "{out}")?;
     } else {
-        println!(
+        writeln!(
+            stdout,
             "{} turns in {:.2} s ({:.2} s with warm-up): {throughput:.0} turns/s",
             sorted.len(),
             elapsed.as_secs_f64(),
             total_elapsed.as_secs_f64()
-        );
-        println!(
+        )?;
+        writeln!(
+            stdout,
             "latency ms: p50 {:.2}  p90 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
             latency["p50"].as_f64().unwrap_or(0.0),
             latency["p90"].as_f64().unwrap_or(0.0),
             latency["p99"].as_f64().unwrap_or(0.0),
             latency["p99.9"].as_f64().unwrap_or(0.0),
             latency["max"].as_f64().unwrap_or(0.0),
-        );
-        println!("statuses: {:?}", tally.statuses);
-        println!("attempts: {:?}", tally.attempts);
-        println!(
+        )?;
+        writeln!(stdout, "statuses: {:?}", tally.statuses)?;
+        writeln!(stdout, "attempts: {:?}", tally.attempts)?;
+        writeln!(
+            stdout,
             "gateway retries: {}, replayed answers: {}",
             tally.retries, tally.replayed
-        );
+        )?;
         if !cpu.is_empty() {
             let per: Vec<String> = cpu.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();
-            println!("CPU µs per turn: {}", per.join(", "));
+            writeln!(stdout, "CPU µs per turn: {}", per.join(", "))?;
         }
         if let Some(v) = verification {
-            println!(
+            writeln!(
+                stdout,
                 "verified {} conversations: {} acknowledged, {} unacknowledged, {} lost, {} doubled",
                 v.conversations, v.acknowledged, v.unacknowledged, v.lost, v.doubled
-            );
+            )?;
         }
     }
     if let Some(v) = verification {
