@@ -401,6 +401,21 @@ async fn receipts(store: Arc<dyn Store>) {
     assert_eq!(snapshot.get(&state_key).unwrap().version, Version::FIRST);
     assert_eq!(snapshot.receipt(), Some(&payload));
 
+    // A write that conflicts leaves no receipt behind, whether it updates a key that moved or
+    // creates one that exists: a receipt would answer the activity's redelivery as if committed.
+    let stale = receipt("act-stale");
+    for expected in [Expected::Version(Version::new(7)), Expected::Absent] {
+        let lost = Commit::new(vec![write(&state_key, expected, json!({"count": 9}))])
+            .with_receipt(stale.clone(), json!({"lost": true}));
+        assert_eq!(conflict(store.commit(lost).await.unwrap()), state_key);
+        let snapshot = store
+            .load(std::slice::from_ref(&state_key), Some(&stale))
+            .await
+            .unwrap();
+        assert!(snapshot.receipt().is_none(), "{expected:?}: no receipt");
+        assert_eq!(snapshot.get(&state_key).unwrap().version, Version::FIRST);
+    }
+
     // A receipt alone (a read-only turn) commits too.
     let read_only = Commit::new(vec![check(&state_key, Expected::Version(Version::FIRST))])
         .with_receipt(receipt("act-2"), json!({"activities": []}));
