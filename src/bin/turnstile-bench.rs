@@ -127,7 +127,8 @@ impl Tally {
 /// How many gateway-style retries of one activity before it counts as unacknowledged.
 const RETRIES: u32 = 5;
 
-/// mimalloc: glibc malloc took a third of the server's CPU under load (bench/RESULTS.md).
+/// mimalloc, as in the server (whose profile had glibc malloc at a third of its CPU): the load
+/// generator shares the machine with what it measures, so its own cost matters too.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

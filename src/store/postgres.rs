@@ -31,27 +31,42 @@ const LOAD: &str = "SELECT false, key, state, version FROM turnstile_state WHERE
                     UNION ALL \
                     SELECT true, key, payload, 0 FROM turnstile_receipt WHERE key = $2";
 const COMMIT: &str = "SELECT conflict_key, versions FROM turnstile_commit($1, $2, $3, $4, $5)";
-/// The common commit — one scope written over the version the turn read, and the turn's receipt
-/// — as one plain statement: PL/pgSQL costs the database about a third more per turn
-/// (`bench/RESULTS.md`). The write is the check: no row when the key moved, and then no receipt.
-/// A receipt that exists already (the same activity committed meanwhile) is a unique violation,
-/// which undoes the write with it.
-const UPDATE_ONE: &str = "WITH written AS ( \
-                            UPDATE turnstile_state \
-                               SET state = $2, version = version + 1, updated_at = now() \
-                             WHERE key = $1 AND version = $3 RETURNING version), \
-                          receipt AS ( \
-                            INSERT INTO turnstile_receipt (key, payload) \
-                            SELECT $4::text, $5::jsonb FROM written WHERE $4::text IS NOT NULL) \
-                          SELECT version FROM written";
+/// One written key and the turn's receipt as one plain statement. `$write` is the write: a
+/// data-modifying statement that returns the key's new version, or no row when the key moved. The
+/// receipt (parameters `$receipt_key`, `$receipt`, both NULL for a turn without one) is inserted
+/// only when the write returned a row; one that exists already (the same activity committed
+/// meanwhile) is a unique violation, which undoes the write with it.
+macro_rules! write_one {
+    ($write:literal, $receipt_key:literal, $receipt:literal) => {
+        concat!(
+            "WITH written AS (",
+            $write,
+            "), receipt AS (INSERT INTO turnstile_receipt (key, payload) SELECT ",
+            $receipt_key,
+            "::text, ",
+            $receipt,
+            "::jsonb FROM written WHERE ",
+            $receipt_key,
+            "::text IS NOT NULL) SELECT version FROM written"
+        )
+    };
+}
+/// The common commit — one scope written over the version the turn read, and the receipt — as
+/// one plain statement: PL/pgSQL costs the database about a third more per turn
+/// (`bench/RESULTS.md`). The write is the check.
+const UPDATE_ONE: &str = write_one!(
+    "UPDATE turnstile_state SET state = $2, version = version + 1, updated_at = now() \
+      WHERE key = $1 AND version = $3 RETURNING version",
+    "$4",
+    "$5"
+);
 /// [`UPDATE_ONE`] for a key the turn found absent: created, or no row when it appeared meanwhile.
-const CREATE_ONE: &str = "WITH written AS ( \
-                            INSERT INTO turnstile_state (key, state, version) VALUES ($1, $2, 1) \
-                            ON CONFLICT (key) DO NOTHING RETURNING version), \
-                          receipt AS ( \
-                            INSERT INTO turnstile_receipt (key, payload) \
-                            SELECT $3::text, $4::jsonb FROM written WHERE $3::text IS NOT NULL) \
-                          SELECT version FROM written";
+const CREATE_ONE: &str = write_one!(
+    "INSERT INTO turnstile_state (key, state, version) VALUES ($1, $2, 1) \
+     ON CONFLICT (key) DO NOTHING RETURNING version",
+    "$3",
+    "$4"
+);
 /// The receipt table's primary key: violating it means the activity has committed already.
 const RECEIPT_KEY_CONSTRAINT: &str = "turnstile_receipt_pkey";
 /// Deletes one batch of old receipts. Small batches keep each delete short, and SKIP LOCKED lets
