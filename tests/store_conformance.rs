@@ -581,3 +581,157 @@ async fn a_silent_database_is_unavailable_within_a_bound() {
     );
     held.abort();
 }
+
+/// PostgreSQL's group commit: single-scope commits that arrive together are applied by one
+/// statement, and each still gets its own outcome — a stale version or a key that appeared is
+/// that commit's conflict alone, a receipt is stored only with a write that applied, and a second
+/// commit of a key in the same batch waits for the next one.
+#[tokio::test]
+async fn group_commit_gives_each_commit_its_own_outcome() {
+    let url = DatabaseUrl::new(support::pg::fresh_database().await);
+    postgres::migrate(&url).await.unwrap();
+    // A pool of 4 runs one batch at a time, so commits sent together while it runs queue up.
+    let store = PostgresStore::connect(&url, 4).unwrap();
+    let keys: Vec<StateKey> = (0..10).map(|i| conversation(&format!("g{i}"))).collect();
+    for key in &keys {
+        committed(commit(&store, vec![write(key, Expected::Absent, json!({"n": 1}))]).await);
+    }
+    let before = store.group_commit_stats();
+
+    let single = |key: &StateKey, expected, n: i64, act: Option<&str>| {
+        let commit = Commit::new(vec![write(key, expected, json!({ "n": n }))]);
+        match act {
+            Some(act) => commit.with_receipt(receipt(act), json!({ "act": act })),
+            None => commit,
+        }
+    };
+    let v1 = Expected::Version(Version::FIRST);
+    let fresh: Vec<StateKey> = (0..3).map(|i| conversation(&format!("new{i}"))).collect();
+    let commits = vec![
+        // The first goes alone; the rest queue behind it and go together.
+        single(&keys[9], v1, 2, None),
+        single(&keys[0], v1, 2, Some("a0")),
+        single(&keys[1], v1, 2, Some("a1")),
+        single(&keys[2], v1, 2, None),
+        single(
+            &keys[3],
+            Expected::Version(Version::new(7)),
+            2,
+            Some("stale"),
+        ),
+        single(&keys[4], Expected::Absent, 2, Some("appeared")),
+        single(&fresh[0], Expected::Absent, 1, Some("n0")),
+        single(&fresh[1], Expected::Absent, 1, None),
+        single(&fresh[2], v1, 1, Some("absent")),
+        single(&keys[5], v1, 2, Some("first")),
+        single(&keys[5], v1, 3, Some("second")),
+    ];
+    let outcomes = futures::future::join_all(commits.into_iter().map(|c| store.commit(c))).await;
+    let outcomes: Vec<CommitOutcome> = outcomes.into_iter().map(Result::unwrap).collect();
+
+    let after = store.group_commit_stats();
+    assert!(
+        after.largest >= 8,
+        "the queued commits went together: {before:?} -> {after:?}"
+    );
+    assert_eq!(after.commits - before.commits, 11, "{after:?}");
+
+    let version = |i: usize| committed(outcomes[i].clone());
+    assert_eq!(version(0)[&keys[9]], Version::new(2));
+    assert_eq!(version(1)[&keys[0]], Version::new(2));
+    assert_eq!(version(2)[&keys[1]], Version::new(2));
+    assert_eq!(version(3)[&keys[2]], Version::new(2));
+    assert_eq!(conflict(outcomes[4].clone()), keys[3]);
+    assert_eq!(conflict(outcomes[5].clone()), keys[4]);
+    assert_eq!(version(6)[&fresh[0]], Version::FIRST);
+    assert_eq!(version(7)[&fresh[1]], Version::FIRST);
+    assert_eq!(conflict(outcomes[8].clone()), fresh[2]);
+    assert_eq!(version(9)[&keys[5]], Version::new(2));
+    assert_eq!(
+        conflict(outcomes[10].clone()),
+        keys[5],
+        "the second commit of a key saw the first's version"
+    );
+
+    // State and receipts are exactly those of the commits that applied.
+    for (key, n, version) in [
+        (&keys[0], 2, 2),
+        (&keys[3], 1, 1),
+        (&keys[4], 1, 1),
+        (&keys[5], 2, 2),
+        (&fresh[1], 1, 1),
+    ] {
+        assert_eq!(
+            version_of(&store, key).await,
+            Some((state(json!({ "n": n })), Version::new(version))),
+            "{key}"
+        );
+    }
+    assert_eq!(version_of(&store, &fresh[2]).await, None);
+    for (act, stored) in [
+        ("a0", true),
+        ("a1", true),
+        ("n0", true),
+        ("first", true),
+        ("stale", false),
+        ("appeared", false),
+        ("absent", false),
+        ("second", false),
+    ] {
+        let snapshot = store.load(&[], Some(&receipt(act))).await.unwrap();
+        assert_eq!(
+            snapshot.receipt(),
+            stored.then(|| json!({ "act": act })).as_ref(),
+            "receipt {act}"
+        );
+    }
+}
+
+/// A batch in which one commit's receipt exists already fails as a whole in the database; each
+/// commit is then tried alone, so only that one conflicts (on its receipt) and the rest apply.
+#[tokio::test]
+async fn group_commit_isolates_a_receipt_that_exists() {
+    let url = DatabaseUrl::new(support::pg::fresh_database().await);
+    postgres::migrate(&url).await.unwrap();
+    let store = PostgresStore::connect(&url, 4).unwrap();
+    let done = conversation("done");
+    committed(
+        store
+            .commit(
+                Commit::new(vec![write(&done, Expected::Absent, json!({}))])
+                    .with_receipt(receipt("taken"), json!({ "act": "taken" })),
+            )
+            .await
+            .unwrap(),
+    );
+    let keys: Vec<StateKey> = (0..6).map(|i| conversation(&format!("i{i}"))).collect();
+    let before = store.group_commit_stats();
+    let commits = keys.iter().enumerate().map(|(i, key)| {
+        let act = if i == 3 {
+            "taken".to_owned()
+        } else {
+            format!("i{i}")
+        };
+        Commit::new(vec![write(key, Expected::Absent, json!({ "i": i }))])
+            .with_receipt(receipt(&act), json!({ "act": act }))
+    });
+    let outcomes = futures::future::join_all(commits.map(|c| store.commit(c))).await;
+    let after = store.group_commit_stats();
+    assert!(after.largest >= 5, "{before:?} -> {after:?}");
+    for (i, outcome) in outcomes.into_iter().enumerate() {
+        let outcome = outcome.unwrap();
+        if i == 3 {
+            assert_eq!(conflict(outcome), receipt("taken"));
+            assert_eq!(version_of(&store, &keys[i]).await, None);
+        } else {
+            assert_eq!(committed(outcome)[&keys[i]], Version::FIRST);
+            let snapshot = store
+                .load(&[], Some(&receipt(&format!("i{i}"))))
+                .await
+                .unwrap();
+            assert!(snapshot.receipt().is_some(), "receipt of i{i}");
+        }
+    }
+    let snapshot = store.load(&[], Some(&receipt("taken"))).await.unwrap();
+    assert_eq!(snapshot.receipt(), Some(&json!({ "act": "taken" })));
+}

@@ -150,6 +150,11 @@ impl Commit {
         self.receipt.as_ref()
     }
 
+    /// The changes, sorted by key, and the receipt.
+    pub fn into_parts(self) -> (Vec<KeyChange>, Option<(StateKey, serde_json::Value)>) {
+        (self.changes, self.receipt)
+    }
+
     /// Whether the commit writes anything at all (state or a receipt).
     pub fn writes_anything(&self) -> bool {
         self.receipt.is_some() || self.changes.iter().any(|c| c.write.is_some())

@@ -4,11 +4,13 @@
 //! a single statement and so a single consistent snapshot. A commit is one call of the
 //! `turnstile_commit` function (see `migrations/V1__turn_state.sql`), which checks every key's
 //! version, locks in key order and writes all scopes or none — one round trip, whatever the number
-//! of scopes. The common commit, one scope written plus the receipt, skips the function for one
-//! plain statement with the same outcome. Statements are prepared once per pooled connection.
+//! of scopes. The common commit, one scope written plus the receipt, skips the function for a
+//! plain statement with the same outcome, shared by the concurrent turns of every conversation
+//! ([`group_commit`]). Statements are prepared once per pooled connection.
 
 use std::collections::HashMap;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, anyhow};
@@ -22,6 +24,11 @@ use super::{Commit, CommitOutcome, Expected, Snapshot, Store, StoreError, Versio
 use crate::activity::JsonMap;
 use crate::state::StateKey;
 
+mod group_commit;
+
+pub use group_commit::GroupCommitStats;
+use group_commit::{GroupCommit, SingleWrite};
+
 mod embedded {
     refinery::embed_migrations!("migrations");
 }
@@ -31,42 +38,6 @@ const LOAD: &str = "SELECT false, key, state, version FROM turnstile_state WHERE
                     UNION ALL \
                     SELECT true, key, payload, 0 FROM turnstile_receipt WHERE key = $2";
 const COMMIT: &str = "SELECT conflict_key, versions FROM turnstile_commit($1, $2, $3, $4, $5)";
-/// One written key and the turn's receipt as one plain statement. `$write` is the write: a
-/// data-modifying statement that returns the key's new version, or no row when the key moved. The
-/// receipt (parameters `$receipt_key`, `$receipt`, both NULL for a turn without one) is inserted
-/// only when the write returned a row; one that exists already (the same activity committed
-/// meanwhile) is a unique violation, which undoes the write with it.
-macro_rules! write_one {
-    ($write:literal, $receipt_key:literal, $receipt:literal) => {
-        concat!(
-            "WITH written AS (",
-            $write,
-            "), receipt AS (INSERT INTO turnstile_receipt (key, payload) SELECT ",
-            $receipt_key,
-            "::text, ",
-            $receipt,
-            "::jsonb FROM written WHERE ",
-            $receipt_key,
-            "::text IS NOT NULL) SELECT version FROM written"
-        )
-    };
-}
-/// The common commit — one scope written over the version the turn read, and the receipt — as
-/// one plain statement: PL/pgSQL costs the database about a third more per turn
-/// (`bench/RESULTS.md`). The write is the check.
-const UPDATE_ONE: &str = write_one!(
-    "UPDATE turnstile_state SET state = $2, version = version + 1, updated_at = now() \
-      WHERE key = $1 AND version = $3 RETURNING version",
-    "$4",
-    "$5"
-);
-/// [`UPDATE_ONE`] for a key the turn found absent: created, or no row when it appeared meanwhile.
-const CREATE_ONE: &str = write_one!(
-    "INSERT INTO turnstile_state (key, state, version) VALUES ($1, $2, 1) \
-     ON CONFLICT (key) DO NOTHING RETURNING version",
-    "$3",
-    "$4"
-);
 /// The receipt table's primary key: violating it means the activity has committed already.
 const RECEIPT_KEY_CONSTRAINT: &str = "turnstile_receipt_pkey";
 /// Deletes one batch of old receipts. Small batches keep each delete short, and SKIP LOCKED lets
@@ -174,6 +145,7 @@ pub async fn migrate(url: &DatabaseUrl) -> anyhow::Result<usize> {
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool,
+    group: Arc<GroupCommit>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -208,7 +180,13 @@ impl PostgresStore {
             .runtime(Runtime::Tokio1)
             .build()
             .context("building the connection pool")?;
-        Ok(Self { pool })
+        Ok(Self {
+            group: Arc::new(GroupCommit::new(
+                pool.clone(),
+                group_commit_slots(pool_size),
+            )),
+            pool,
+        })
     }
 
     /// The connection pool's current size and waiters.
@@ -216,13 +194,30 @@ impl PostgresStore {
         self.pool.status()
     }
 
-    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
-        self.pool.get().await.map_err(|e| match e {
-            PoolError::Backend(e) => classify(e),
-            PoolError::Timeout(_) | PoolError::Closed => StoreError::Unavailable(e.into()),
-            other => StoreError::Unexpected(other.into()),
-        })
+    /// What the group commit of this store has done so far.
+    pub fn group_commit_stats(&self) -> GroupCommitStats {
+        self.group.stats()
     }
+
+    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        client_of(&self.pool).await
+    }
+}
+
+/// How many group commits one replica runs at once: enough to keep the database busy while one
+/// batch is on the wire, few enough to leave `pool_size` connections for loads and multi-scope
+/// commits (`bench/RESULTS.md`).
+fn group_commit_slots(pool_size: usize) -> usize {
+    (pool_size / 4).clamp(1, 4)
+}
+
+/// A connection from `pool`, or why there is none.
+async fn client_of(pool: &Pool) -> Result<deadpool_postgres::Object, StoreError> {
+    pool.get().await.map_err(|e| match e {
+        PoolError::Backend(e) => classify(e),
+        PoolError::Timeout(_) | PoolError::Closed => StoreError::Unavailable(e.into()),
+        other => StoreError::Unexpected(other.into()),
+    })
 }
 
 #[async_trait]
@@ -238,7 +233,10 @@ impl Store for PostgresStore {
 
     #[tracing::instrument(skip_all, fields(keys = commit.changes().len()))]
     async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
-        within_call_timeout(self.commit_now(&commit)).await
+        match SingleWrite::try_from(commit) {
+            Ok(write) => within_call_timeout(self.group.commit(write)).await,
+            Err(commit) => within_call_timeout(self.commit_now(&commit)).await,
+        }
     }
 
     #[tracing::instrument(skip_all)]
@@ -312,11 +310,6 @@ impl PostgresStore {
 
     async fn commit_now(&self, commit: &Commit) -> Result<CommitOutcome, StoreError> {
         let changes = commit.changes();
-        if let [only] = changes
-            && let Some(state) = &only.write
-        {
-            return self.commit_one(commit, only, state).await;
-        }
         let keys: Vec<&str> = changes.iter().map(|c| c.key.as_str()).collect();
         let expected = changes
             .iter()
@@ -363,55 +356,6 @@ impl PostgresStore {
             .collect::<Result<HashMap<_, _>, std::num::TryFromIntError>>()
             .map_err(|e| StoreError::Unexpected(e.into()))?;
         Ok(CommitOutcome::Committed(versions))
-    }
-
-    /// A commit of a single written key (and the receipt), by [`UPDATE_ONE`] or [`CREATE_ONE`].
-    async fn commit_one(
-        &self,
-        commit: &Commit,
-        change: &super::KeyChange,
-        state: &JsonMap,
-    ) -> Result<CommitOutcome, StoreError> {
-        let key = change.key.as_str();
-        let state = Json(state);
-        let receipt_key = commit.receipt().map(|(k, _)| k.as_str());
-        let receipt = commit.receipt().map(|(_, payload)| Json(payload));
-        let client = self.client().await?;
-        let rows = match change.expected {
-            Expected::Absent => {
-                let statement = client.prepare_cached(CREATE_ONE).await.map_err(classify)?;
-                client
-                    .query(&statement, &[&key, &state, &receipt_key, &receipt])
-                    .await
-            }
-            Expected::Version(v) => {
-                let expected =
-                    i64::try_from(v.get()).map_err(|e| StoreError::Unexpected(e.into()))?;
-                let statement = client.prepare_cached(UPDATE_ONE).await.map_err(classify)?;
-                client
-                    .query(
-                        &statement,
-                        &[&key, &state, &expected, &receipt_key, &receipt],
-                    )
-                    .await
-            }
-        };
-        let rows = match rows {
-            Ok(rows) => rows,
-            Err(e) if is_conflict(&e) => return Ok(conflict_from(&e, commit)),
-            Err(e) => return Err(classify(e)),
-        };
-        let Some(row) = rows.first() else {
-            return Ok(CommitOutcome::Conflict {
-                key: change.key.clone(),
-            });
-        };
-        let version: i64 = row.try_get(0).map_err(unexpected)?;
-        let version = u64::try_from(version).map_err(|e| StoreError::Unexpected(e.into()))?;
-        Ok(CommitOutcome::Committed(HashMap::from([(
-            change.key.clone(),
-            Version::new(version),
-        )])))
     }
 }
 

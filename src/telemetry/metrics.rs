@@ -26,6 +26,8 @@ pub const CONFLICTS: &str = "turnstile_conflicts_total";
 pub const TURN_DURATION: &str = "turnstile_turn_duration_seconds";
 /// Wall time of one store call (`op` = `load` | `commit`).
 pub const STORE_DURATION: &str = "turnstile_store_duration_seconds";
+/// Single-scope commits per statement of the PostgreSQL store's group commit.
+pub const COMMIT_BATCH_SIZE: &str = "turnstile_commit_batch_size";
 /// Database connections by `state` (`in_use` | `idle` | `waiting`).
 pub const POOL_CONNECTIONS: &str = "turnstile_pool_connections";
 /// Redelivered activities answered from their stored receipt, without running the bot.
@@ -37,6 +39,9 @@ const SECONDS_BUCKETS: &[f64] = &[
 ];
 /// Attempt buckets: 1 is the common case; the default limit is 10.
 const ATTEMPT_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 5.0, 10.0, 20.0];
+
+/// Batch-size buckets: 1 when the database keeps up; up to the group commit's largest batch.
+const BATCH_SIZE_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0];
 
 /// How long a scraper gets to send its request line.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
@@ -61,6 +66,12 @@ pub fn recorder() -> Result<PrometheusHandle, MetricsError> {
                 .and_then(|b| {
                     b.set_buckets_for_metric(Matcher::Full(TURN_ATTEMPTS.into()), ATTEMPT_BUCKETS)
                 })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(COMMIT_BATCH_SIZE.into()),
+                        BATCH_SIZE_BUCKETS,
+                    )
+                })
                 .and_then(PrometheusBuilder::install_recorder)
                 .map_err(|e| e.to_string())?;
             describe();
@@ -77,6 +88,10 @@ fn describe() {
     describe_counter!(CONFLICTS, "Commits that lost a race with another replica");
     describe_histogram!(TURN_DURATION, Unit::Seconds, "Wall time of one turn");
     describe_histogram!(STORE_DURATION, Unit::Seconds, "Wall time of one store call");
+    describe_histogram!(
+        COMMIT_BATCH_SIZE,
+        "Single-scope commits applied by one statement of the group commit"
+    );
     describe_gauge!(POOL_CONNECTIONS, "Database connections by state");
     describe_counter!(
         REPLAYS_SERVED,

@@ -1,0 +1,476 @@
+//! Group commit: the single-scope commits of concurrent turns, whatever their conversations,
+//! applied by one statement in one transaction.
+//!
+//! Why: a turn's own statement is cheap for PostgreSQL; what costs is everything around it — the
+//! protocol exchange, starting and committing a transaction, flushing the WAL for it. pgbench on
+//! this repository's machines: the commit statement for one turn ran about 8,000 times a second,
+//! the same statement over 8 turns' keys about 3,000 times a second — 25,000 turns a second on the
+//! same cores (`bench/RESULTS.md`).
+//!
+//! How: commits queue for one committer task per store. It sends a batch whenever one of a few
+//! slots is free, so a lone turn is committed at once (as a batch of one, by the plain
+//! single-scope statement) and turns batch up only while the database is busy with earlier ones:
+//! the batches are as large as the load makes them, and no turn waits for a timer.
+//!
+//! Each turn keeps its own outcome. A write whose key moved returns no row and that turn alone is
+//! a conflict; a receipt is inserted only for a write that returned a row. Two things can fail the
+//! statement as a whole — a receipt that exists already (the activity committed elsewhere) and a
+//! deadlock with another replica's batch — and then each turn of the batch is committed alone, so
+//! that each gets the outcome that is its own. A batch never holds two writes of one key, nor two
+//! receipts of one activity: the second waits for the next batch.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use anyhow::anyhow;
+use deadpool_postgres::Pool;
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio_postgres::types::Json;
+
+use super::{classify, client_of, is_conflict, is_receipt_taken, unexpected};
+use crate::activity::JsonMap;
+use crate::state::StateKey;
+use crate::store::{Commit, CommitOutcome, Expected, KeyChange, StoreError, Version};
+use crate::telemetry::metrics::COMMIT_BATCH_SIZE;
+
+/// The most turns in one batch.
+const MAX_BATCH: usize = 64;
+
+/// One written key and the turn's receipt as one plain statement. `$write` is the write: a
+/// data-modifying statement that returns the key's new version, or no row when the key moved. The
+/// receipt (parameters `$receipt_key`, `$receipt`, both NULL for a turn without one) is inserted
+/// only when the write returned a row; one that exists already (the same activity committed
+/// meanwhile) is a unique violation, which undoes the write with it.
+macro_rules! write_one {
+    ($write:literal, $receipt_key:literal, $receipt:literal) => {
+        concat!(
+            "WITH written AS (",
+            $write,
+            "), receipt AS (INSERT INTO turnstile_receipt (key, payload) SELECT ",
+            $receipt_key,
+            "::text, ",
+            $receipt,
+            "::jsonb FROM written WHERE ",
+            $receipt_key,
+            "::text IS NOT NULL) SELECT version FROM written"
+        )
+    };
+}
+/// The common commit — one scope written over the version the turn read, and the receipt — as
+/// one plain statement: PL/pgSQL costs the database about a third more per turn
+/// (`bench/RESULTS.md`). The write is the check.
+const UPDATE_ONE: &str = write_one!(
+    "UPDATE turnstile_state SET state = $2, version = version + 1, updated_at = now() \
+      WHERE key = $1 AND version = $3 RETURNING version",
+    "$4",
+    "$5"
+);
+/// [`UPDATE_ONE`] for a key the turn found absent: created, or no row when it appeared meanwhile.
+const CREATE_ONE: &str = write_one!(
+    "INSERT INTO turnstile_state (key, state, version) VALUES ($1, $2, 1) \
+     ON CONFLICT (key) DO NOTHING RETURNING version",
+    "$3",
+    "$4"
+);
+/// The single-scope commits of a batch, one row per turn (`ord` is the turn's place in the
+/// batch, from 1), in one statement. Writes are the checks, as in [`UPDATE_ONE`]: an update whose
+/// version moved and a create whose key appeared return no row, and only the turns whose write
+/// returned a row insert their receipt.
+const WRITE_MANY: &str = "\
+WITH input AS ( \
+  SELECT * FROM unnest($1::text[], $2::jsonb[], $3::int8[], $4::text[], $5::jsonb[]) \
+    WITH ORDINALITY AS i(key, state, expected, receipt_key, receipt, ord) \
+), updated AS ( \
+  UPDATE turnstile_state t SET state = i.state, version = t.version + 1, updated_at = now() \
+    FROM input i WHERE i.expected > 0 AND t.key = i.key AND t.version = i.expected \
+  RETURNING i.ord, t.version \
+), created AS ( \
+  INSERT INTO turnstile_state (key, state, version) \
+  SELECT key, state, 1 FROM input WHERE expected = 0 ORDER BY key \
+  ON CONFLICT (key) DO NOTHING RETURNING key, version \
+), written AS ( \
+  SELECT ord, version FROM updated \
+  UNION ALL \
+  SELECT i.ord, c.version FROM created c JOIN input i ON i.key = c.key AND i.expected = 0 \
+), receipt AS ( \
+  INSERT INTO turnstile_receipt (key, payload) \
+  SELECT i.receipt_key, i.receipt FROM written w JOIN input i USING (ord) \
+   WHERE i.receipt_key IS NOT NULL \
+) \
+SELECT ord, version FROM written";
+
+/// A commit that writes one key, and the turn's receipt if it has one: the common commit.
+#[derive(Debug)]
+pub(super) struct SingleWrite {
+    pub key: StateKey,
+    pub expected: Expected,
+    pub state: JsonMap,
+    pub receipt: Option<(StateKey, serde_json::Value)>,
+}
+
+impl TryFrom<Commit> for SingleWrite {
+    type Error = Commit;
+
+    /// The commit as a single write, or the commit as it was when it checks or writes more keys.
+    fn try_from(commit: Commit) -> Result<Self, Commit> {
+        match commit.changes() {
+            [only] if only.write.is_some() => {}
+            _ => return Err(commit),
+        }
+        let (changes, receipt) = commit.into_parts();
+        let Some(KeyChange {
+            key,
+            expected,
+            write: Some(state),
+        }) = changes.into_iter().next()
+        else {
+            unreachable!("checked above: one change, a write")
+        };
+        Ok(Self {
+            key,
+            expected,
+            state,
+            receipt,
+        })
+    }
+}
+
+/// One queued commit and where its outcome goes.
+struct Queued {
+    write: SingleWrite,
+    outcome: oneshot::Sender<Result<CommitOutcome, StoreError>>,
+}
+
+/// The queue of a store's single-scope commits, and its committer task (started on first use,
+/// on the runtime of that use; it ends when the store is dropped).
+pub(super) struct GroupCommit {
+    pool: Pool,
+    slots: usize,
+    queue: OnceLock<mpsc::UnboundedSender<Queued>>,
+    counts: Arc<Counts>,
+}
+
+/// What a store's group commit has done so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GroupCommitStats {
+    /// Statements run, each for one batch.
+    pub batches: u64,
+    /// Commits in those batches.
+    pub commits: u64,
+    /// The most commits one batch has held.
+    pub largest: u64,
+}
+
+#[derive(Default)]
+struct Counts {
+    batches: AtomicU64,
+    commits: AtomicU64,
+    largest: AtomicU64,
+}
+
+impl Counts {
+    fn record(&self, size: usize) {
+        let size = size as u64;
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        self.commits.fetch_add(size, Ordering::Relaxed);
+        self.largest.fetch_max(size, Ordering::Relaxed);
+        metrics::histogram!(COMMIT_BATCH_SIZE).record(size as f64);
+    }
+}
+
+impl GroupCommit {
+    /// A group commit over `pool` with at most `slots` batches in flight at once.
+    pub fn new(pool: Pool, slots: usize) -> Self {
+        Self {
+            pool,
+            slots: slots.max(1),
+            queue: OnceLock::new(),
+            counts: Arc::default(),
+        }
+    }
+
+    /// What the group commit has done so far.
+    pub fn stats(&self) -> GroupCommitStats {
+        GroupCommitStats {
+            batches: self.counts.batches.load(Ordering::Relaxed),
+            commits: self.counts.commits.load(Ordering::Relaxed),
+            largest: self.counts.largest.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Commits `write` with whatever other commits are queued, and returns its own outcome.
+    pub async fn commit(&self, write: SingleWrite) -> Result<CommitOutcome, StoreError> {
+        let queue = self.queue.get_or_init(|| {
+            let (sender, receiver) = mpsc::unbounded_channel();
+            let counts = Arc::clone(&self.counts);
+            tokio::spawn(committer(self.pool.clone(), self.slots, receiver, counts));
+            sender
+        });
+        let (outcome, answer) = oneshot::channel();
+        queue
+            .send(Queued { write, outcome })
+            .map_err(|_| StoreError::Unexpected(anyhow!("the store's committer has stopped")))?;
+        answer.await.unwrap_or_else(|_| {
+            Err(StoreError::Unexpected(anyhow!(
+                "the store's committer dropped a commit"
+            )))
+        })
+    }
+}
+
+/// Forms batches from the queue and runs each on a free slot, until the store is dropped and
+/// the queue drained.
+async fn committer(
+    pool: Pool,
+    slots: usize,
+    mut queue: mpsc::UnboundedReceiver<Queued>,
+    counts: Arc<Counts>,
+) {
+    let slots = Arc::new(Semaphore::new(slots));
+    // Commits that could not join the previous batch (a key or receipt it already had).
+    let mut held: VecDeque<Queued> = VecDeque::new();
+    loop {
+        let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
+            return;
+        };
+        let first = match held.pop_front() {
+            Some(first) => first,
+            None => match queue.recv().await {
+                Some(first) => first,
+                None => return,
+            },
+        };
+        let mut batch = Batch::new(first);
+        let mut next_held = VecDeque::new();
+        for queued in held.drain(..) {
+            batch.add_or_hold(queued, &mut next_held);
+        }
+        while batch.len() < MAX_BATCH {
+            match queue.try_recv() {
+                Ok(queued) => batch.add_or_hold(queued, &mut next_held),
+                Err(_) => break,
+            }
+        }
+        held = next_held;
+        counts.record(batch.len());
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            batch.run(&pool).await;
+            drop(slot);
+        });
+    }
+}
+
+/// Commits bound for one statement, no two on one key or one receipt.
+struct Batch {
+    commits: Vec<Queued>,
+    keys: HashSet<StateKey>,
+}
+
+impl Batch {
+    fn new(first: Queued) -> Self {
+        let mut batch = Self {
+            commits: Vec::with_capacity(8),
+            keys: HashSet::new(),
+        };
+        let mut unused = VecDeque::new();
+        batch.add_or_hold(first, &mut unused);
+        batch
+    }
+
+    fn len(&self) -> usize {
+        self.commits.len()
+    }
+
+    /// Adds `queued` unless the batch is full or already has its key or receipt; then holds it
+    /// for the next one.
+    fn add_or_hold(&mut self, queued: Queued, held: &mut VecDeque<Queued>) {
+        let write = &queued.write;
+        let receipt = write.receipt.as_ref().map(|(key, _)| key);
+        let clashes =
+            self.keys.contains(&write.key) || receipt.is_some_and(|r| self.keys.contains(r));
+        if clashes || self.commits.len() >= MAX_BATCH {
+            held.push_back(queued);
+            return;
+        }
+        self.keys.insert(write.key.clone());
+        if let Some(receipt) = receipt {
+            self.keys.insert(receipt.clone());
+        }
+        self.commits.push(queued);
+    }
+
+    /// Runs the batch and answers every commit in it.
+    async fn run(self, pool: &Pool) {
+        let mut commits = self.commits;
+        if commits.len() == 1 {
+            for only in commits {
+                let outcome = super::within_call_timeout(commit_alone(pool, &only.write)).await;
+                let _ = only.outcome.send(outcome);
+            }
+            return;
+        }
+        // Sorted by key, so that batches lock rows in one order wherever the plan allows.
+        commits.sort_by(|a, b| a.write.key.cmp(&b.write.key));
+        let writes: Vec<&SingleWrite> = commits.iter().map(|c| &c.write).collect();
+        match super::within_call_timeout(commit_together(pool, &writes)).await {
+            Ok(Together::Outcomes(outcomes)) => {
+                for (queued, outcome) in commits.into_iter().zip(outcomes) {
+                    let _ = queued.outcome.send(Ok(outcome));
+                }
+            }
+            Ok(Together::Failed) => {
+                // One turn's receipt, or a deadlock, failed them all: each alone, to find out
+                // whose it was.
+                for queued in commits {
+                    let outcome =
+                        super::within_call_timeout(commit_alone(pool, &queued.write)).await;
+                    let _ = queued.outcome.send(outcome);
+                }
+            }
+            Err(e) => {
+                // Unavailable, or unexpected, for every commit of the batch, for one cause.
+                let unavailable = matches!(e, StoreError::Unavailable(_));
+                let (StoreError::Unavailable(cause) | StoreError::Unexpected(cause)) = e;
+                let cause = format!("{cause:#}");
+                for queued in commits {
+                    let cause = anyhow!("{cause}");
+                    let _ = queued.outcome.send(Err(if unavailable {
+                        StoreError::Unavailable(cause)
+                    } else {
+                        StoreError::Unexpected(cause)
+                    }));
+                }
+            }
+        }
+    }
+}
+
+/// What one statement for a whole batch came to.
+enum Together {
+    /// Each commit's own outcome, in the batch's order.
+    Outcomes(Vec<CommitOutcome>),
+    /// The statement failed as a whole on a receipt that exists or a deadlock; nothing applied.
+    Failed,
+}
+
+/// Commits `writes` by [`WRITE_MANY`].
+async fn commit_together(pool: &Pool, writes: &[&SingleWrite]) -> Result<Together, StoreError> {
+    let keys: Vec<&str> = writes.iter().map(|w| w.key.as_str()).collect();
+    let states: Vec<Json<&JsonMap>> = writes.iter().map(|w| Json(&w.state)).collect();
+    let expected = writes
+        .iter()
+        .map(|w| expected_version(w.expected))
+        .collect::<Result<Vec<i64>, StoreError>>()?;
+    let receipt_keys: Vec<Option<&str>> = writes
+        .iter()
+        .map(|w| w.receipt.as_ref().map(|(key, _)| key.as_str()))
+        .collect();
+    let receipts: Vec<Option<Json<&serde_json::Value>>> = writes
+        .iter()
+        .map(|w| w.receipt.as_ref().map(|(_, payload)| Json(payload)))
+        .collect();
+    let client = client_of(pool).await?;
+    let statement = client.prepare_cached(WRITE_MANY).await.map_err(classify)?;
+    let rows = match client
+        .query(
+            &statement,
+            &[&keys, &states, &expected, &receipt_keys, &receipts],
+        )
+        .await
+    {
+        Ok(rows) => rows,
+        Err(e) if is_conflict(&e) => return Ok(Together::Failed),
+        Err(e) => return Err(classify(e)),
+    };
+    let mut versions: Vec<Option<Version>> = vec![None; writes.len()];
+    for row in &rows {
+        let ord: i64 = row.try_get(0).map_err(unexpected)?;
+        let version: i64 = row.try_get(1).map_err(unexpected)?;
+        let slot = usize::try_from(ord)
+            .ok()
+            .and_then(|ord| ord.checked_sub(1))
+            .and_then(|i| versions.get_mut(i))
+            .ok_or_else(|| StoreError::Unexpected(anyhow!("a batch commit returned row {ord}")))?;
+        *slot = Some(Version::new(
+            u64::try_from(version).map_err(|e| StoreError::Unexpected(e.into()))?,
+        ));
+    }
+    Ok(Together::Outcomes(
+        writes
+            .iter()
+            .zip(versions)
+            .map(|(write, version)| outcome_of(write, version))
+            .collect(),
+    ))
+}
+
+/// Commits `write` by itself, by [`UPDATE_ONE`] or [`CREATE_ONE`].
+async fn commit_alone(pool: &Pool, write: &SingleWrite) -> Result<CommitOutcome, StoreError> {
+    let key = write.key.as_str();
+    let state = Json(&write.state);
+    let receipt_key = write.receipt.as_ref().map(|(key, _)| key.as_str());
+    let receipt = write.receipt.as_ref().map(|(_, payload)| Json(payload));
+    let client = client_of(pool).await?;
+    let rows = match write.expected {
+        Expected::Absent => {
+            let statement = client.prepare_cached(CREATE_ONE).await.map_err(classify)?;
+            client
+                .query(&statement, &[&key, &state, &receipt_key, &receipt])
+                .await
+        }
+        Expected::Version(_) => {
+            let expected = expected_version(write.expected)?;
+            let statement = client.prepare_cached(UPDATE_ONE).await.map_err(classify)?;
+            client
+                .query(
+                    &statement,
+                    &[&key, &state, &expected, &receipt_key, &receipt],
+                )
+                .await
+        }
+    };
+    let rows = match rows {
+        Ok(rows) => rows,
+        Err(e) if is_conflict(&e) => {
+            let receipt_taken = e.as_db_error().is_some_and(is_receipt_taken);
+            let key = match &write.receipt {
+                Some((receipt, _)) if receipt_taken => receipt.clone(),
+                _ => write.key.clone(),
+            };
+            return Ok(CommitOutcome::Conflict { key });
+        }
+        Err(e) => return Err(classify(e)),
+    };
+    let version = match rows.first() {
+        Some(row) => {
+            let version: i64 = row.try_get(0).map_err(unexpected)?;
+            Some(Version::new(
+                u64::try_from(version).map_err(|e| StoreError::Unexpected(e.into()))?,
+            ))
+        }
+        None => None,
+    };
+    Ok(outcome_of(write, version))
+}
+
+/// The outcome of `write`, given the version its key has now if the write applied.
+fn outcome_of(write: &SingleWrite, version: Option<Version>) -> CommitOutcome {
+    match version {
+        Some(version) => CommitOutcome::Committed(HashMap::from([(write.key.clone(), version)])),
+        None => CommitOutcome::Conflict {
+            key: write.key.clone(),
+        },
+    }
+}
+
+/// The version a write expects, as the statements take it: 0 for a key expected absent.
+fn expected_version(expected: Expected) -> Result<i64, StoreError> {
+    match expected {
+        Expected::Absent => Ok(0),
+        Expected::Version(v) => {
+            i64::try_from(v.get()).map_err(|e| StoreError::Unexpected(e.into()))
+        }
+    }
+}
