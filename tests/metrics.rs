@@ -133,13 +133,13 @@ async fn scrapes_show_turns_replays_and_conflicts() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pool_gauges_come_from_postgres() {
+async fn pool_gauges_and_commit_batches_come_from_postgres() {
     let url = support::pg::fresh_database().await;
     let config = support::postgres_config(&url);
     let store = turnstile::server::open_store(&config).await.unwrap();
     let (grpc, metrics, _stop) = start(store).await;
     let mut c = client(grpc).await;
-    support::say(&mut c, "pool-conv", "hello").await;
+    count(&mut c).await;
     let (_, body) = get(metrics, "/metrics").await;
     assert!(
         body.contains(r#"turnstile_pool_connections{state="idle"}"#),
@@ -147,6 +147,11 @@ async fn pool_gauges_come_from_postgres() {
     );
     assert!(
         body.contains(r#"turnstile_pool_connections{state="in_use"}"#),
+        "{body}"
+    );
+    // The counter bot's commit writes one scope: it went through the group commit, alone.
+    assert!(
+        value(&body, r#"turnstile_commit_batch_size_bucket{le="1"}"#) >= 1.0,
         "{body}"
     );
 }

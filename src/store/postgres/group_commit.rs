@@ -20,7 +20,7 @@
 //! receipts of one activity: the second waits for the next batch.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use anyhow::anyhow;
@@ -145,10 +145,18 @@ struct Queued {
 /// The queue of a store's single-scope commits, and its committer task (started on first use,
 /// on the runtime of that use; it ends when the store is dropped).
 pub(super) struct GroupCommit {
-    pool: Pool,
-    slots: usize,
+    shared: Arc<Shared>,
     queue: OnceLock<mpsc::UnboundedSender<Queued>>,
-    counts: Arc<Counts>,
+}
+
+/// What the callers and the committer task share.
+struct Shared {
+    pool: Pool,
+    /// One permit per statement in flight.
+    slots: Arc<Semaphore>,
+    /// Commits sent to the committer and not yet in a batch.
+    queued: AtomicUsize,
+    counts: Counts,
 }
 
 /// What a store's group commit has done so far.
@@ -180,37 +188,55 @@ impl Counts {
 }
 
 impl GroupCommit {
-    /// A group commit over `pool` with at most `slots` batches in flight at once.
+    /// A group commit over `pool` with at most `slots` statements in flight at once.
     pub fn new(pool: Pool, slots: usize) -> Self {
         Self {
-            pool,
-            slots: slots.max(1),
+            shared: Arc::new(Shared {
+                pool,
+                slots: Arc::new(Semaphore::new(slots.max(1))),
+                queued: AtomicUsize::new(0),
+                counts: Counts::default(),
+            }),
             queue: OnceLock::new(),
-            counts: Arc::default(),
         }
     }
 
     /// What the group commit has done so far.
     pub fn stats(&self) -> GroupCommitStats {
+        let counts = &self.shared.counts;
         GroupCommitStats {
-            batches: self.counts.batches.load(Ordering::Relaxed),
-            commits: self.counts.commits.load(Ordering::Relaxed),
-            largest: self.counts.largest.load(Ordering::Relaxed),
+            batches: counts.batches.load(Ordering::Relaxed),
+            commits: counts.commits.load(Ordering::Relaxed),
+            largest: counts.largest.load(Ordering::Relaxed),
         }
     }
 
     /// Commits `write` with whatever other commits are queued, and returns its own outcome.
+    ///
+    /// When nothing is queued and a slot is free, the caller commits alone, at once, without
+    /// passing through the committer task: a quiet store, or a hot conversation whose turns
+    /// follow one another, pays no hand-off.
     pub async fn commit(&self, write: SingleWrite) -> Result<CommitOutcome, StoreError> {
+        let shared = &self.shared;
+        if shared.queued.load(Ordering::Acquire) == 0
+            && let Ok(_slot) = shared.slots.try_acquire()
+        {
+            shared.counts.record(1);
+            return commit_alone(&shared.pool, &write).await;
+        }
         let queue = self.queue.get_or_init(|| {
             let (sender, receiver) = mpsc::unbounded_channel();
-            let counts = Arc::clone(&self.counts);
-            tokio::spawn(committer(self.pool.clone(), self.slots, receiver, counts));
+            tokio::spawn(committer(Arc::clone(shared), receiver));
             sender
         });
         let (outcome, answer) = oneshot::channel();
-        queue
-            .send(Queued { write, outcome })
-            .map_err(|_| StoreError::Unexpected(anyhow!("the store's committer has stopped")))?;
+        shared.queued.fetch_add(1, Ordering::AcqRel);
+        if queue.send(Queued { write, outcome }).is_err() {
+            shared.queued.fetch_sub(1, Ordering::AcqRel);
+            return Err(StoreError::Unexpected(anyhow!(
+                "the store's committer has stopped"
+            )));
+        }
         answer.await.unwrap_or_else(|_| {
             Err(StoreError::Unexpected(anyhow!(
                 "the store's committer dropped a commit"
@@ -220,26 +246,21 @@ impl GroupCommit {
 }
 
 /// Forms batches from the queue and runs each on a free slot, until the store is dropped and
-/// the queue drained.
-async fn committer(
-    pool: Pool,
-    slots: usize,
-    mut queue: mpsc::UnboundedReceiver<Queued>,
-    counts: Arc<Counts>,
-) {
-    let slots = Arc::new(Semaphore::new(slots));
+/// the queue drained. It waits for a commit, then for a slot; whatever queued meanwhile joins
+/// the batch.
+async fn committer(shared: Arc<Shared>, mut queue: mpsc::UnboundedReceiver<Queued>) {
     // Commits that could not join the previous batch (a key or receipt it already had).
     let mut held: VecDeque<Queued> = VecDeque::new();
     loop {
-        let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
-            return;
-        };
         let first = match held.pop_front() {
             Some(first) => first,
             None => match queue.recv().await {
                 Some(first) => first,
                 None => return,
             },
+        };
+        let Ok(slot) = Arc::clone(&shared.slots).acquire_owned().await else {
+            return;
         };
         let mut batch = Batch::new(first);
         let mut next_held = VecDeque::new();
@@ -253,10 +274,11 @@ async fn committer(
             }
         }
         held = next_held;
-        counts.record(batch.len());
-        let pool = pool.clone();
+        shared.queued.fetch_sub(batch.len(), Ordering::AcqRel);
+        shared.counts.record(batch.len());
+        let shared = Arc::clone(&shared);
         tokio::spawn(async move {
-            batch.run(&pool).await;
+            batch.run(&shared.pool).await;
             drop(slot);
         });
     }
