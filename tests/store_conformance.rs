@@ -735,3 +735,30 @@ async fn group_commit_isolates_a_receipt_that_exists() {
     let snapshot = store.load(&[], Some(&receipt("taken"))).await.unwrap();
     assert_eq!(snapshot.receipt(), Some(&json!({ "act": "taken" })));
 }
+
+/// The committer task lives on the runtime that first needed it. A store that outlives that
+/// runtime starts a new one on the next, instead of failing every commit that has to queue.
+#[test]
+fn group_commit_outlives_the_runtime_that_started_it() {
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let store = runtime().block_on(async {
+        let url = DatabaseUrl::new(support::pg::fresh_database().await);
+        postgres::migrate(&url).await.unwrap();
+        PostgresStore::connect(&url, 4).unwrap()
+    });
+    for round in ["first", "second"] {
+        let commits = (0..8).map(|i| {
+            let key = conversation(&format!("{round}-{i}"));
+            store.commit(Commit::new(vec![write(&key, Expected::Absent, json!({}))]))
+        });
+        for outcome in runtime().block_on(futures::future::join_all(commits)) {
+            committed(outcome.unwrap());
+        }
+    }
+    assert!(store.group_commit_stats().largest > 1);
+}

@@ -21,7 +21,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use anyhow::anyhow;
 use deadpool_postgres::Pool;
@@ -142,11 +142,11 @@ struct Queued {
     outcome: oneshot::Sender<Result<CommitOutcome, StoreError>>,
 }
 
-/// The queue of a store's single-scope commits, and its committer task (started on first use,
-/// on the runtime of that use; it ends when the store is dropped).
+/// The queue of a store's single-scope commits, and its committer task (started when first
+/// needed, on the runtime of that use; it ends when the store is dropped).
 pub(super) struct GroupCommit {
     shared: Arc<Shared>,
-    queue: OnceLock<mpsc::UnboundedSender<Queued>>,
+    queue: Mutex<Option<Queue>>,
 }
 
 /// What the callers and the committer task share.
@@ -154,8 +154,6 @@ struct Shared {
     pool: Pool,
     /// One permit per statement in flight.
     slots: Arc<Semaphore>,
-    /// Commits sent to the committer and not yet in a batch.
-    queued: AtomicUsize,
     counts: Counts,
 }
 
@@ -194,10 +192,9 @@ impl GroupCommit {
             shared: Arc::new(Shared {
                 pool,
                 slots: Arc::new(Semaphore::new(slots.max(1))),
-                queued: AtomicUsize::new(0),
                 counts: Counts::default(),
             }),
-            queue: OnceLock::new(),
+            queue: Mutex::new(None),
         }
     }
 
@@ -218,37 +215,69 @@ impl GroupCommit {
     /// follow one another, pays no hand-off.
     pub async fn commit(&self, write: SingleWrite) -> Result<CommitOutcome, StoreError> {
         let shared = &self.shared;
-        if shared.queued.load(Ordering::Acquire) == 0
+        let queue = self.queue();
+        if queue.waiting.load(Ordering::Acquire) == 0
             && let Ok(_slot) = shared.slots.try_acquire()
         {
             shared.counts.record(1);
             return commit_alone(&shared.pool, &write).await;
         }
-        let queue = self.queue.get_or_init(|| {
-            let (sender, receiver) = mpsc::unbounded_channel();
-            tokio::spawn(committer(Arc::clone(shared), receiver));
-            sender
-        });
         let (outcome, answer) = oneshot::channel();
-        shared.queued.fetch_add(1, Ordering::AcqRel);
-        if queue.send(Queued { write, outcome }).is_err() {
-            shared.queued.fetch_sub(1, Ordering::AcqRel);
-            return Err(StoreError::Unexpected(anyhow!(
-                "the store's committer has stopped"
+        queue.waiting.fetch_add(1, Ordering::AcqRel);
+        if queue.sender.send(Queued { write, outcome }).is_err() {
+            return Err(StoreError::Unavailable(anyhow!(
+                "the store's committer task has stopped"
             )));
         }
+        // Dropped unanswered only when the runtime shuts down mid-batch: the outcome is unknown,
+        // which is what "unavailable" means for a commit.
         answer.await.unwrap_or_else(|_| {
-            Err(StoreError::Unexpected(anyhow!(
-                "the store's committer dropped a commit"
+            Err(StoreError::Unavailable(anyhow!(
+                "the store's committer task stopped during the commit"
             )))
         })
     }
+
+    /// The committer task's queue, starting the task if it is not running (first use, or its
+    /// runtime has shut down since).
+    fn queue(&self) -> Queue {
+        let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        match &*queue {
+            Some(running) if !running.sender.is_closed() => running.clone(),
+            _ => {
+                let (sender, receiver) = mpsc::unbounded_channel();
+                let started = Queue {
+                    sender,
+                    waiting: Arc::default(),
+                };
+                tokio::spawn(committer(
+                    Arc::clone(&self.shared),
+                    receiver,
+                    Arc::clone(&started.waiting),
+                ));
+                *queue = Some(started.clone());
+                started
+            }
+        }
+    }
+}
+
+/// The way to one committer task.
+#[derive(Clone)]
+struct Queue {
+    sender: mpsc::UnboundedSender<Queued>,
+    /// Commits sent to the task and not yet in a batch.
+    waiting: Arc<AtomicUsize>,
 }
 
 /// Forms batches from the queue and runs each on a free slot, until the store is dropped and
 /// the queue drained. It waits for a commit, then for a slot; whatever queued meanwhile joins
 /// the batch.
-async fn committer(shared: Arc<Shared>, mut queue: mpsc::UnboundedReceiver<Queued>) {
+async fn committer(
+    shared: Arc<Shared>,
+    mut queue: mpsc::UnboundedReceiver<Queued>,
+    waiting: Arc<AtomicUsize>,
+) {
     // Commits that could not join the previous batch (a key or receipt it already had).
     let mut held: VecDeque<Queued> = VecDeque::new();
     loop {
@@ -274,7 +303,7 @@ async fn committer(shared: Arc<Shared>, mut queue: mpsc::UnboundedReceiver<Queue
             }
         }
         held = next_held;
-        shared.queued.fetch_sub(batch.len(), Ordering::AcqRel);
+        waiting.fetch_sub(batch.len(), Ordering::AcqRel);
         shared.counts.record(batch.len());
         let shared = Arc::clone(&shared);
         tokio::spawn(async move {
