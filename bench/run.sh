@@ -63,9 +63,10 @@ cat > "$WORK/turn.sql" <<SQL
 SELECT state, version FROM state WHERE key = 'c' || :k \gset
 UPDATE state SET state = jsonb_set(:state::jsonb, '{count}', to_jsonb(:version + 1)), version = version + 1 WHERE key = 'c' || :k AND version = :version;
 SQL
-# The service's own common commit (src/store/postgres.rs, UPDATE_ONE): write the scope over the
-# version it read and insert the turn's receipt, one statement. The service knows the version from
-# its cache; pgbench has no cache, so a subquery reads it in the same statement.
+# The service's own common commit when it goes alone (UPDATE_ONE in
+# src/store/postgres/group_commit.rs): write the scope over the version it read and insert the
+# turn's receipt, one statement. The service knows the version from its cache; pgbench has no
+# cache, so a subquery reads it in the same statement.
 "${PSQL[@]}" -d anchor <<SQL
 CREATE TABLE receipt (key text PRIMARY KEY, payload jsonb NOT NULL,
                       created_at timestamptz NOT NULL DEFAULT now());
