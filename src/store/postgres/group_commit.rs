@@ -7,10 +7,11 @@
 //! the same statement over 8 turns' keys about 3,000 times a second — 25,000 turns a second on the
 //! same cores (`bench/RESULTS.md`).
 //!
-//! How: commits queue for one committer task per store. It sends a batch whenever one of a few
-//! slots is free, so a lone turn is committed at once (as a batch of one, by the plain
-//! single-scope statement) and turns batch up only while the database is busy with earlier ones:
-//! the batches are as large as the load makes them, and no turn waits for a timer.
+//! How: a few statements may be in flight at once (slots). A commit that finds a slot free and
+//! nothing queued goes at once, on its own task, by the plain single-scope statement. The others
+//! queue for the store's committer task, which waits for a slot and sends everything queued by
+//! then as one batch. So turns batch up only while the database is busy with earlier ones: the
+//! batches are as large as the load makes them, and no turn waits for a timer.
 //!
 //! Each turn keeps its own outcome. A write whose key moved returns no row and that turn alone is
 //! a conflict; a receipt is inserted only for a write that returned a row. Two things can fail the
