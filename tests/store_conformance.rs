@@ -762,3 +762,89 @@ fn group_commit_outlives_the_runtime_that_started_it() {
     }
     assert!(store.group_commit_stats().largest > 1);
 }
+
+/// A batch whose database goes away: every commit in it gets "unavailable" (an unknown outcome,
+/// which the engine resolves by the receipt), none a conflict or a success it did not have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_commit_reports_a_lost_database_to_every_commit_of_a_batch() {
+    let url = support::pg::fresh_database().await;
+    postgres::migrate(&DatabaseUrl::new(url.clone()))
+        .await
+        .unwrap();
+    let config: tokio_postgres::Config = url.parse().unwrap();
+    let proxy = support::proxy::Proxy::start(([127, 0, 0, 1], config.get_ports()[0]).into()).await;
+    let through_proxy = format!(
+        "postgres://postgres@127.0.0.1:{}/{}",
+        proxy.addr().port(),
+        config.get_dbname().unwrap()
+    );
+    let store = Arc::new(PostgresStore::connect(&DatabaseUrl::new(through_proxy), 4).unwrap());
+    let keys: Vec<StateKey> = (0..7).map(|i| conversation(&format!("lost{i}"))).collect();
+    for key in &keys {
+        committed(
+            commit(
+                store.as_ref(),
+                vec![write(key, Expected::Absent, json!({}))],
+            )
+            .await,
+        );
+    }
+
+    // The first key is locked elsewhere, so its commit, alone in the only slot, waits in the
+    // database; the others queue behind it for one batch.
+    let (locker, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    locker
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM turnstile_state WHERE key = '{}' FOR UPDATE",
+            keys[0].as_str()
+        ))
+        .await
+        .unwrap();
+    let send = |key: &StateKey| {
+        let store = Arc::clone(&store);
+        let commit = Commit::new(vec![write(
+            key,
+            Expected::Version(Version::FIRST),
+            json!({"n": 2}),
+        )]);
+        tokio::spawn(async move { store.commit(commit).await })
+    };
+    let waiting = send(&keys[0]);
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let queued: Vec<_> = keys[1..].iter().map(send).collect();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let before = store.group_commit_stats();
+
+    assert!(
+        proxy.cut(std::time::Duration::from_secs(2)) >= 1,
+        "the commit's connection was cut"
+    );
+    for outcome in std::iter::once(waiting).chain(queued) {
+        let outcome = outcome.await.unwrap();
+        assert!(
+            matches!(outcome, Err(turnstile::store::StoreError::Unavailable(_))),
+            "{outcome:?}"
+        );
+    }
+    let after = store.group_commit_stats();
+    assert_eq!(
+        after.largest, 6,
+        "the queued six went as one batch: {before:?} -> {after:?}"
+    );
+    locker.batch_execute("ROLLBACK").await.unwrap();
+
+    // The first commit's statement was already in the database, waiting for the lock: it may
+    // have gone through after all, which is why its outcome is "unavailable", not "conflict".
+    // The batch never reached the database.
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    for key in &keys[1..] {
+        assert_eq!(
+            version_of(store.as_ref(), key).await.map(|(_, v)| v),
+            Some(Version::FIRST),
+            "{key} unchanged"
+        );
+    }
+}
