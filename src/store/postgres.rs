@@ -378,6 +378,15 @@ fn is_conflict(e: &tokio_postgres::Error) -> bool {
     })
 }
 
+/// The key of `receipt`, when `e` says it exists already.
+fn taken_receipt<'a>(
+    e: &tokio_postgres::Error,
+    receipt: Option<&'a (StateKey, serde_json::Value)>,
+) -> Option<&'a StateKey> {
+    let (key, _) = receipt?;
+    e.as_db_error().is_some_and(is_receipt_taken).then_some(key)
+}
+
 /// Whether `db` says the receipt being created exists already.
 fn is_receipt_taken(db: &tokio_postgres::error::DbError) -> bool {
     *db.code() == SqlState::UNIQUE_VIOLATION && db.constraint() == Some(RECEIPT_KEY_CONSTRAINT)
@@ -386,9 +395,7 @@ fn is_receipt_taken(db: &tokio_postgres::error::DbError) -> bool {
 /// The conflict a failed commit reports: the receipt's key when it exists already, else the key
 /// named by the DETAIL of an error raised by `turnstile_commit`.
 fn conflict_from(e: &tokio_postgres::Error, commit: &Commit) -> CommitOutcome {
-    if let (Some(db), Some((receipt, _))) = (e.as_db_error(), commit.receipt())
-        && is_receipt_taken(db)
-    {
+    if let Some(receipt) = taken_receipt(e, commit.receipt()) {
         return CommitOutcome::Conflict {
             key: receipt.clone(),
         };

@@ -29,7 +29,7 @@ use deadpool_postgres::Pool;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_postgres::types::Json;
 
-use super::{classify, client_of, is_conflict, is_receipt_taken, unexpected};
+use super::{classify, client_of, is_conflict, taken_receipt, unexpected};
 use crate::activity::JsonMap;
 use crate::state::StateKey;
 use crate::store::{Commit, CommitOutcome, Expected, KeyChange, StoreError, Version};
@@ -292,8 +292,9 @@ async fn committer(
         let Ok(slot) = Arc::clone(&shared.slots).acquire_owned().await else {
             return;
         };
-        let mut batch = Batch::new(first);
+        let mut batch = Batch::default();
         let mut next_held = VecDeque::new();
+        batch.add_or_hold(first, &mut next_held);
         for queued in held.drain(..) {
             batch.add_or_hold(queued, &mut next_held);
         }
@@ -315,22 +316,13 @@ async fn committer(
 }
 
 /// Commits bound for one statement, no two on one key or one receipt.
+#[derive(Default)]
 struct Batch {
     commits: Vec<Queued>,
     keys: HashSet<StateKey>,
 }
 
 impl Batch {
-    fn new(first: Queued) -> Self {
-        let mut batch = Self {
-            commits: Vec::with_capacity(8),
-            keys: HashSet::new(),
-        };
-        let mut unused = VecDeque::new();
-        batch.add_or_hold(first, &mut unused);
-        batch
-    }
-
     fn len(&self) -> usize {
         self.commits.len()
     }
@@ -356,11 +348,11 @@ impl Batch {
     /// Runs the batch and answers every commit in it.
     async fn run(self, pool: &Pool) {
         let mut commits = self.commits;
-        if commits.len() == 1 {
-            for only in commits {
-                let outcome = super::within_call_timeout(commit_alone(pool, &only.write)).await;
-                let _ = only.outcome.send(outcome);
-            }
+        if commits.len() == 1
+            && let Some(only) = commits.pop()
+        {
+            let outcome = super::within_call_timeout(commit_alone(pool, &only.write)).await;
+            let _ = only.outcome.send(outcome);
             return;
         }
         // Sorted by key, so that batches lock rows in one order wherever the plan allows.
@@ -445,9 +437,7 @@ async fn commit_together(pool: &Pool, writes: &[&SingleWrite]) -> Result<Togethe
             .and_then(|ord| ord.checked_sub(1))
             .and_then(|i| versions.get_mut(i))
             .ok_or_else(|| StoreError::Unexpected(anyhow!("a batch commit returned row {ord}")))?;
-        *slot = Some(Version::new(
-            u64::try_from(version).map_err(|e| StoreError::Unexpected(e.into()))?,
-        ));
+        *slot = Some(stored_version(version)?);
     }
     Ok(Together::Outcomes(
         writes
@@ -486,22 +476,13 @@ async fn commit_alone(pool: &Pool, write: &SingleWrite) -> Result<CommitOutcome,
     let rows = match rows {
         Ok(rows) => rows,
         Err(e) if is_conflict(&e) => {
-            let receipt_taken = e.as_db_error().is_some_and(is_receipt_taken);
-            let key = match &write.receipt {
-                Some((receipt, _)) if receipt_taken => receipt.clone(),
-                _ => write.key.clone(),
-            };
-            return Ok(CommitOutcome::Conflict { key });
+            let key = taken_receipt(&e, write.receipt.as_ref()).unwrap_or(&write.key);
+            return Ok(CommitOutcome::Conflict { key: key.clone() });
         }
         Err(e) => return Err(classify(e)),
     };
     let version = match rows.first() {
-        Some(row) => {
-            let version: i64 = row.try_get(0).map_err(unexpected)?;
-            Some(Version::new(
-                u64::try_from(version).map_err(|e| StoreError::Unexpected(e.into()))?,
-            ))
-        }
+        Some(row) => Some(stored_version(row.try_get(0).map_err(unexpected)?)?),
         None => None,
     };
     Ok(outcome_of(write, version))
@@ -515,6 +496,13 @@ fn outcome_of(write: &SingleWrite, version: Option<Version>) -> CommitOutcome {
             key: write.key.clone(),
         },
     }
+}
+
+/// A version as the statements return it.
+fn stored_version(version: i64) -> Result<Version, StoreError> {
+    u64::try_from(version)
+        .map(Version::new)
+        .map_err(|e| StoreError::Unexpected(e.into()))
 }
 
 /// The version a write expects, as the statements take it: 0 for a key expected absent.
