@@ -101,6 +101,9 @@ pub enum Command {
     Serve(ServeArgs),
     /// Apply pending database migrations, then exit.
     Migrate(MigrateArgs),
+    /// Ask a server for its gRPC health; exit 0 when it is serving, 1 otherwise (for `helm
+    /// test`, container health checks and scripts).
+    HealthCheck(HealthCheckArgs),
 }
 
 /// `turnstile serve`.
@@ -228,4 +231,45 @@ pub struct MigrateArgs {
     /// PostgreSQL connection URL.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
+}
+
+/// `turnstile health-check`.
+#[derive(Debug, Clone, Args)]
+pub struct HealthCheckArgs {
+    /// The server: `http://host:port` for plaintext, `https://host:port` for TLS.
+    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    pub address: String,
+    /// The service whose health is asked (`turnstile.v1.TurnService`); empty asks for the
+    /// server as a whole.
+    #[arg(long, default_value = "")]
+    pub service: String,
+    /// Seconds the whole check may take, connecting included.
+    #[arg(long, default_value_t = 5)]
+    pub timeout_secs: u64,
+    /// PEM CA certificate(s) the server's certificate must chain to (needed for `https`).
+    #[arg(long)]
+    pub ca_cert: Option<PathBuf>,
+    /// The name the server's certificate carries, when it differs from the address's host.
+    #[arg(long)]
+    pub tls_domain: Option<String>,
+    /// PEM client certificate, for a server that requires mutual TLS (with `--key`).
+    #[arg(long, requires = "key")]
+    pub cert: Option<PathBuf>,
+    /// PEM private key of `--cert`.
+    #[arg(long, requires = "cert")]
+    pub key: Option<PathBuf>,
+}
+
+impl HealthCheckArgs {
+    /// The probe these arguments describe.
+    pub fn probe(&self) -> crate::probe::Probe {
+        crate::probe::Probe {
+            address: self.address.clone(),
+            service: self.service.clone(),
+            timeout: Duration::from_secs(self.timeout_secs),
+            ca_cert: self.ca_cert.clone(),
+            tls_domain: self.tls_domain.clone(),
+            client_identity: self.cert.clone().zip(self.key.clone()),
+        }
+    }
 }

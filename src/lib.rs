@@ -17,6 +17,7 @@
 //! - [`grpc`] — generated code, wire conversions, status mapping, the `TurnService` handler.
 //! - [`config`] — command-line flags and the configuration `serve` takes.
 //! - [`server`] — [`server::serve`], the one way to start the service.
+//! - [`probe`] — the gRPC health check `turnstile health-check` runs.
 //! - [`telemetry`] — Prometheus metrics on their own port.
 
 pub mod activity;
@@ -26,6 +27,7 @@ pub mod config;
 pub mod dialogs;
 pub mod engine;
 pub mod grpc;
+pub mod probe;
 pub mod server;
 pub mod state;
 pub mod store;

@@ -54,6 +54,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Some(Command::Serve(args)) => serve(args).await,
+        Some(Command::HealthCheck(args)) => health_check(&args).await,
         None => serve(cli.serve).await,
     }
 }
@@ -81,6 +82,21 @@ async fn serve(args: turnstile::config::ServeArgs) -> anyhow::Result<()> {
     )
     .await?;
     Ok(())
+}
+
+/// Prints the status and exits 0 when serving, 1 when not or when no status could be had.
+async fn health_check(args: &turnstile::config::HealthCheckArgs) -> anyhow::Result<()> {
+    let status = args
+        .probe()
+        .check()
+        .await
+        .with_context(|| format!("checking the health of {}", args.address))?;
+    println!("{}", status.as_str_name());
+    if status == tonic_health::pb::health_check_response::ServingStatus::Serving {
+        Ok(())
+    } else {
+        anyhow::bail!("{} is not serving", args.address)
+    }
 }
 
 /// Completes at the first SIGINT or SIGTERM.

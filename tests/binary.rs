@@ -186,3 +186,64 @@ async fn the_load_generator_drives_the_counter_bot_and_verifies_it() {
         .unwrap();
     assert!(status.success(), "{log}");
 }
+
+/// `turnstile health-check` with these arguments: whether it exited 0, and what it printed.
+fn health_check(args: &[&str]) -> (bool, String) {
+    let out = turnstile().arg("health-check").args(args).output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+#[tokio::test]
+async fn health_check_exits_zero_only_for_a_serving_server() {
+    let port = free_port();
+    let address = format!("http://127.0.0.1:{port}");
+    let (ok, out) = tokio::task::spawn_blocking({
+        let address = address.clone();
+        move || health_check(&["--address", &address, "--timeout-secs", "2"])
+    })
+    .await
+    .unwrap();
+    assert!(!ok, "nothing listens yet: {out}");
+    assert!(out.contains("connecting to"), "{out}");
+
+    let server = turnstile()
+        .env("TURNSTILE_LISTEN", format!("127.0.0.1:{port}"))
+        .spawn()
+        .unwrap();
+    drop(connect(port).await);
+    let (whole, turns, unknown) = tokio::task::spawn_blocking({
+        let address = address.clone();
+        move || {
+            (
+                health_check(&["--address", &address]),
+                health_check(&[
+                    "--address",
+                    &address,
+                    "--service",
+                    "turnstile.v1.TurnService",
+                ]),
+                health_check(&["--address", &address, "--service", "no.such.Service"]),
+            )
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(whole, (true, "SERVING\n".to_owned()));
+    assert_eq!(turns, (true, "SERVING\n".to_owned()));
+    assert!(
+        !unknown.0,
+        "an unknown service is no success: {}",
+        unknown.1
+    );
+    assert!(unknown.1.contains("NotFound"), "{}", unknown.1);
+
+    let (status, log) = tokio::task::spawn_blocking(move || terminate(server))
+        .await
+        .unwrap();
+    assert!(status.success(), "{log}");
+}

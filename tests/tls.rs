@@ -162,3 +162,61 @@ async fn a_missing_key_file_stops_the_start() {
         "{result:?}"
     );
 }
+
+/// `turnstile health-check` with these arguments; its exit status and output.
+async fn health_check(args: Vec<String>) -> (bool, String) {
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_turnstile"))
+            .arg("health-check")
+            .args(args)
+            .env_clear()
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+#[tokio::test]
+async fn the_health_check_command_speaks_mutual_tls() {
+    let pki = Pki::new();
+    let server = start(&pki, true).await;
+    std::fs::write(pki.path("client.pem"), &pki.client.cert).unwrap();
+    std::fs::write(pki.path("client.key"), &pki.client.key).unwrap();
+    let path = |name: &str| pki.path(name).display().to_string();
+    let base = vec![
+        "--address".to_owned(),
+        format!("https://localhost:{}", server.addr.port()),
+        "--service".to_owned(),
+        "turnstile.v1.TurnService".to_owned(),
+        "--ca-cert".to_owned(),
+        path("ca.pem"),
+    ];
+
+    let mut with_identity = base.clone();
+    with_identity.extend([
+        "--cert".to_owned(),
+        path("client.pem"),
+        "--key".to_owned(),
+        path("client.key"),
+    ]);
+    let (ok, out) = health_check(with_identity).await;
+    assert!(ok, "{out}");
+    assert_eq!(out.trim(), "SERVING");
+
+    let (ok, out) = health_check(base.clone()).await;
+    assert!(
+        !ok,
+        "a probe without a client certificate got an answer: {out}"
+    );
+
+    let (ok, out) = health_check(base[..4].to_vec()).await;
+    assert!(!ok);
+    assert!(out.contains("--ca-cert"), "says what is missing: {out}");
+}
