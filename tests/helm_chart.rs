@@ -284,6 +284,14 @@ fn env<'a>(container: &'a Value, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no {name} in {container}"))
 }
 
+fn has_env(container: &Value, name: &str) -> bool {
+    container["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|var| var["name"] == name)
+}
+
 fn env_value(container: &Value, name: &str) -> String {
     env(container, name)["value"]
         .as_str()
@@ -349,6 +357,48 @@ fn default_values_render_a_valid_single_replica_server_and_migration_hook() {
     let secret = &env(server, "DATABASE_URL")["valueFrom"]["secretKeyRef"];
     assert_eq!(secret["name"], "turnstile-database");
     assert_eq!(secret["key"], "database-url");
+    assert_eq!(env_value(server, "TURNSTILE_PREPARED_STATEMENTS"), "true");
+    assert!(
+        !has_env(server, "PGSSLMODE") && !has_env(server, "PGSSLROOTCERT"),
+        "the URL decides TLS by default"
+    );
+    assert!(
+        !has_env(server, "TURNSTILE_MAX_IN_FLIGHT"),
+        "the server derives its own limit from the pool size"
+    );
+    // Connections age out, so that a scale-out gets traffic from gateways already connected.
+    assert_eq!(
+        env_value(server, "TURNSTILE_MAX_CONNECTION_AGE_SECS"),
+        "300"
+    );
+    assert_eq!(
+        env_value(server, "TURNSTILE_MAX_CONNECTION_AGE_GRACE_SECS"),
+        "30"
+    );
+    assert_eq!(
+        env_value(server, "TURNSTILE_HTTP2_KEEPALIVE_INTERVAL_SECS"),
+        "60"
+    );
+    assert_eq!(
+        env_value(server, "TURNSTILE_HTTP2_KEEPALIVE_TIMEOUT_SECS"),
+        "20"
+    );
+    assert!(server["volumeMounts"].is_null() && pod["volumes"].is_null());
+
+    // A soft spread over nodes and zones: a preference that never leaves a pod pending.
+    let spread = pod["topologySpreadConstraints"].as_array().unwrap();
+    let keys: Vec<&Value> = spread.iter().map(|c| &c["topologyKey"]).collect();
+    assert_eq!(
+        keys,
+        ["kubernetes.io/hostname", "topology.kubernetes.io/zone"]
+    );
+    for constraint in spread {
+        assert_eq!(constraint["whenUnsatisfiable"], "ScheduleAnyway");
+        assert_eq!(
+            constraint["labelSelector"]["matchLabels"],
+            deployment["spec"]["selector"]["matchLabels"]
+        );
+    }
 
     // The kubelet must wait for the preStop sleep and the whole drain before SIGKILL.
     let grace: u64 = env_value(server, "TURNSTILE_SHUTDOWN_GRACE_SECS")
@@ -393,6 +443,25 @@ fn default_values_render_a_valid_single_replica_server_and_migration_hook() {
     let service = one(&docs, "Service");
     assert_eq!(service["spec"]["ports"][0]["name"], "grpc");
     assert_eq!(service["spec"]["ports"][0]["port"], 50051);
+
+    // `helm test`: the server image's own health check, through the Service, in plaintext.
+    let test = one(&docs, "Pod");
+    assert_eq!(test["metadata"]["annotations"]["helm.sh/hook"], "test");
+    let check = &test["spec"]["containers"][0];
+    assert_eq!(check["image"], server["image"]);
+    assert_eq!(
+        check["args"],
+        serde_json::json!([
+            "health-check",
+            "--service",
+            "turnstile.v1.TurnService",
+            "--timeout-secs",
+            "10",
+            "--address",
+            "http://turnstile.default.svc:50051"
+        ])
+    );
+    assert_eq!(check["securityContext"]["readOnlyRootFilesystem"], true);
 
     for absent in [
         "PodDisruptionBudget",
@@ -456,10 +525,72 @@ fn ci_values_render_every_optional_object() {
         assert_eq!(server[probe]["tcpSocket"]["port"], 50051, "{probe}");
     }
     let mounts = server["volumeMounts"].as_array().unwrap();
-    assert!(mounts.iter().all(|m| m["readOnly"] == true), "{mounts:?}");
+    assert!(
+        mounts
+            .iter()
+            .all(|m| m["readOnly"] == true || m["name"] == "scratch"),
+        "secrets are mounted read-only: {mounts:?}"
+    );
     let volumes = &deployment["spec"]["template"]["spec"]["volumes"];
     assert_eq!(volumes[0]["secret"]["secretName"], "turnstile-ci-tokens");
     assert_eq!(volumes[1]["secret"]["secretName"], "turnstile-ci-tls");
+    assert_eq!(
+        volumes[2]["secret"]["secretName"],
+        "turnstile-ci-postgres-ca"
+    );
+    assert_eq!(volumes[3]["name"], "scratch", "extraVolumes");
+    assert!(
+        mounts
+            .iter()
+            .any(|m| m["name"] == "scratch" && m["mountPath"] == "/var/scratch"),
+        "extraVolumeMounts: {mounts:?}"
+    );
+    assert_eq!(
+        server["envFrom"],
+        serde_json::json!([{"secretRef": {"name": "turnstile-ci-otel"}}])
+    );
+
+    // PostgreSQL over verified TLS, behind a transaction-mode pooler.
+    assert_eq!(env_value(server, "PGSSLMODE"), "verify-full");
+    assert_eq!(
+        env_value(server, "PGSSLROOTCERT"),
+        "/etc/turnstile/postgres-ca/root.crt"
+    );
+    assert!(
+        mounts
+            .iter()
+            .any(|m| m["name"] == "postgres-ca" && m["mountPath"] == "/etc/turnstile/postgres-ca")
+    );
+    assert_eq!(env_value(server, "TURNSTILE_PREPARED_STATEMENTS"), "false");
+    assert_eq!(env_value(server, "TURNSTILE_MAX_IN_FLIGHT"), "256");
+    assert_eq!(
+        env_value(server, "TURNSTILE_MAX_CONNECTION_AGE_SECS"),
+        "600"
+    );
+
+    // Given constraints replace the default spread.
+    let spread = &deployment["spec"]["template"]["spec"]["topologySpreadConstraints"];
+    assert_eq!(spread.as_array().unwrap().len(), 1);
+    assert_eq!(spread[0]["topologyKey"], "topology.kubernetes.io/zone");
+
+    // `helm test` over TLS with a client certificate of its own.
+    let test = one(&docs, "Pod");
+    let args: Vec<&str> = test["spec"]["containers"][0]["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let after = |flag: &str| args[args.iter().position(|a| *a == flag).unwrap() + 1];
+    assert_eq!(after("--address"), "https://turnstile.default.svc:443");
+    assert_eq!(after("--ca-cert"), "/etc/turnstile/tls/ca.crt");
+    assert_eq!(after("--tls-domain"), "turnstile.example.internal");
+    assert_eq!(after("--cert"), "/etc/turnstile/client/tls.crt");
+    let test_volumes = &test["spec"]["volumes"];
+    assert_eq!(
+        test_volumes[1]["secret"]["secretName"],
+        "turnstile-ci-client-tls"
+    );
 
     let hpa = one(&docs, "HorizontalPodAutoscaler");
     assert_eq!(hpa["apiVersion"], "autoscaling/v2");
@@ -518,16 +649,32 @@ fn ci_values_render_every_optional_object() {
         policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"], "server",
         "the migration Job must not be caught by the policy"
     );
+    let grpc_from = policy["spec"]["ingress"][0]["from"].as_array().unwrap();
+    assert!(
+        grpc_from.iter().any(|peer| {
+            peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "test"
+        }),
+        "the helm test Pod may reach the gRPC port: {grpc_from:?}"
+    );
 
     let job = one(&docs, "Job");
     assert_eq!(job["metadata"]["annotations"]["helm.sh/hook-weight"], "-10");
+    let migrate = &job["spec"]["template"]["spec"]["containers"][0];
+    // Migrations take a session lock: straight to PostgreSQL, past the pooler.
     assert_eq!(
-        env(
-            &job["spec"]["template"]["spec"]["containers"][0],
-            "DATABASE_URL"
-        )["valueFrom"]["secretKeyRef"]["name"],
-        "turnstile-ci-database"
+        env(migrate, "DATABASE_URL")["valueFrom"]["secretKeyRef"],
+        serde_json::json!({"name": "turnstile-ci-database-direct", "key": "direct-url"})
     );
+    assert_eq!(env_value(migrate, "PGSSLMODE"), "verify-full");
+    assert_eq!(
+        env_value(migrate, "PGSSLROOTCERT"),
+        "/etc/turnstile/postgres-ca/root.crt"
+    );
+    assert_eq!(
+        job["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"],
+        "turnstile-ci-postgres-ca"
+    );
+    assert_eq!(migrate["volumeMounts"][0]["name"], "postgres-ca");
 }
 
 #[test]
@@ -585,6 +732,8 @@ fn values_schema_rejects_mistakes() {
         ("config.maxAttempts=0", "/config/maxAttempts"),
         ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
         ("replicaCuont=2", "replicaCuont"),
+        ("database.tls.sslMode=verify", "/database/tls/sslMode"),
+        ("config.maxInFlight=-5", "/config/maxInFlight"),
     ] {
         let output = helm(&[
             "template",

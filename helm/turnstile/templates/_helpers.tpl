@@ -86,6 +86,103 @@ DATABASE_URL taken from the existing Secret, for the server and the migration Jo
 {{- end }}
 
 {{/*
+PGSSLMODE and PGSSLROOTCERT for the server and the migration Job: libpq's variables, used when the
+URL names no sslmode or sslrootcert.
+*/}}
+{{- define "turnstile.databaseTlsEnv" -}}
+{{- with .Values.database.tls.sslMode }}
+- name: PGSSLMODE
+  value: {{ . | quote }}
+{{- end }}
+{{- if .Values.database.tls.caSecret }}
+- name: PGSSLROOTCERT
+  value: /etc/turnstile/postgres-ca/{{ .Values.database.tls.caKey }}
+{{- end }}
+{{- end }}
+
+{{/*
+The volume holding the PostgreSQL CA, when one is configured.
+*/}}
+{{- define "turnstile.databaseCaVolume" -}}
+{{- if .Values.database.tls.caSecret }}
+- name: postgres-ca
+  secret:
+    secretName: {{ .Values.database.tls.caSecret }}
+    items:
+      - key: {{ .Values.database.tls.caKey }}
+        path: {{ .Values.database.tls.caKey }}
+{{- end }}
+{{- end }}
+
+{{- define "turnstile.databaseCaVolumeMount" -}}
+{{- if .Values.database.tls.caSecret }}
+- name: postgres-ca
+  mountPath: /etc/turnstile/postgres-ca
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/*
+The server container's volume mounts: auth tokens, TLS, the PostgreSQL CA, then extraVolumeMounts.
+Empty when there are none.
+*/}}
+{{- define "turnstile.serverVolumeMounts" -}}
+{{- if .Values.auth.existingSecret }}
+- name: auth-tokens
+  mountPath: /etc/turnstile/auth
+  readOnly: true
+{{- end }}
+{{- if .Values.tls.existingSecret }}
+- name: tls
+  mountPath: /etc/turnstile/tls
+  readOnly: true
+{{- end }}
+{{- include "turnstile.databaseCaVolumeMount" . }}
+{{- with .Values.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+The server pods' volumes, matching turnstile.serverVolumeMounts, then extraVolumes.
+*/}}
+{{- define "turnstile.serverVolumes" -}}
+{{- if .Values.auth.existingSecret }}
+- name: auth-tokens
+  secret:
+    secretName: {{ .Values.auth.existingSecret }}
+    items:
+      - key: {{ .Values.auth.secretKey }}
+        path: {{ .Values.auth.secretKey }}
+{{- end }}
+{{- if .Values.tls.existingSecret }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.existingSecret }}
+{{- end }}
+{{- include "turnstile.databaseCaVolume" . }}
+{{- with .Values.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+DATABASE_URL for the migration Job: database.migration's Secret (straight to PostgreSQL, past a
+pooler) when set, the server's otherwise.
+*/}}
+{{- define "turnstile.migrationDatabaseUrlEnv" -}}
+{{- if .Values.database.migration.existingSecret }}
+- name: DATABASE_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.database.migration.existingSecret }}
+      key: {{ required "database.migration.secretKey is required" .Values.database.migration.secretKey }}
+{{- else }}
+{{- include "turnstile.databaseUrlEnv" . }}
+{{- end }}
+{{- end }}
+
+{{/*
 terminationGracePeriodSeconds: preStop sleep, then the server's drain, then a margin to exit.
 Derived from the same values the server gets, so they cannot drift apart.
 */}}
