@@ -26,7 +26,7 @@ use tracing::Instrument as _;
 
 use crate::activity::Activity;
 use crate::activity::incoming::IncomingActivity;
-use crate::bot::{BotError, BotRegistry, TurnContext, TurnScopes, UnknownBot};
+use crate::bot::{Bot, BotError, BotRegistry, TurnContext, TurnScopes, UnknownBot};
 use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
 use crate::store::{Commit, CommitOutcome, KeyChange, Snapshot, Store, StoreError, Version};
 use crate::telemetry::metrics::{
@@ -161,7 +161,8 @@ impl Engine {
         result
     }
 
-    /// [`Engine::run_turn`] without the bookkeeping of its outcome.
+    /// [`Engine::run_turn`] without the bookkeeping of its outcome: queue behind the
+    /// conversation's earlier turns, then attempt until an attempt ends the turn.
     async fn turn(
         &self,
         bot: Option<&str>,
@@ -172,21 +173,8 @@ impl Engine {
         let span = tracing::Span::current();
         span.record("channel", incoming.address().channel.as_str());
         span.record("bot", bot_name);
-        let keys = TurnKeys::new(bot_name, incoming.address());
-        let key_list: Vec<StateKey> = keys.all().map(|(_, k)| k.clone()).collect();
-        let address = incoming.address();
-        let receipt_key = incoming
-            .id()
-            .map(|id| StateKey::receipt(bot_name, &address.channel, &address.conversation, id));
-        let max_attempts = self.retry.max_attempts.max(1);
-        let _turn = match deadline {
-            Some(deadline) => {
-                tokio::time::timeout_at(deadline, self.queue.enter(&keys.conversation))
-                    .await
-                    .map_err(|_| TurnError::DeadlineExceeded { attempts: 0 })?
-            }
-            None => self.queue.enter(&keys.conversation).await,
-        };
+        let plan = TurnPlan::new(bot_name, handler.as_ref(), incoming);
+        let _turn = self.queue_up(&plan.keys.conversation, deadline).await?;
 
         let mut attempt = 0;
         let mut outcome_unknown = false;
@@ -201,140 +189,271 @@ impl Engine {
                 outcome = tracing::field::Empty,
                 version = tracing::field::Empty
             );
-            // The cache may stand in for the load only when the turn will commit (it has an id,
-            // so its receipt is written), since only the commit can tell a stale guess.
-            let cached = match (&receipt_key, attempt) {
-                (Some(_), 1) => self.cache.snapshot(&key_list),
-                _ => None,
-            };
-            let snapshot = match cached {
-                Some(snapshot) => snapshot,
-                None => {
-                    let loading = std::time::Instant::now();
-                    let loaded = self
-                        .store
-                        .load(&key_list, receipt_key.as_ref())
-                        .instrument(attempt_span.clone())
-                        .await;
-                    metrics::histogram!(STORE_DURATION, "op" => "load").record(loading.elapsed());
-                    let snapshot = loaded.inspect_err(|_| {
-                        attempt_span.record("outcome", "store_failed");
-                    })?;
-                    for key in &key_list {
-                        self.cache.remember(key.clone(), snapshot.get(key).cloned());
-                    }
-                    snapshot
-                }
-            };
-            if let Some(receipt) = snapshot.receipt() {
-                attempt_span.record("outcome", "receipt");
-                // Processed before (or, after an unknown commit outcome, by this very call).
-                break receipt::decode(receipt).map(|mut outcome| {
-                    // After an unknown outcome, the receipt is most likely this call's own commit.
-                    outcome.replayed = !outcome_unknown;
-                    outcome
-                });
-            }
-            let context = TurnContext::new(
-                incoming,
-                attempt,
-                scope_state(Scope::Conversation, &keys.conversation, &snapshot),
-                keys.user
-                    .as_ref()
-                    .map(|k| scope_state(Scope::User, k, &snapshot)),
-                keys.private_conversation
-                    .as_ref()
-                    .map(|k| scope_state(Scope::PrivateConversation, k, &snapshot)),
-            );
-            let (scopes, activities) = run_bot(handler.as_ref(), context)
-                .instrument(attempt_span.clone())
-                .await
-                .inspect_err(|_| {
-                    attempt_span.record("outcome", "bot_failed");
-                })?;
-
-            let mut commit = commit_of(&keys, scopes, &snapshot);
-            let outcome = TurnOutcome {
-                conversation_version: version_after(&commit, &keys.conversation, &snapshot),
-                activities,
-                attempts: attempt,
-                replayed: false,
-            };
-            if let Some(key) = &receipt_key {
-                commit = commit.with_receipt(key.clone(), receipt::encode(&outcome));
-            }
-            if !commit.writes_anything() {
-                // A read-only turn of an activity without id, answered from one consistent
-                // snapshot: nothing to commit.
-                attempt_span.record("outcome", "read_only");
-                break Ok(outcome);
-            }
-            let written: Vec<(StateKey, crate::activity::JsonMap)> = if self.cache.is_enabled() {
-                commit
-                    .changes()
-                    .iter()
-                    .filter_map(|c| Some((c.key.clone(), c.write.clone()?)))
-                    .collect()
-            } else {
-                Vec::new()
-            };
-            let committing = std::time::Instant::now();
-            let result = self
-                .store
-                .commit(commit)
+            let ended = self
+                .attempt(&plan, attempt)
                 .instrument(attempt_span.clone())
                 .await;
-            metrics::histogram!(STORE_DURATION, "op" => "commit").record(committing.elapsed());
-            if !matches!(result, Ok(CommitOutcome::Committed(_))) {
-                self.cache.forget(&key_list);
-            }
-            let lost = match result {
-                Ok(CommitOutcome::Committed(versions)) => {
-                    for (key, state) in written {
-                        match versions.get(&key) {
-                            Some(&version) => self
-                                .cache
-                                .remember(key, Some(crate::store::Versioned { state, version })),
-                            None => self.cache.forget([&key]),
-                        }
-                    }
-                    attempt_span.record("outcome", "committed");
+            attempt_span.record("outcome", attempt_name(&ended));
+            let lost = match ended? {
+                AttemptOutcome::Answered(mut outcome) => {
+                    // Processed before — or, after an unknown commit outcome, most likely by this
+                    // very call, which is then no redelivery.
+                    outcome.replayed = !outcome_unknown;
+                    return Ok(outcome);
+                }
+                AttemptOutcome::NothingToCommit(outcome) => return Ok(outcome),
+                AttemptOutcome::Committed(outcome) => {
                     if let Some(version) = outcome.conversation_version {
                         attempt_span.record("version", version.get());
                     }
-                    break Ok(outcome);
+                    return Ok(outcome);
                 }
-                Ok(CommitOutcome::Conflict { key }) => {
+                AttemptOutcome::Conflict(key) => {
                     metrics::counter!(CONFLICTS).increment(1);
-                    attempt_span.record("outcome", "conflict");
                     tracing::debug!(attempt, %key, "conflict; replaying the turn");
                     None
                 }
-                // The connection failed while the commit may have been in flight. With a receipt
-                // the next load tells whether it landed: replay, and the receipt answers if so.
-                Err(e @ StoreError::Unavailable(_)) if receipt_key.is_some() => {
+                AttemptOutcome::OutcomeUnknown(e) => {
                     tracing::warn!(attempt, error = %e, "commit outcome unknown; re-reading");
                     outcome_unknown = true;
-                    attempt_span.record("outcome", "commit_unknown");
                     Some(e)
                 }
-                Err(e) => {
-                    attempt_span.record("outcome", "store_failed");
-                    break Err(e.into());
-                }
             };
-            if attempt >= max_attempts {
-                break Err(match lost {
-                    Some(e) => TurnError::Store(e),
-                    None => TurnError::Aborted { attempts: attempt },
-                });
-            }
-            let delay = self.retry.delay(attempt, &mut rand::rng());
-            if deadline.is_some_and(|d| Instant::now() + delay >= d) {
-                break Err(TurnError::DeadlineExceeded { attempts: attempt });
-            }
-            tokio::time::sleep(delay).await;
+            self.back_off(attempt, deadline, lost).await?;
         }
+    }
+
+    /// Waits for the turns of the same conversation queued before this one on this replica,
+    /// within the caller's deadline.
+    async fn queue_up(
+        &self,
+        conversation: &StateKey,
+        deadline: Option<Instant>,
+    ) -> Result<queue::KeyTurn, TurnError> {
+        match deadline {
+            Some(deadline) => tokio::time::timeout_at(deadline, self.queue.enter(conversation))
+                .await
+                .map_err(|_| TurnError::DeadlineExceeded { attempts: 0 }),
+            None => Ok(self.queue.enter(conversation).await),
+        }
+    }
+
+    /// One attempt: take a snapshot, answer from the receipt if it has one, else run the bot
+    /// and commit what it did.
+    async fn attempt(
+        &self,
+        plan: &TurnPlan<'_>,
+        attempt: u32,
+    ) -> Result<AttemptOutcome, TurnError> {
+        let snapshot = self.snapshot(plan, attempt).await?;
+        if let Some(receipt) = snapshot.receipt() {
+            return receipt::decode(receipt).map(AttemptOutcome::Answered);
+        }
+        let (scopes, activities) = run_bot(plan.bot, plan.context(attempt, &snapshot)).await?;
+        let (commit, outcome) = plan.commit(scopes, activities, attempt, &snapshot);
+        if !commit.writes_anything() {
+            // A read-only turn of an activity without id, answered from one consistent
+            // snapshot: nothing to commit.
+            return Ok(AttemptOutcome::NothingToCommit(outcome));
+        }
+        self.commit(plan, commit, outcome).await
+    }
+
+    /// The state the attempt runs on: this replica's last committed state when it knows every
+    /// key and may rely on a guess, else a load from the store (with the receipt).
+    async fn snapshot(&self, plan: &TurnPlan<'_>, attempt: u32) -> Result<Snapshot, TurnError> {
+        // The cache may stand in for the load only when the turn will commit (it has an id,
+        // so its receipt is written), since only the commit can tell a stale guess; and only on
+        // the first attempt, since a replay follows a guess that was wrong.
+        if plan.receipt.is_some() && attempt == 1 {
+            if let Some(snapshot) = self.cache.snapshot(&plan.key_list) {
+                return Ok(snapshot);
+            }
+        }
+        let loading = std::time::Instant::now();
+        let loaded = self.store.load(&plan.key_list, plan.receipt.as_ref()).await;
+        metrics::histogram!(STORE_DURATION, "op" => "load").record(loading.elapsed());
+        let snapshot = loaded?;
+        for key in &plan.key_list {
+            self.cache.remember(key.clone(), snapshot.get(key).cloned());
+        }
+        Ok(snapshot)
+    }
+
+    /// Asks the store to apply `commit`, and keeps the cache in step with what it did.
+    async fn commit(
+        &self,
+        plan: &TurnPlan<'_>,
+        commit: Commit,
+        outcome: TurnOutcome,
+    ) -> Result<AttemptOutcome, TurnError> {
+        let expected: Vec<(StateKey, Version, crate::activity::JsonMap)> = commit
+            .changes()
+            .iter()
+            .filter_map(|c| {
+                let version = c.version_after()?;
+                let state = if self.cache.is_enabled() {
+                    c.write.clone()?
+                } else {
+                    crate::activity::JsonMap::new()
+                };
+                Some((c.key.clone(), version, state))
+            })
+            .collect();
+        let committing = std::time::Instant::now();
+        let result = self.store.commit(commit).await;
+        metrics::histogram!(STORE_DURATION, "op" => "commit").record(committing.elapsed());
+        match result {
+            Ok(CommitOutcome::Committed(versions)) => {
+                // The version the receipt promised is the one the store wrote: one rule
+                // (`KeyChange::version_after`), checked here rather than trusted.
+                for (key, version, state) in expected {
+                    if versions.get(&key) != Some(&version) {
+                        self.cache.forget(&plan.key_list);
+                        return Err(TurnError::Store(StoreError::Unexpected(anyhow::anyhow!(
+                            "the store committed {key} at version {:?}, not the {version:?} the \
+                             commit implied",
+                            versions.get(&key)
+                        ))));
+                    }
+                    if self.cache.is_enabled() {
+                        self.cache
+                            .remember(key, Some(crate::store::Versioned { state, version }));
+                    }
+                }
+                Ok(AttemptOutcome::Committed(outcome))
+            }
+            Ok(CommitOutcome::Conflict { key }) => {
+                self.cache.forget(&plan.key_list);
+                Ok(AttemptOutcome::Conflict(key))
+            }
+            // The connection failed while the commit may have been in flight. With a receipt
+            // the next load tells whether it landed: replay, and the receipt answers if so.
+            Err(e @ StoreError::Unavailable(_)) if plan.receipt.is_some() => {
+                self.cache.forget(&plan.key_list);
+                Ok(AttemptOutcome::OutcomeUnknown(e))
+            }
+            Err(e) => {
+                self.cache.forget(&plan.key_list);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Between two attempts: fails the turn when its attempts are spent or the wait would pass
+    /// the deadline, else waits a jittered backoff. `lost` is the error of an attempt whose
+    /// commit outcome is unknown (`None` after a plain conflict).
+    async fn back_off(
+        &self,
+        attempt: u32,
+        deadline: Option<Instant>,
+        lost: Option<StoreError>,
+    ) -> Result<(), TurnError> {
+        if attempt >= self.retry.max_attempts.max(1) {
+            return Err(match lost {
+                Some(e) => TurnError::Store(e),
+                None => TurnError::Aborted { attempts: attempt },
+            });
+        }
+        let delay = self.retry.delay(attempt, &mut rand::rng());
+        if deadline.is_some_and(|d| Instant::now() + delay >= d) {
+            return Err(TurnError::DeadlineExceeded { attempts: attempt });
+        }
+        tokio::time::sleep(delay).await;
+        Ok(())
+    }
+}
+
+/// What one turn needs on every attempt, worked out once before the first.
+struct TurnPlan<'a> {
+    bot: &'a dyn Bot,
+    incoming: &'a IncomingActivity,
+    keys: TurnKeys,
+    /// Every scope's key, for loads and the cache.
+    key_list: Vec<StateKey>,
+    /// The activity's receipt; `None` for an activity without id, which is not deduplicated.
+    receipt: Option<StateKey>,
+}
+
+impl<'a> TurnPlan<'a> {
+    fn new(bot_name: &str, bot: &'a dyn Bot, incoming: &'a IncomingActivity) -> Self {
+        let address = incoming.address();
+        let keys = TurnKeys::new(bot_name, address);
+        Self {
+            bot,
+            incoming,
+            key_list: keys.all().map(|(_, k)| k.clone()).collect(),
+            receipt: incoming
+                .id()
+                .map(|id| StateKey::receipt(bot_name, &address.channel, &address.conversation, id)),
+            keys,
+        }
+    }
+
+    /// The context the bot runs in on `snapshot`.
+    fn context(&self, attempt: u32, snapshot: &Snapshot) -> TurnContext<'a> {
+        let keys = &self.keys;
+        TurnContext::new(
+            self.incoming,
+            attempt,
+            scope_state(Scope::Conversation, &keys.conversation, snapshot),
+            keys.user
+                .as_ref()
+                .map(|k| scope_state(Scope::User, k, snapshot)),
+            keys.private_conversation
+                .as_ref()
+                .map(|k| scope_state(Scope::PrivateConversation, k, snapshot)),
+        )
+    }
+
+    /// What the attempt asks the store to apply, with the receipt that answers a redelivery,
+    /// and the outcome it delivers once applied.
+    fn commit(
+        &self,
+        scopes: TurnScopes,
+        activities: Vec<Activity>,
+        attempt: u32,
+        snapshot: &Snapshot,
+    ) -> (Commit, TurnOutcome) {
+        let mut commit = commit_of(&self.keys, scopes, snapshot);
+        let outcome = TurnOutcome {
+            conversation_version: version_after(&commit, &self.keys.conversation, snapshot),
+            activities,
+            attempts: attempt,
+            replayed: false,
+        };
+        if let Some(key) = &self.receipt {
+            commit = commit.with_receipt(key.clone(), receipt::encode(&outcome));
+        }
+        (commit, outcome)
+    }
+}
+
+/// How one attempt ended, when it did not fail the turn.
+enum AttemptOutcome {
+    /// The snapshot held the activity's receipt: its stored answer.
+    Answered(TurnOutcome),
+    /// The bot changed nothing and the activity has no receipt to write.
+    NothingToCommit(TurnOutcome),
+    /// The store applied the attempt: deliver its replies.
+    Committed(TurnOutcome),
+    /// Another turn changed this key first: replay on fresh state.
+    Conflict(StateKey),
+    /// The connection failed while the commit may have been in flight; the receipt, on the next
+    /// load, tells whether it applied.
+    OutcomeUnknown(StoreError),
+}
+
+/// An attempt's end as its span's `outcome` field names it.
+fn attempt_name(ended: &Result<AttemptOutcome, TurnError>) -> &'static str {
+    match ended {
+        Ok(AttemptOutcome::Answered(_)) => "receipt",
+        Ok(AttemptOutcome::NothingToCommit(_)) => "read_only",
+        Ok(AttemptOutcome::Committed(_)) => "committed",
+        Ok(AttemptOutcome::Conflict(_)) => "conflict",
+        Ok(AttemptOutcome::OutcomeUnknown(_)) => "commit_unknown",
+        Err(TurnError::Bot(_)) => "bot_failed",
+        Err(_) => "store_failed",
     }
 }
 
@@ -353,18 +472,12 @@ fn outcome_name(result: &Result<TurnOutcome, TurnError>) -> &'static str {
 
 /// The conversation scope's version once `commit` has applied.
 fn version_after(commit: &Commit, conversation: &StateKey, snapshot: &Snapshot) -> Option<Version> {
-    let change = commit.changes().iter().find(|c| &c.key == conversation);
-    match change {
-        Some(KeyChange {
-            write: Some(_),
-            expected,
-            ..
-        }) => Some(match expected {
-            crate::store::Expected::Absent => Version::FIRST,
-            crate::store::Expected::Version(v) => v.next(),
-        }),
-        _ => snapshot.get(conversation).map(|row| row.version),
-    }
+    commit
+        .changes()
+        .iter()
+        .find(|c| &c.key == conversation)
+        .and_then(KeyChange::version_after)
+        .or_else(|| snapshot.get(conversation).map(|row| row.version))
 }
 
 fn scope_state(scope: Scope, key: &StateKey, snapshot: &Snapshot) -> ScopeState {
@@ -568,6 +681,44 @@ mod tests {
         );
     }
 
+    /// A store that applies commits but reports every written key one version ahead.
+    struct MisreportsVersions(MemoryStore);
+
+    #[async_trait]
+    impl Store for MisreportsVersions {
+        async fn load(
+            &self,
+            keys: &[StateKey],
+            receipt: Option<&StateKey>,
+        ) -> Result<Snapshot, StoreError> {
+            self.0.load(keys, receipt).await
+        }
+        async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
+            self.0.prune_receipts(age).await
+        }
+        async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
+            Ok(match self.0.commit(commit).await? {
+                CommitOutcome::Committed(versions) => CommitOutcome::Committed(
+                    versions.into_iter().map(|(k, v)| (k, v.next())).collect(),
+                ),
+                conflict => conflict,
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_store_reporting_another_version_than_the_commit_implied_fails_the_turn() {
+        let (engine, _) = engine(
+            MisreportsVersions(MemoryStore::new()),
+            RetryPolicy::default(),
+        );
+        let result = engine.run_turn(None, &incoming("hi"), None).await;
+        assert!(
+            matches!(result, Err(TurnError::Store(StoreError::Unexpected(_)))),
+            "the receipt promised version 1, the store said 2: {result:?}"
+        );
+    }
+
     /// Records every span's name and fields, as `name field=value`.
     #[derive(Clone, Default)]
     struct Spans(Arc<std::sync::Mutex<Vec<String>>>);
@@ -616,21 +767,28 @@ mod tests {
     #[tokio::test]
     async fn each_attempt_has_a_span_with_its_outcome_and_no_message_text() {
         use tracing_subscriber::layer::SubscriberExt as _;
-        let spans = Spans::default();
-        let _default =
-            tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
         let retry = RetryPolicy {
             max_attempts: 2,
             base_delay: Duration::from_millis(1),
             max_delay: Duration::from_millis(1),
         };
-        let (beaten, _) = engine(AlwaysBeaten(MemoryStore::new()), retry);
-        let _ = beaten.run_turn(None, &incoming("secret words"), None).await;
-        let (winning, _) = engine(MemoryStore::new(), RetryPolicy::default());
-        winning
-            .run_turn(None, &incoming("secret words"), None)
-            .await
-            .expect("an uncontested turn commits");
+        let turns = || async {
+            let (beaten, _) = engine(AlwaysBeaten(MemoryStore::new()), retry);
+            let _ = beaten.run_turn(None, &incoming("secret words"), None).await;
+            let (winning, _) = engine(MemoryStore::new(), RetryPolicy::default());
+            winning
+                .run_turn(None, &incoming("secret words"), None)
+                .await
+                .expect("an uncontested turn commits");
+        };
+        // Once without a subscriber, so that every span's callsite is registered before ours is
+        // set: tracing caches whether a callsite is wanted, and a test thread without a
+        // subscriber registering it at the same moment could cache "never" past our `set_default`.
+        turns().await;
+        let spans = Spans::default();
+        let _default =
+            tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+        turns().await;
 
         let seen = spans.0.lock().expect("no test thread panicked").clone();
         for expected in [

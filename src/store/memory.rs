@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
-use super::{Commit, CommitOutcome, Expected, Snapshot, Store, StoreError, Version, Versioned};
+use super::{Commit, CommitOutcome, Expected, Snapshot, Store, StoreError, Versioned};
 use crate::state::StateKey;
 
 /// Turn state in this process's memory.
@@ -81,12 +81,8 @@ impl Store for MemoryStore {
         }
         let mut versions = HashMap::with_capacity(commit.changes().len());
         for change in commit.changes() {
-            let version = match (&change.write, change.expected) {
-                (Some(state), expected) => {
-                    let version = match expected {
-                        Expected::Absent => Version::FIRST,
-                        Expected::Version(v) => v.next(),
-                    };
+            let version = match (&change.write, change.version_after()) {
+                (Some(state), Some(version)) => {
                     rows.insert(
                         change.key.clone(),
                         Versioned {
@@ -96,9 +92,11 @@ impl Store for MemoryStore {
                     );
                     version
                 }
-                (None, Expected::Version(v)) => v,
-                // A key checked for absence has no version; it is not reported.
-                (None, Expected::Absent) => continue,
+                (_, _) => match change.expected {
+                    Expected::Version(v) => v,
+                    // A key checked for absence has no version; it is not reported.
+                    Expected::Absent => continue,
+                },
             };
             versions.insert(change.key.clone(), version);
         }

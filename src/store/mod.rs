@@ -115,6 +115,19 @@ pub struct KeyChange {
     pub write: Option<JsonMap>,
 }
 
+impl KeyChange {
+    /// The version the key has once this change applied, when it writes: the first version for
+    /// a key created, the next one for a key updated. Every store follows this one rule, and the
+    /// engine checks that the version a store reports is this one.
+    pub fn version_after(&self) -> Option<Version> {
+        self.write.as_ref()?;
+        Some(match self.expected {
+            Expected::Absent => Version::FIRST,
+            Expected::Version(v) => v.next(),
+        })
+    }
+}
+
 /// Everything one turn attempt wants applied atomically.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Commit {
