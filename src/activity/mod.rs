@@ -71,49 +71,87 @@ pub mod types {
 pub struct Activity {
     /// The activity type (JSON `type`); see [`types`].
     pub activity_type: Option<String>,
+    /// The channel's id of this activity; the key of its receipt.
     pub id: Option<String>,
     /// RFC 3339 text as sent, so that precision survives.
     pub timestamp: Option<String>,
     /// RFC 3339 text as sent, so that the sender's offset survives.
     pub local_timestamp: Option<String>,
+    /// The sender's IANA time zone name.
     pub local_timezone: Option<String>,
+    /// Where replies to this activity are sent (the channel's Connector endpoint).
     pub service_url: Option<String>,
+    /// The channel (msteams, slack, webchat, directline, ...).
     pub channel_id: Option<String>,
+    /// The sender.
     pub from: Option<ChannelAccount>,
+    /// The conversation the activity belongs to.
     pub conversation: Option<ConversationAccount>,
+    /// The addressee (the bot, for inbound activities).
     pub recipient: Option<ChannelAccount>,
+    /// How `text` is formatted: plain, markdown or xml.
     pub text_format: Option<String>,
+    /// How several attachments are laid out: list or carousel.
     pub attachment_layout: Option<String>,
+    /// Members who joined (conversationUpdate).
     pub members_added: Vec<ChannelAccount>,
+    /// Members who left (conversationUpdate).
     pub members_removed: Vec<ChannelAccount>,
+    /// Reactions added to a message (messageReaction).
     pub reactions_added: Vec<MessageReaction>,
+    /// Reactions removed from a message (messageReaction).
     pub reactions_removed: Vec<MessageReaction>,
+    /// The conversation's new topic (conversationUpdate).
     pub topic_name: Option<String>,
+    /// Whether earlier history is disclosed to members who joined.
     pub history_disclosed: Option<bool>,
+    /// The sender's locale, e.g. en-US.
     pub locale: Option<String>,
+    /// The message text.
     pub text: Option<String>,
+    /// Text to speak, plain or SSML.
     pub speak: Option<String>,
+    /// Whether the bot expects input after this message: acceptingInput, expectingInput, ignoringInput.
     pub input_hint: Option<String>,
+    /// Text to show when the channel cannot render the activity.
     pub summary: Option<String>,
+    /// Buttons offered for the user's next reply.
     pub suggested_actions: Option<SuggestedActions>,
+    /// Files, cards and media.
     pub attachments: Vec<Attachment>,
     /// Free-form objects with a `type` member (mention, place, clientInfo, ...).
     pub entities: Vec<JsonMap>,
+    /// Channel-specific content, passed through as the channel sent it.
     pub channel_data: Option<serde_json::Value>,
+    /// added or removed (contactRelationUpdate, installationUpdate).
     pub action: Option<String>,
+    /// The id of the activity this one answers.
     pub reply_to_id: Option<String>,
+    /// A descriptive label (trace activities).
     pub label: Option<String>,
+    /// The type of `value` (trace activities).
     pub value_type: Option<String>,
+    /// The payload of an event, invoke or trace activity, or of a card's submit.
     pub value: Option<serde_json::Value>,
+    /// The name of an event, invoke or command.
     pub name: Option<String>,
+    /// The conversation and activity this one refers to.
     pub relates_to: Option<ConversationReference>,
+    /// Why a conversation ended (endOfConversation).
     pub code: Option<String>,
+    /// When the activity expires, RFC 3339 text as sent.
     pub expiration: Option<String>,
+    /// low, normal or high.
     pub importance: Option<String>,
+    /// normal, notification, expectReplies or ephemeral.
     pub delivery_mode: Option<String>,
+    /// Phrases a speech channel should listen for.
     pub listen_for: Vec<String>,
+    /// Fragments of the replied-to text to highlight.
     pub text_highlights: Vec<TextHighlight>,
+    /// A programmatic action accompanying the request.
     pub semantic_action: Option<SemanticAction>,
+    /// Who sent the activity as a verified caller (urn:botframework:...), set by the hosting service.
     pub caller_id: Option<String>,
     /// JSON members the typed fields cannot carry exactly, verbatim under their JSON names.
     pub properties: JsonMap,
@@ -122,9 +160,13 @@ pub struct Activity {
 /// A user or bot on a channel.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ChannelAccount {
+    /// The account's id on the channel.
     pub id: Option<String>,
+    /// The display name.
     pub name: Option<String>,
+    /// The account's Microsoft Entra ID object id, when the channel knows it.
     pub aad_object_id: Option<String>,
+    /// user or bot.
     pub role: Option<String>,
     /// JSON members the typed fields cannot carry exactly.
     pub properties: JsonMap,
@@ -133,12 +175,19 @@ pub struct ChannelAccount {
 /// The conversation an activity belongs to.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ConversationAccount {
+    /// The conversation's id on the channel.
     pub id: Option<String>,
+    /// The display name.
     pub name: Option<String>,
+    /// Whether the conversation has more than two members.
     pub is_group: Option<bool>,
+    /// The channel's kind of conversation (personal, groupChat, channel, ...).
     pub conversation_type: Option<String>,
+    /// The tenant the conversation lives in (Teams).
     pub tenant_id: Option<String>,
+    /// user or bot.
     pub role: Option<String>,
+    /// The Microsoft Entra ID object id, when the channel knows it.
     pub aad_object_id: Option<String>,
     /// JSON members the typed fields cannot carry exactly.
     pub properties: JsonMap,
@@ -156,11 +205,15 @@ pub struct MessageReaction {
 /// A file, card or other media attached to an activity.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Attachment {
+    /// The MIME type, or a card type such as application/vnd.microsoft.card.adaptive.
     pub content_type: Option<String>,
+    /// Where the content can be fetched, when it is not inline.
     pub content_url: Option<String>,
     /// Usually an object (a card); some channels send a string.
     pub content: Option<serde_json::Value>,
+    /// The file name.
     pub name: Option<String>,
+    /// A thumbnail image.
     pub thumbnail_url: Option<String>,
     /// JSON members the typed fields cannot carry exactly.
     pub properties: JsonMap,
@@ -169,7 +222,9 @@ pub struct Attachment {
 /// Buttons offered to the user for their next reply.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SuggestedActions {
+    /// The ids of the recipients the actions are shown to; empty: everyone.
     pub to: Vec<String>,
+    /// The actions.
     pub actions: Vec<CardAction>,
     /// JSON members the typed fields cannot carry exactly.
     pub properties: JsonMap,
@@ -180,12 +235,19 @@ pub struct SuggestedActions {
 pub struct CardAction {
     /// The action type (JSON `type`): imBack, postBack, openUrl, ...
     pub kind: Option<String>,
+    /// The button's text.
     pub title: Option<String>,
+    /// An image URL shown on the button.
     pub image: Option<String>,
+    /// Text sent to the bot when the action is taken (some action types).
     pub text: Option<String>,
+    /// Text shown in the chat when the action is taken.
     pub display_text: Option<String>,
+    /// The action's payload (a URL, a postBack value, ...).
     pub value: Option<serde_json::Value>,
+    /// Channel-specific content.
     pub channel_data: Option<serde_json::Value>,
+    /// Alternative text of `image`.
     pub image_alt_text: Option<String>,
     /// JSON members the typed fields cannot carry exactly.
     pub properties: JsonMap,
@@ -194,12 +256,19 @@ pub struct CardAction {
 /// A pointer to a conversation, or to an activity within it.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ConversationReference {
+    /// The activity referred to.
     pub activity_id: Option<String>,
+    /// The user in that conversation.
     pub user: Option<ChannelAccount>,
+    /// The bot in that conversation.
     pub bot: Option<ChannelAccount>,
+    /// The conversation.
     pub conversation: Option<ConversationAccount>,
+    /// The channel.
     pub channel_id: Option<String>,
+    /// The channel's Connector endpoint.
     pub service_url: Option<String>,
+    /// The conversation's locale.
     pub locale: Option<String>,
     /// JSON members the typed fields cannot carry exactly.
     pub properties: JsonMap,
@@ -208,6 +277,7 @@ pub struct ConversationReference {
 /// A fragment of the replied-to text to highlight.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct TextHighlight {
+    /// The fragment.
     pub text: Option<String>,
     /// Which occurrence of `text` is meant, if it occurs more than once.
     pub occurrence: Option<f64>,
@@ -218,7 +288,9 @@ pub struct TextHighlight {
 /// A programmatic action accompanying a request.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SemanticAction {
+    /// The action's id.
     pub id: Option<String>,
+    /// start, continue or done.
     pub state: Option<String>,
     /// Entities by name, each a free-form object.
     pub entities: Option<JsonMap>,
