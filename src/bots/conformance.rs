@@ -172,7 +172,6 @@ async fn prompt_turn(
     if result.status == DialogTurnStatus::Empty {
         result = dc.prompt(prompt, options).await?;
     }
-    dc.save()?;
     Ok(result)
 }
 

@@ -62,7 +62,6 @@ impl Bot for PizzaBot {
                     };
                     turn.send_text(reply);
                 }
-                dc.save()?;
                 return Ok(());
             }
             dc.cancel_all_dialogs().await?;
@@ -79,7 +78,6 @@ impl Bot for PizzaBot {
                 dc.prompt(CONFIRM_CLEAR, options).await?;
             }
         }
-        dc.save()?;
         Ok(())
     }
 }

@@ -4,9 +4,11 @@
 //! Bot Framework users think of a conversation as a stack of dialogs: the active dialog (index 0)
 //! gets each message; it may begin a child, which then gets the messages until it ends and hands
 //! its result back to the parent (`resume`). This module gives them that model with the same
-//! persisted shape, so that the state stays readable and stable across versions: the stack is the
-//! conversation-state property `dialogStack`, an array of `{"id": …, "state": {…}}` with the
-//! active dialog first. A [`WaterfallDialog`] keeps `{"options", "values", "stepIndex"}`, a prompt
+//! persisted shape, so that the state stays readable and stable across versions: a [`DialogSet`]
+//! is bound to a conversation-state property (`DialogState` unless named otherwise), which holds
+//! Bot Framework's `DialogState` object `{"dialogStack": […]}`, an array of
+//! `{"id": …, "state": {…}}` with the active dialog first. Two dialog sets bound to two
+//! properties keep two stacks. A [`WaterfallDialog`] keeps `{"options", "values", "stepIndex"}`, a prompt
 //! `{"options", "state": {"attemptCount"}}`, a [`ComponentDialog`] its own stack under
 //! `{"dialogs": {"dialogStack": […]}}`.
 //!
@@ -20,10 +22,12 @@
 //! if result.status == DialogTurnStatus::Empty {
 //!     dc.begin_dialog("root", None).await?;
 //! }
-//! dc.save()?; // writes the stack back into conversation state
 //! # Ok(()) }
 //! ```
-//! [`DialogSet::run`] does exactly that.
+//! [`DialogSet::run`] does exactly that. There is no save to call: the context writes the stack
+//! into its property when it goes out of scope, before the bot's turn returns, so the stack is
+//! committed with the turn's other state (or thrown away with a replayed attempt) and no path
+//! through a bot can forget it.
 //!
 //! # The replay rule, for dialogs
 //! **A dialog turn must be a deterministic function of (state, activity).** The engine may run a
@@ -69,8 +73,19 @@ use crate::activity::JsonMap;
 use crate::bot::{NoSuchScope, TurnContext};
 use crate::state::PropertyError;
 
-/// The conversation-state property the dialog stack lives under, as in Bot Framework.
+/// The conversation-state property a [`DialogSet`] is bound to unless named otherwise.
+pub const DIALOG_STATE: &str = "DialogState";
+
+/// The member of a dialog state object (and of a component dialog's state) holding the stack, as
+/// in Bot Framework.
 pub const DIALOG_STACK: &str = "dialogStack";
+
+/// Bot Framework's `DialogState`: the stored form of one dialog stack.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct DialogState {
+    #[serde(rename = "dialogStack", default)]
+    dialog_stack: Vec<DialogInstance>,
+}
 
 /// Why a dialog turn failed. The turn fails with it: nothing is committed or sent.
 #[derive(Debug, thiserror::Error)]
@@ -319,26 +334,50 @@ pub trait Dialog: Send + Sync + 'static {
     }
 }
 
-/// The dialogs a bot (or a component dialog) can begin, by id.
+/// The dialogs a bot (or a component dialog) can begin, by id, and the conversation-state
+/// property their stack lives in.
 ///
 /// Build it once, when the bot is built; it holds no conversation data.
-#[derive(Default)]
 pub struct DialogSet {
     dialogs: HashMap<String, Box<dyn Dialog>>,
+    property: String,
+}
+
+impl Default for DialogSet {
+    fn default() -> Self {
+        Self::bound_to(DIALOG_STATE)
+    }
 }
 
 impl std::fmt::Debug for DialogSet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut ids: Vec<&str> = self.dialogs.keys().map(String::as_str).collect();
         ids.sort_unstable();
-        f.debug_struct("DialogSet").field("dialogs", &ids).finish()
+        f.debug_struct("DialogSet")
+            .field("dialogs", &ids)
+            .field("property", &self.property)
+            .finish()
     }
 }
 
 impl DialogSet {
-    /// An empty set.
+    /// An empty set, bound to the conversation-state property [`DIALOG_STATE`].
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty set whose stack lives in conversation-state property `property`: a bot with two
+    /// independent dialog sets binds them to two properties.
+    pub fn bound_to(property: impl Into<String>) -> Self {
+        Self {
+            dialogs: HashMap::new(),
+            property: property.into(),
+        }
+    }
+
+    /// The conversation-state property this set's stack lives in.
+    pub fn property(&self) -> &str {
+        &self.property
     }
 
     /// Adds `dialog` under its id, replacing any dialog with that id.
@@ -365,21 +404,32 @@ impl DialogSet {
             .ok_or_else(|| DialogError::UnknownDialog(id.to_owned()))
     }
 
-    /// A dialog context for this turn, with the stack loaded from conversation state.
+    /// A dialog context for this turn, with the stack loaded from this set's property; the
+    /// context writes it back when it is dropped.
+    ///
+    /// A conversation stored before dialog sets had a property of their own keeps its stack in
+    /// a top-level `dialogStack`; the default set takes it from there, and moves it.
     ///
     /// # Errors
-    /// [`DialogError::State`] when the stored `dialogStack` is not a dialog stack.
+    /// [`DialogError::State`] when the stored dialog state is not a dialog stack.
     pub fn context<'a, 't>(
         &'a self,
         turn: &'a mut TurnContext<'t>,
     ) -> Result<DialogContext<'a, 't>, DialogError> {
-        let stack: Vec<DialogInstance> = turn.conversation_state().get_or_default(DIALOG_STACK)?;
-        Ok(DialogContext::over(self, turn, stack))
+        let state = turn.conversation_state();
+        let stack = match state.get::<DialogState>(&self.property)? {
+            Some(stored) => stored.dialog_stack,
+            None if self.property == DIALOG_STATE => state.get_or_default(DIALOG_STACK)?,
+            None => Vec::new(),
+        };
+        let mut dc = DialogContext::over(self, turn, stack);
+        dc.home = Some(&self.property);
+        Ok(dc)
     }
 
     /// The usual turn: continue the active dialog; when none is active, begin `root` (without
-    /// options); save the stack. Bots usually call this for message activities only, so that a
-    /// `conversationUpdate` does not start a dialog.
+    /// options); the stack is saved with the turn. Bots usually call this for message activities
+    /// only, so that a `conversationUpdate` does not start a dialog.
     ///
     /// # Errors
     /// Whatever a dialog fails with, or [`DialogError::State`].
@@ -393,19 +443,22 @@ impl DialogSet {
         if result.status == DialogTurnStatus::Empty {
             result = dc.begin_dialog(root, None).await?;
         }
-        dc.save()?;
         Ok(result)
     }
 }
 
 /// One turn's view of a dialog stack: the set its ids refer to, the turn, and the stack itself.
 ///
-/// The stack is loaded when the context is made and written back by [`DialogContext::save`];
-/// until then changes live only in the context.
+/// The stack is loaded when the context is made from a [`DialogSet`] and written back into the
+/// set's property when the context is dropped (the end of the bot's turn at the latest), so it is
+/// committed with the turn; a component dialog's inner context is kept by the component instead.
 pub struct DialogContext<'a, 't> {
     dialogs: &'a DialogSet,
     turn: &'a mut TurnContext<'t>,
     stack: Vec<DialogInstance>,
+    /// The conversation-state property the stack is written to on drop; `None` for an inner
+    /// stack, which its component dialog keeps in its own state.
+    home: Option<&'a str>,
 }
 
 impl std::fmt::Debug for DialogContext<'_, '_> {
@@ -418,8 +471,8 @@ impl std::fmt::Debug for DialogContext<'_, '_> {
 }
 
 impl<'a, 't> DialogContext<'a, 't> {
-    /// A context over `stack` (active dialog first); component dialogs use it for their inner
-    /// stacks, which they persist in their own state rather than through [`Self::save`].
+    /// A context over `stack` (active dialog first) that writes nowhere; component dialogs use
+    /// it for their inner stacks, which they keep in their own state ([`Self::into_stack`]).
     pub(crate) fn over(
         dialogs: &'a DialogSet,
         turn: &'a mut TurnContext<'t>,
@@ -429,6 +482,7 @@ impl<'a, 't> DialogContext<'a, 't> {
             dialogs,
             turn,
             stack,
+            home: None,
         }
     }
 
@@ -558,24 +612,9 @@ impl<'a, 't> DialogContext<'a, 't> {
         }
     }
 
-    /// Writes the stack back into conversation state (removing the property when the stack is
-    /// empty, so that a finished conversation leaves no dialog state behind).
-    ///
-    /// # Errors
-    /// [`DialogError::State`] when the stack does not serialize.
-    pub fn save(self) -> Result<(), DialogError> {
-        let state = self.turn.conversation_state();
-        if self.stack.is_empty() {
-            state.remove(DIALOG_STACK);
-        } else {
-            state.set(DIALOG_STACK, &self.stack)?;
-        }
-        Ok(())
-    }
-
     /// The stack, for a component dialog to keep in its own state.
-    pub(crate) fn into_stack(self) -> Vec<DialogInstance> {
-        self.stack
+    pub(crate) fn into_stack(mut self) -> Vec<DialogInstance> {
+        std::mem::take(&mut self.stack)
     }
 
     async fn pop(&mut self, reason: DialogReason) -> Result<(), DialogError> {
@@ -587,6 +626,32 @@ impl<'a, 't> DialogContext<'a, 't> {
             .find(&instance.id)?
             .end(self.turn, &instance, reason)
             .await
+    }
+}
+
+/// Writes the stack into its property, removing the property when the stack is empty (a finished
+/// conversation leaves no dialog state behind), and the top-level stack of the old layout.
+impl Drop for DialogContext<'_, '_> {
+    fn drop(&mut self) {
+        let Some(property) = self.home else {
+            return;
+        };
+        let state = self.turn.conversation_state();
+        if property == DIALOG_STATE {
+            state.remove(DIALOG_STACK);
+        }
+        if self.stack.is_empty() {
+            state.remove(property);
+            return;
+        }
+        let stored = DialogState {
+            dialog_stack: std::mem::take(&mut self.stack),
+        };
+        // A stack is ids and JSON values, which always serialize; were that ever to fail, the
+        // property would keep the stack the turn started with.
+        if let Err(e) = state.set(property, &stored) {
+            tracing::error!(error = %e, property, "writing the dialog stack failed");
+        }
     }
 }
 

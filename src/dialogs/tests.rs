@@ -62,7 +62,8 @@ impl Conversation {
 
     fn stack_ids(&self) -> Vec<String> {
         self.state
-            .get(DIALOG_STACK)
+            .get(DIALOG_STATE)
+            .and_then(|state| state.get(DIALOG_STACK))
             .and_then(Value::as_array)
             .map(|stack| {
                 stack
@@ -119,7 +120,7 @@ async fn a_child_runs_on_top_and_its_parent_resumes_with_its_result() {
     assert_eq!(result.status, DialogTurnStatus::Complete);
     assert_eq!(result.result_as::<i32>().expect("a number"), Some(42));
     assert!(
-        !conversation.state.contains_key(DIALOG_STACK),
+        !conversation.state.contains_key(DIALOG_STATE),
         "a finished conversation leaves no dialog state"
     );
 
@@ -145,10 +146,10 @@ async fn the_stack_is_stored_in_bot_framework_shape() {
     conversation.say("hi").await;
     assert_eq!(
         Value::Object(conversation.state.clone()),
-        json!({"dialogStack": [
+        json!({"DialogState": {"dialogStack": [
             {"id": "ask", "state": {"options": {"prompt": "Age?"}, "state": {"attemptCount": 0}}},
             {"id": "root", "state": {"values": {"name": "Ada"}, "stepIndex": 0}},
-        ]})
+        ]}})
     );
 }
 
@@ -265,7 +266,7 @@ async fn a_context_replaces_and_cancels_directly() {
         dc.begin_dialog("nope", None).await,
         Err(DialogError::UnknownDialog(id)) if id == "nope"
     ));
-    dc.save().expect("save");
+    drop(dc);
     let (_, sent) = turn.finish();
     let texts: Vec<_> = sent.iter().filter_map(|a| a.text.as_deref()).collect();
     assert_eq!(texts, ["a", "b", "a"]);
@@ -295,7 +296,7 @@ async fn a_component_keeps_its_own_stack_and_ends_with_its_result() {
     assert_eq!(conversation.replies("hi").await, ["Your name?"]);
     assert_eq!(conversation.stack_ids(), ["profile", "root"]);
     let inner_ids: Vec<&str> =
-        conversation.state[DIALOG_STACK][0]["state"]["dialogs"]["dialogStack"]
+        conversation.state[DIALOG_STATE][DIALOG_STACK][0]["state"]["dialogs"]["dialogStack"]
             .as_array()
             .expect("the inner stack")
             .iter()
@@ -340,7 +341,7 @@ async fn prompts_retry_count_attempts_and_let_validators_speak() {
         "a validator that replies replaces the retry prompt"
     );
     assert_eq!(
-        conversation.state[DIALOG_STACK][0]["state"]["state"]["attemptCount"],
+        conversation.state[DIALOG_STATE][DIALOG_STACK][0]["state"]["state"]["attemptCount"],
         json!(3)
     );
     assert_eq!(conversation.replies("twenty-two").await, ["got 22"]);
@@ -406,4 +407,54 @@ async fn a_stack_naming_an_unknown_dialog_fails_the_turn() {
         err.to_string().contains("removed-in-the-last-deploy"),
         "{err}"
     );
+}
+
+#[tokio::test]
+async fn two_sets_bound_to_two_properties_keep_two_stacks() {
+    let asks = |id: &'static str| {
+        WaterfallDialog::new("root")
+            .step(move |step| Box::pin(async move { step.prompt(id, PromptOptions::new(id)) }))
+            .step(|step| Box::pin(async move { step.end() }))
+    };
+    let profile = DialogSet::bound_to("profile")
+        .with(asks("name"))
+        .with(TextPrompt::new("name"));
+    let order = DialogSet::new()
+        .with(asks("size"))
+        .with(TextPrompt::new("size"));
+    let incoming = message("hi");
+    let mut turn = TurnContext::new(
+        &incoming,
+        1,
+        ScopeState::new(Scope::Conversation, JsonMap::new()),
+        None,
+        None,
+    );
+    profile.run(&mut turn, "root").await.expect("profile turn");
+    order.run(&mut turn, "root").await.expect("order turn");
+    let (scopes, _) = turn.finish();
+    let state = scopes.conversation.into_properties();
+    assert_eq!(state["profile"][DIALOG_STACK][0]["id"], "name");
+    assert_eq!(state[DIALOG_STATE][DIALOG_STACK][0]["id"], "size");
+}
+
+#[tokio::test]
+async fn a_stack_in_the_old_top_level_place_is_taken_and_moved() {
+    let mut conversation = Conversation::new(
+        DialogSet::new()
+            .with(say("root"))
+            .with(TextPrompt::new("unused")),
+    );
+    conversation.state.insert(
+        DIALOG_STACK.into(),
+        json!([{"id": "root", "state": {"values": {}, "stepIndex": 0}}]),
+    );
+    // The waterfall resumes past its only step and ends: the stack came from the old place.
+    let (sent, result) = conversation.say("hi").await;
+    assert!(sent.is_empty(), "{sent:?}");
+    assert_eq!(result.status, DialogTurnStatus::Complete);
+    assert!(!conversation.state.contains_key(DIALOG_STACK), "moved out");
+    assert_eq!(conversation.replies("again").await, ["root"]);
+    assert_eq!(conversation.stack_ids(), ["root"], "now in DialogState");
+    assert!(!conversation.state.contains_key(DIALOG_STACK));
 }
