@@ -69,7 +69,7 @@ impl Cluster {
             ])
             .arg("-D")
             .arg(cluster.data_dir())
-            .args(["-R", "-X", "stream", "--no-sync"]));
+            .args(["-R", "-X", "stream", "--checkpoint=fast", "--no-sync"]));
         cluster.spawn_watchdog();
         cluster.resume();
         cluster
