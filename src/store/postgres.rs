@@ -90,10 +90,10 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// it the limit is the role's (`ALTER ROLE … SET statement_timeout`, see the README).
 const STATEMENT_TIMEOUT: Duration = Duration::from_secs(8);
 
-/// How long `migrate` waits for its connection (every host of the URL, TLS included) before it
+/// How long a session outside the pool (`migrate`'s) waits for its connection (every host of the URL, TLS included) before it
 /// gives up: a server that accepts the TCP connection and then says nothing must not hang a
 /// start or a migration job.
-const MIGRATE_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+const SESSION_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How statements reach PostgreSQL.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -246,30 +246,31 @@ impl Connector {
         &self.settings
     }
 
-    /// Opens one connection and spawns its driver.
+    /// Opens one connection, a session of its own outside any pool, and spawns its driver
+    /// (returned, so that the caller can wait for the session to end).
     ///
     /// # Errors
-    /// When no host of the URL accepts the connection within [`MIGRATE_CONNECT_TIMEOUT`]; the
+    /// When no host of the URL accepts the connection within [`SESSION_CONNECT_TIMEOUT`]; the
     /// error says which TLS settings were tried.
-    async fn connect_one(
+    pub async fn connect(
         &self,
     ) -> anyhow::Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>)> {
         let tried = tls::describe(&self.settings);
         let (client, connection) = tokio::time::timeout(
-            MIGRATE_CONNECT_TIMEOUT,
+            SESSION_CONNECT_TIMEOUT,
             self.config.connect(self.tls.clone()),
         )
         .await
         .map_err(|_| {
             anyhow!(
-                "no connection to PostgreSQL within {MIGRATE_CONNECT_TIMEOUT:?} ({tried}): \
+                "no connection to PostgreSQL within {SESSION_CONNECT_TIMEOUT:?} ({tried}): \
                          is a TLS handshake or the server stuck?"
             )
         })?
         .with_context(|| format!("connecting to PostgreSQL ({tried})"))?;
         let driver = tokio::spawn(async move {
             if let Err(e) = connection.await {
-                tracing::debug!(error = %e, "migration connection closed");
+                tracing::debug!(error = %e, "a PostgreSQL session closed with an error");
             }
         });
         Ok((client, driver))
@@ -290,7 +291,7 @@ impl std::fmt::Debug for DatabaseUrl {
 pub async fn migrate(url: &DatabaseUrl) -> anyhow::Result<usize> {
     // A session of its own, straight to PostgreSQL: the advisory lock and refinery's
     // transactions need one, so this URL must not go through a transaction-mode pooler.
-    let (mut client, connection) = url.connector(Statements::Prepared)?.connect_one().await?;
+    let (mut client, connection) = url.connector(Statements::Prepared)?.connect().await?;
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
         .await
