@@ -251,3 +251,40 @@ pub struct MigrateArgs {
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::{Cli, Command};
+    use crate::store::postgres::Statements;
+
+    fn serve_config(args: &[&str]) -> super::Config {
+        let cli = Cli::try_parse_from(args).unwrap();
+        match cli.command {
+            Some(Command::Serve(args)) => args.config(),
+            _ => cli.serve.config(),
+        }
+    }
+
+    #[test]
+    fn statements_are_prepared_unless_told_otherwise() {
+        let config = serve_config(&["turnstile", "--database-url", "postgres://h/db"]);
+        assert_eq!(config.statements, Statements::Prepared);
+        assert!(config.migration_url.is_none());
+
+        let config = serve_config(&[
+            "turnstile",
+            "serve",
+            "--database-url",
+            "postgres://pooler/db",
+            "--prepared-statements",
+            "false",
+            "--migration-database-url",
+            "postgres://primary/db",
+        ]);
+        assert_eq!(config.statements, Statements::Unprepared);
+        assert!(config.migration_url.is_some());
+    }
+}
