@@ -4,6 +4,8 @@
 #   bench/run.sh           every workload (about 10 minutes after the release build)
 #   bench/run.sh --quick   10,000 conversations at 32 calls, split layout (about 80 s after the build)
 #   bench/run.sh --soak    10 minutes of the 32-call workload, the server's memory sampled every 30 s
+#   bench/run.sh --unprepared  the --quick workload with --prepared-statements true, then false,
+#                          back to back in each round (about 90 s after the build)
 #
 # Two layouts of the machine's cores. "split": PostgreSQL on one half, the clients (pgbench, or the
 # service and its load generator) on the other, as in a deployment where the database has its own
@@ -18,10 +20,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-QUICK=0; SOAK=0
+QUICK=0; SOAK=0; UNPREPARED=0
 [ "${1:-}" = "--quick" ] && QUICK=1
 [ "${1:-}" = "--soak" ] && SOAK=1
-if [ "$QUICK" = 1 ]; then SECS=8; WARMUP=2; ROUNDS=3; else SECS=10; WARMUP=2; ROUNDS=3; fi
+[ "${1:-}" = "--unprepared" ] && UNPREPARED=1
+if [ "$QUICK" = 1 ] || [ "$UNPREPARED" = 1 ]; then SECS=8; WARMUP=2; ROUNDS=3; else SECS=10; WARMUP=2; ROUNDS=3; fi
 [ "$SOAK" = 1 ] && SECS=${SOAK_SECONDS:-600}
 KEYS=10000
 PAD=1024
@@ -155,6 +158,7 @@ PY
 }
 
 # --- the service ---------------------------------------------------------------------------------
+SERVE_ARGS=()  # further `turnstile serve` options
 start_servers() {  # N -> sets TARGETS
     local n=$1 i port
     TARGETS=""
@@ -162,7 +166,8 @@ start_servers() {  # N -> sets TARGETS
     for i in $(seq 1 "$n"); do
         port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
         RUST_LOG=warn "${CLIENT[@]}" "$BIN/turnstile" serve --listen "127.0.0.1:$port" \
-            --database-url "postgres://postgres@127.0.0.1:$PORT/service" >>"$WORK/service.log" 2>&1 &
+            --database-url "postgres://postgres@127.0.0.1:$PORT/service" "${SERVE_ARGS[@]}" \
+            >>"$WORK/service.log" 2>&1 &
         PIDS+=($!)
         CPU_OF+=(--cpu-of "server$i=$!")
         TARGETS="${TARGETS:+$TARGETS,}127.0.0.1:$port"
@@ -264,6 +269,30 @@ if [ "$QUICK" = 1 ]; then
     layout split
     uniform 32
     echo "$LINE"
+    exit 0
+fi
+if [ "$UNPREPARED" = 1 ]; then
+    # What a transaction-mode pooler's setting costs: each statement parsed and planned per call.
+    layout split
+    echo "$KEYS conversations, 32 concurrent, $LAYOUT cores, prepared statements on then off:"
+    ratios=()
+    for r in $(seq 1 "$ROUNDS"); do
+        line=""
+        for prepared in true false; do
+            SERVE_ARGS=(--prepared-statements "$prepared")
+            start_servers 1
+            JSON=$(bench --conversations "$KEYS" --concurrency 32 --prefill)
+            stop_servers
+            tps=$(echo "$JSON" | field 'round(d["turns_per_second"])')
+            p99=$(echo "$JSON" | field 'round(d["latency_ms"]["p99"], 2)')
+            line="$line prepared=$prepared $tps turns/s p99 $p99 ms ($(cpu_of "$JSON") µs CPU/turn), check $(echo "$JSON" | field 'd["verification"]');"
+            [ "$prepared" = true ] && on=$tps || off=$tps
+        done
+        ratio=$(python3 -c "print(f'{$off/$on:.2f}')")
+        ratios+=("$ratio")
+        echo "  round $r:$line unprepared/prepared $ratio"
+    done
+    echo "median unprepared/prepared throughput: $(printf '%s\n' "${ratios[@]}" | sort -n | sed -n "$(( (ROUNDS + 1) / 2 ))p")"
     exit 0
 fi
 layout shared

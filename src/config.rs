@@ -10,7 +10,7 @@ use clap::{ArgAction, Args, Parser, Subcommand};
 use crate::engine::RetryPolicy;
 use crate::grpc::auth::{self, Token};
 use crate::grpc::limits::Limits;
-use crate::store::postgres::DatabaseUrl;
+use crate::store::postgres::{DatabaseUrl, Statements};
 
 /// Where turn state is kept.
 #[derive(Debug, Clone)]
@@ -33,6 +33,11 @@ pub struct Config {
     pub store: StoreConfig,
     /// Whether `serve` applies pending migrations before it accepts calls.
     pub migrate_on_start: bool,
+    /// Where those migrations go when not to the store's URL: a direct session, for a store
+    /// reached through a transaction-mode pooler.
+    pub migration_url: Option<DatabaseUrl>,
+    /// How the PostgreSQL store sends its statements.
+    pub statements: Statements,
     /// How often and how patiently a conflicted turn is replayed.
     pub retry: RetryPolicy,
     /// What a caller may send.
@@ -69,6 +74,8 @@ impl Default for Config {
         Self {
             store: StoreConfig::Memory,
             migrate_on_start: true,
+            migration_url: None,
+            statements: Statements::Prepared,
             retry: RetryPolicy::default(),
             limits: Limits::default(),
             shutdown_grace: Duration::from_secs(30),
@@ -124,6 +131,14 @@ pub struct ServeArgs {
     /// Apply pending migrations before serving (turn off when a migration job does it).
     #[arg(long, env = "TURNSTILE_MIGRATE_ON_START", default_value_t = true, action = ArgAction::Set)]
     pub migrate_on_start: bool,
+    /// PostgreSQL URL for the migrations on start, when `--database-url` goes through a pooler in
+    /// transaction mode (migrations need a session); default: `--database-url`.
+    #[arg(long, env = "TURNSTILE_MIGRATION_DATABASE_URL", hide_env_values = true)]
+    pub migration_database_url: Option<String>,
+    /// Keep statements prepared on each connection (fastest); `false` behind PgBouncer in
+    /// transaction mode, where no statement may outlive its transaction.
+    #[arg(long, env = "TURNSTILE_PREPARED_STATEMENTS", default_value_t = true, action = ArgAction::Set)]
+    pub prepared_statements: bool,
     /// Most times the bot runs for one turn before the call fails with ABORTED.
     #[arg(long, env = "TURNSTILE_MAX_ATTEMPTS", default_value_t = 10,
           value_parser = clap::value_parser!(u32).range(1..))]
@@ -192,6 +207,12 @@ impl ServeArgs {
                 None => StoreConfig::Memory,
             },
             migrate_on_start: self.migrate_on_start,
+            migration_url: self.migration_database_url.clone().map(DatabaseUrl::new),
+            statements: if self.prepared_statements {
+                Statements::Prepared
+            } else {
+                Statements::Unprepared
+            },
             retry: RetryPolicy {
                 max_attempts: self.max_attempts,
                 base_delay: Duration::from_millis(self.backoff_base_ms),
@@ -228,7 +249,8 @@ impl ServeArgs {
 /// `turnstile migrate`.
 #[derive(Debug, Clone, Args)]
 pub struct MigrateArgs {
-    /// PostgreSQL connection URL.
+    /// PostgreSQL connection URL: straight to PostgreSQL, not through a pooler in transaction
+    /// mode (migrations need a session).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
 }
@@ -271,5 +293,42 @@ impl HealthCheckArgs {
             tls_domain: self.tls_domain.clone(),
             client_identity: self.cert.clone().zip(self.key.clone()),
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::{Cli, Command};
+    use crate::store::postgres::Statements;
+
+    fn serve_config(args: &[&str]) -> super::Config {
+        let cli = Cli::try_parse_from(args).unwrap();
+        match cli.command {
+            Some(Command::Serve(args)) => args.config(),
+            _ => cli.serve.config(),
+        }
+    }
+
+    #[test]
+    fn statements_are_prepared_unless_told_otherwise() {
+        let config = serve_config(&["turnstile", "--database-url", "postgres://h/db"]);
+        assert_eq!(config.statements, Statements::Prepared);
+        assert!(config.migration_url.is_none());
+
+        let config = serve_config(&[
+            "turnstile",
+            "serve",
+            "--database-url",
+            "postgres://pooler/db",
+            "--prepared-statements",
+            "false",
+            "--migration-database-url",
+            "postgres://primary/db",
+        ]);
+        assert_eq!(config.statements, Statements::Unprepared);
+        assert!(config.migration_url.is_some());
     }
 }

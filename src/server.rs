@@ -98,10 +98,16 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServeError> {
         }
         StoreConfig::Postgres { url, pool_size } => {
             if config.migrate_on_start {
-                let applied = postgres::migrate(url).await.map_err(ServeError::Migrate)?;
+                let migration_url = config.migration_url.as_ref().unwrap_or(url);
+                let applied = postgres::migrate(migration_url)
+                    .await
+                    .map_err(ServeError::Migrate)?;
                 tracing::info!(applied, "database migrations up to date");
             }
-            Arc::new(PostgresStore::connect(url, *pool_size).map_err(ServeError::Store)?)
+            Arc::new(
+                PostgresStore::connect_with(url, *pool_size, config.statements)
+                    .map_err(ServeError::Store)?,
+            )
         }
     })
 }

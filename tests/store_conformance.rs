@@ -12,7 +12,7 @@ use turnstile::activity::JsonMap;
 use turnstile::activity::incoming::{ChannelId, ConversationId, UserId};
 use turnstile::state::StateKey;
 use turnstile::store::memory::MemoryStore;
-use turnstile::store::postgres::{self, DatabaseUrl, PostgresStore};
+use turnstile::store::postgres::{self, DatabaseUrl, PostgresStore, Statements};
 use turnstile::store::{Commit, CommitOutcome, Expected, KeyChange, Store, Version};
 
 fn conversation(id: &str) -> StateKey {
@@ -517,6 +517,22 @@ async fn postgres_store_keeps_the_contract() {
     crossing_commits_do_not_deadlock(postgres_store().await).await;
     receipts(postgres_store().await).await;
     one_receipt_per_activity_under_concurrency(postgres_store().await).await;
+}
+
+/// The store as it runs behind a transaction-mode pooler: every statement unnamed, typed here.
+async fn unprepared_postgres_store() -> Arc<dyn Store> {
+    let url = DatabaseUrl::new(support::pg::fresh_database().await);
+    postgres::migrate(&url).await.unwrap();
+    Arc::new(PostgresStore::connect_with(&url, 8, Statements::Unprepared).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_without_prepared_statements_keeps_the_contract() {
+    conformance(unprepared_postgres_store().await).await;
+    exactly_one_concurrent_writer_wins(unprepared_postgres_store().await).await;
+    crossing_commits_do_not_deadlock(unprepared_postgres_store().await).await;
+    receipts(unprepared_postgres_store().await).await;
+    one_receipt_per_activity_under_concurrency(unprepared_postgres_store().await).await;
 }
 
 #[tokio::test]

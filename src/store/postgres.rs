@@ -6,7 +6,9 @@
 //! version, locks in key order and writes all scopes or none — one round trip, whatever the number
 //! of scopes. The common commit, one scope written plus the receipt, skips the function for a
 //! plain statement with the same outcome, shared by the concurrent turns of every conversation
-//! ([`group_commit`]). Statements are prepared once per pooled connection.
+//! ([`group_commit`]). Statements are prepared once per pooled connection, or, behind a pooler
+//! in transaction mode, sent unnamed with their parameters so that none outlives its transaction
+//! ([`Statements`]). Connections use TLS as libpq's `sslmode` and `sslrootcert` say ([`tls`]).
 
 use std::collections::HashMap;
 use std::str::FromStr;
@@ -16,15 +18,17 @@ use std::time::Duration;
 use anyhow::{Context as _, anyhow};
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
+use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::types::Json;
-use tokio_postgres::{NoTls, Row};
+use tokio_postgres::types::{Json, ToSql, Type};
+use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{Commit, CommitOutcome, Expected, Snapshot, Store, StoreError, Version, Versioned};
 use crate::activity::JsonMap;
 use crate::state::StateKey;
 
 mod group_commit;
+pub mod tls;
 
 pub use group_commit::GroupCommitStats;
 use group_commit::{GroupCommit, SingleWrite};
@@ -34,18 +38,33 @@ mod embedded {
 }
 
 /// State rows and, when `$2` is not NULL, the receipt: one statement, so one snapshot.
-const LOAD: &str = "SELECT false, key, state, version FROM turnstile_state WHERE key = ANY($1) \
-                    UNION ALL \
-                    SELECT true, key, payload, 0 FROM turnstile_receipt WHERE key = $2";
-const COMMIT: &str = "SELECT conflict_key, versions FROM turnstile_commit($1, $2, $3, $4, $5)";
+const LOAD: Sql = Sql {
+    text: "SELECT false, key, state, version FROM turnstile_state WHERE key = ANY($1) \
+           UNION ALL \
+           SELECT true, key, payload, 0 FROM turnstile_receipt WHERE key = $2",
+    types: &[Type::TEXT_ARRAY, Type::TEXT],
+};
+const COMMIT: Sql = Sql {
+    text: "SELECT conflict_key, versions FROM turnstile_commit($1, $2, $3, $4, $5)",
+    types: &[
+        Type::TEXT_ARRAY,
+        Type::INT8_ARRAY,
+        Type::JSONB_ARRAY,
+        Type::TEXT,
+        Type::JSONB,
+    ],
+};
 /// The receipt table's primary key: violating it means the activity has committed already.
 const RECEIPT_KEY_CONSTRAINT: &str = "turnstile_receipt_pkey";
 /// Deletes one batch of old receipts. Small batches keep each delete short, and SKIP LOCKED lets
 /// replicas pruning at the same time share the work instead of queueing on each other.
-const PRUNE: &str = "DELETE FROM turnstile_receipt WHERE ctid IN ( \
-                       SELECT ctid FROM turnstile_receipt \
-                        WHERE created_at < now() - make_interval(secs => $1) \
-                        LIMIT 1000 FOR UPDATE SKIP LOCKED)";
+const PRUNE: Sql = Sql {
+    text: "DELETE FROM turnstile_receipt WHERE ctid IN ( \
+             SELECT ctid FROM turnstile_receipt \
+              WHERE created_at < now() - make_interval(secs => $1) \
+              LIMIT 1000 FOR UPDATE SKIP LOCKED)",
+    types: &[Type::FLOAT8],
+};
 const PRUNE_BATCH: u64 = 1000;
 
 /// The SQLSTATE `turnstile_commit` raises when a key it was to create appeared concurrently.
@@ -66,8 +85,86 @@ const CONNECTION_TIMEOUT: Duration = Duration::from_secs(5);
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The server-side limit on one statement (lock waits included), below [`CALL_TIMEOUT`] so that
-/// the server gives up first and says so.
+/// the server gives up first and says so. Sent as a startup parameter (`options`), except with
+/// [`Statements::Unprepared`]: PgBouncer refuses a connection that carries `options`, so behind
+/// it the limit is the role's (`ALTER ROLE … SET statement_timeout`, see the README).
 const STATEMENT_TIMEOUT: Duration = Duration::from_secs(8);
+
+/// How long a session outside the pool (`migrate`'s) waits for its connection (every host of the URL, TLS included) before it
+/// gives up: a server that accepts the TCP connection and then says nothing must not hang a
+/// start or a migration job.
+const SESSION_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How statements reach PostgreSQL.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Statements {
+    /// Each statement is prepared once per connection and kept, so that a turn's statements
+    /// are not parsed and planned again: the fast path, for a direct connection (or a pooler
+    /// that keeps prepared statements, such as PgBouncer 1.21+ with `max_prepared_statements`).
+    #[default]
+    Prepared,
+    /// Each statement is sent unnamed, with its parameters and their types, in one round trip,
+    /// and nothing about the session is assumed to last beyond the transaction — not even the
+    /// startup parameters: for PgBouncer in transaction mode and poolers like it.
+    Unprepared,
+}
+
+/// One of the store's statements: its text, and its parameters' types for the unprepared path
+/// (the prepared path asks the server for them once).
+pub(super) struct Sql {
+    text: &'static str,
+    types: &'static [Type],
+}
+
+impl Sql {
+    /// Runs the statement on `client` the way `statements` says.
+    async fn query(
+        &self,
+        client: &deadpool_postgres::ClientWrapper,
+        statements: Statements,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, tokio_postgres::Error> {
+        debug_assert_eq!(params.len(), self.types.len(), "{}", self.text);
+        match statements {
+            Statements::Prepared => {
+                let statement = client.prepare_cached(self.text).await?;
+                client.query(&statement, params).await
+            }
+            Statements::Unprepared => {
+                let typed: Vec<(&(dyn ToSql + Sync), Type)> = params
+                    .iter()
+                    .copied()
+                    .zip(self.types.iter().cloned())
+                    .collect();
+                client.query_typed(self.text, &typed).await
+            }
+        }
+    }
+
+    /// Runs the statement on `client` the way `statements` says; returns the rows it changed.
+    async fn execute(
+        &self,
+        client: &deadpool_postgres::ClientWrapper,
+        statements: Statements,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, tokio_postgres::Error> {
+        debug_assert_eq!(params.len(), self.types.len(), "{}", self.text);
+        match statements {
+            Statements::Prepared => {
+                let statement = client.prepare_cached(self.text).await?;
+                client.execute(&statement, params).await
+            }
+            Statements::Unprepared => {
+                let typed: Vec<(&(dyn ToSql + Sync), Type)> = params
+                    .iter()
+                    .copied()
+                    .zip(self.types.iter().cloned())
+                    .collect();
+                client.execute_typed(self.text, &typed).await
+            }
+        }
+    }
+}
 
 /// A PostgreSQL connection URL or key-value string, which may hold a password: never printed.
 #[derive(Clone)]
@@ -79,20 +176,35 @@ impl DatabaseUrl {
         Self(url.into())
     }
 
-    /// Parses the connection string.
+    /// Parses the connection string: the driver's configuration, with the TLS settings (libpq's
+    /// `sslmode` and `sslrootcert`, from the string or else from `PGSSLMODE` and
+    /// `PGSSLROOTCERT`) taken out and turned into a TLS connector.
     ///
     /// # Errors
-    /// When it is not a valid PostgreSQL URL or key-value string. The error does not repeat it.
-    pub fn config(&self) -> anyhow::Result<tokio_postgres::Config> {
-        let mut config = tokio_postgres::Config::from_str(&self.0)
+    /// When it is not a valid PostgreSQL URL or key-value string (the error does not repeat
+    /// it), or its TLS settings are unknown or name a root certificate file that cannot be read.
+    pub fn connector(&self, statements: Statements) -> anyhow::Result<Connector> {
+        let (rest, tls) = tls::split(&self.0, |name| std::env::var(name).ok())
             .map_err(|e| anyhow!("the database URL is not valid: {e}"))?;
+        let mut config = tokio_postgres::Config::from_str(&rest)
+            .map_err(|e| anyhow!("the database URL is not valid: {e}"))?;
+        let mut mode = tls.driver_mode();
+        let unix_only = config
+            .get_hosts()
+            .iter()
+            .all(|h| matches!(h, tokio_postgres::config::Host::Unix(_)));
+        if unix_only && tls.mode == tls::SslMode::Prefer {
+            // libpq never asks for TLS over a Unix socket.
+            mode = tokio_postgres::config::SslMode::Disable;
+        }
+        config.ssl_mode(mode);
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(CONNECTION_TIMEOUT);
         }
         if config.get_application_name().is_none() {
             config.application_name("turnstile");
         }
-        if config.get_options().is_none() {
+        if config.get_options().is_none() && statements == Statements::Prepared {
             config.options(format!(
                 "-c statement_timeout={}",
                 STATEMENT_TIMEOUT.as_millis()
@@ -105,7 +217,63 @@ impl DatabaseUrl {
         config
             .keepalives(true)
             .keepalives_idle(Duration::from_secs(10));
-        Ok(config)
+        let connector = tls
+            .connector()
+            .map_err(|e| anyhow!("TLS to PostgreSQL cannot be set up: {e:#}"))?;
+        Ok(Connector {
+            config,
+            tls: connector,
+            settings: tls,
+        })
+    }
+}
+
+/// What opening a connection takes: the driver's configuration and the TLS connector.
+pub struct Connector {
+    config: tokio_postgres::Config,
+    tls: MakeRustlsConnect,
+    settings: tls::TlsSettings,
+}
+
+impl Connector {
+    /// The driver's configuration (hosts, timeouts, TLS mode as tokio-postgres knows it).
+    pub fn config(&self) -> &tokio_postgres::Config {
+        &self.config
+    }
+
+    /// The TLS settings in effect.
+    pub fn tls(&self) -> &tls::TlsSettings {
+        &self.settings
+    }
+
+    /// Opens one connection, a session of its own outside any pool, and spawns its driver
+    /// (returned, so that the caller can wait for the session to end).
+    ///
+    /// # Errors
+    /// When no host of the URL accepts the connection within [`SESSION_CONNECT_TIMEOUT`]; the
+    /// error says which TLS settings were tried.
+    pub async fn connect(
+        &self,
+    ) -> anyhow::Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>)> {
+        let tried = tls::describe(&self.settings);
+        let (client, connection) = tokio::time::timeout(
+            SESSION_CONNECT_TIMEOUT,
+            self.config.connect(self.tls.clone()),
+        )
+        .await
+        .map_err(|_| {
+            anyhow!(
+                "no connection to PostgreSQL within {SESSION_CONNECT_TIMEOUT:?} ({tried}): \
+                         is a TLS handshake or the server stuck?"
+            )
+        })?
+        .with_context(|| format!("connecting to PostgreSQL ({tried})"))?;
+        let driver = tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "a PostgreSQL session closed with an error");
+            }
+        });
+        Ok((client, driver))
     }
 }
 
@@ -121,12 +289,9 @@ impl std::fmt::Debug for DatabaseUrl {
 /// # Errors
 /// When the database cannot be reached or a migration fails.
 pub async fn migrate(url: &DatabaseUrl) -> anyhow::Result<usize> {
-    let (mut client, connection) = url
-        .config()?
-        .connect(NoTls)
-        .await
-        .context("connecting to PostgreSQL to migrate")?;
-    let connection = tokio::spawn(connection);
+    // A session of its own, straight to PostgreSQL: the advisory lock and refinery's
+    // transactions need one, so this URL must not go through a transaction-mode pooler.
+    let (mut client, connection) = url.connector(Statements::Prepared)?.connect().await?;
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
         .await
@@ -145,6 +310,7 @@ pub async fn migrate(url: &DatabaseUrl) -> anyhow::Result<usize> {
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool,
+    statements: Statements,
     group: Arc<GroupCommit>,
 }
 
@@ -163,9 +329,22 @@ impl PostgresStore {
     /// # Errors
     /// When the URL is invalid.
     pub fn connect(url: &DatabaseUrl, pool_size: usize) -> anyhow::Result<Self> {
+        Self::connect_with(url, pool_size, Statements::Prepared)
+    }
+
+    /// [`PostgresStore::connect`], with statements sent as `statements` says.
+    ///
+    /// # Errors
+    /// When the URL or its TLS settings are invalid.
+    pub fn connect_with(
+        url: &DatabaseUrl,
+        pool_size: usize,
+        statements: Statements,
+    ) -> anyhow::Result<Self> {
+        let connector = url.connector(statements)?;
         let manager = Manager::from_config(
-            url.config()?,
-            NoTls,
+            connector.config,
+            connector.tls,
             ManagerConfig {
                 // A connection the server closed (restart, failover) is noticed and replaced
                 // before a turn gets it; one that broke silently fails that turn as unavailable.
@@ -183,9 +362,11 @@ impl PostgresStore {
         Ok(Self {
             group: Arc::new(GroupCommit::new(
                 pool.clone(),
+                statements,
                 group_commit_slots(pool_size),
             )),
             pool,
+            statements,
         })
     }
 
@@ -242,11 +423,10 @@ impl Store for PostgresStore {
     #[tracing::instrument(skip_all)]
     async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
         let client = self.client().await?;
-        let statement = client.prepare_cached(PRUNE).await.map_err(classify)?;
         let mut pruned = 0;
         loop {
-            let deleted = client
-                .execute(&statement, &[&age.as_secs_f64()])
+            let deleted = PRUNE
+                .execute(&client, self.statements, &[&age.as_secs_f64()])
                 .await
                 .map_err(classify)?;
             pruned += deleted;
@@ -286,11 +466,10 @@ impl PostgresStore {
         receipt: Option<&StateKey>,
     ) -> Result<Snapshot, StoreError> {
         let client = self.client().await?;
-        let statement = client.prepare_cached(LOAD).await.map_err(classify)?;
         let names: Vec<&str> = keys.iter().map(StateKey::as_str).collect();
         let receipt_key = receipt.map(StateKey::as_str);
-        let rows = client
-            .query(&statement, &[&names, &receipt_key])
+        let rows = LOAD
+            .query(&client, self.statements, &[&names, &receipt_key])
             .await
             .map_err(classify)?;
         let mut states = HashMap::with_capacity(rows.len());
@@ -326,13 +505,17 @@ impl PostgresStore {
         let receipt = commit.receipt().map(|(_, payload)| Json(payload));
 
         let client = self.client().await?;
-        let statement = client.prepare_cached(COMMIT).await.map_err(classify)?;
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-            [&keys, &expected, &states, &receipt_key, &receipt];
-        let row = match client.query_one(&statement, &params).await {
-            Ok(row) => row,
+        let params: [&(dyn ToSql + Sync); 5] = [&keys, &expected, &states, &receipt_key, &receipt];
+        let rows = match COMMIT.query(&client, self.statements, &params).await {
+            Ok(rows) => rows,
             Err(e) if is_conflict(&e) => return Ok(conflict_from(&e, commit)),
             Err(e) => return Err(classify(e)),
+        };
+        let [row] = rows.as_slice() else {
+            return Err(StoreError::Unexpected(anyhow!(
+                "turnstile_commit returned {} rows",
+                rows.len()
+            )));
         };
         let conflict_key: Option<String> = row.try_get(0).map_err(unexpected)?;
         if let Some(key) = conflict_key {

@@ -22,29 +22,20 @@ pub struct Cluster {
     root: PathBuf,
     port: u16,
     as_postgres: bool,
+    /// Server settings after the defaults on the command line, which they override.
+    settings: Vec<String>,
 }
 
 impl Cluster {
     /// Initializes and starts a new cluster in a temporary directory.
     pub fn start() -> Cluster {
-        let bin = find_bin_dir().unwrap_or_else(|| panic!("{INSTALL_HINT}"));
-        let as_postgres = is_root();
-        let root = tempfile::Builder::new()
-            .prefix("turnstile-pg-")
-            .tempdir()
-            .expect("creating a temporary directory for PostgreSQL")
-            .keep();
-        if as_postgres {
-            run(Command::new("chown")
-                .args(["-R", "postgres:postgres"])
-                .arg(&root));
-        }
-        let cluster = Cluster {
-            bin,
-            port: free_port(),
-            root,
-            as_postgres,
-        };
+        Cluster::start_with(&[], |_| {})
+    }
+
+    /// Initializes a new cluster, lets `prepare` change its files (certificates, `pg_hba.conf`),
+    /// and starts it with `settings` (`name=value`, overriding the defaults).
+    pub fn start_with(settings: &[&str], prepare: impl FnOnce(&Cluster)) -> Cluster {
+        let cluster = Cluster::empty(settings);
         let data = cluster.data_dir();
         run(cluster.command("initdb").arg("-D").arg(&data).args([
             "-U",
@@ -57,18 +48,112 @@ impl Cluster {
             "--no-sync",
         ]));
         cluster.spawn_watchdog();
+        prepare(&cluster);
         cluster.resume();
         cluster
     }
 
+    /// A streaming-replication standby of `primary` (`pg_basebackup -R -X stream`), started
+    /// with `settings`; returns when it accepts connections.
+    pub fn standby_of(primary: &Cluster, settings: &[&str]) -> Cluster {
+        let cluster = Cluster::empty(settings);
+        run(cluster
+            .command("pg_basebackup")
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &primary.port.to_string(),
+                "-U",
+                "postgres",
+            ])
+            .arg("-D")
+            .arg(cluster.data_dir())
+            .args(["-R", "-X", "stream", "--checkpoint=fast", "--no-sync"]));
+        cluster.spawn_watchdog();
+        cluster.resume();
+        cluster
+    }
+
+    /// A cluster not yet initialized: its directory, owned by the server's user, and a port.
+    fn empty(settings: &[&str]) -> Cluster {
+        let bin = find_bin_dir().unwrap_or_else(|| panic!("{INSTALL_HINT}"));
+        let as_postgres = is_root();
+        let root = tempfile::Builder::new()
+            .prefix("turnstile-pg-")
+            .tempdir()
+            .expect("creating a temporary directory for PostgreSQL")
+            .keep();
+        if as_postgres {
+            run(Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(&root));
+        }
+        Cluster {
+            bin,
+            port: free_port(),
+            root,
+            as_postgres,
+            settings: settings.iter().map(|s| (*s).to_owned()).collect(),
+        }
+    }
+
+    /// The cluster's port on 127.0.0.1.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The data directory.
+    pub fn data_dir(&self) -> PathBuf {
+        self.root.join("data")
+    }
+
+    /// Writes `contents` to `path` as a file the server can read and nobody else can (the
+    /// server refuses a private key that others may read).
+    pub fn write_private(&self, path: &Path, contents: &[u8]) {
+        std::fs::write(path, contents).unwrap_or_else(|e| panic!("writing {path:?}: {e}"));
+        run(Command::new("chmod").arg("0600").arg(path));
+        if self.as_postgres {
+            run(Command::new("chown").arg("postgres:postgres").arg(path));
+        }
+    }
+
+    /// Crashes the server (immediate shutdown: no checkpoint, connections cut).
+    pub fn crash(&self) {
+        run(self.command("pg_ctl").arg("-D").arg(self.data_dir()).args([
+            "-m",
+            "immediate",
+            "-w",
+            "stop",
+        ]));
+    }
+
+    /// Promotes this standby to a primary; returns when it accepts writes.
+    pub fn promote(&self) {
+        run(self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(self.data_dir())
+            .args(["-w", "-t", "60", "promote"]));
+    }
+
+    /// The server's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.root.join("server.log")).unwrap_or_default()
+    }
+
     /// Starts the stopped cluster again, on the same port; returns when it accepts connections.
     pub fn resume(&self) {
-        let options = format!(
+        let mut options = format!(
             "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off \
              -c full_page_writes=off -c max_connections=300 -c shared_buffers=64MB",
             self.port,
             self.root.display()
         );
+        for setting in &self.settings {
+            options.push_str(" -c ");
+            options.push_str(setting);
+        }
         run(self
             .command("pg_ctl")
             .arg("-D")
@@ -92,12 +177,14 @@ impl Cluster {
         format!("postgres://postgres@127.0.0.1:{}/{name}", self.port)
     }
 
-    fn data_dir(&self) -> PathBuf {
-        self.root.join("data")
-    }
-
     fn command(&self, program: &str) -> Command {
-        let path = self.bin.join(program);
+        // PATH may hold links to a few of the server's programs only (initdb, pg_ctl): the
+        // others sit beside what they link to.
+        let path = std::fs::canonicalize(self.bin.join("pg_ctl"))
+            .ok()
+            .and_then(|real| real.parent().map(|dir| dir.join(program)))
+            .filter(|path| path.is_file())
+            .unwrap_or_else(|| self.bin.join(program));
         if self.as_postgres {
             let mut c = Command::new("runuser");
             c.args(["-u", "postgres", "--"]).arg(path);

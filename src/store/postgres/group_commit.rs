@@ -27,9 +27,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use anyhow::anyhow;
 use deadpool_postgres::Pool;
 use tokio::sync::{Semaphore, mpsc, oneshot};
-use tokio_postgres::types::Json;
+use tokio_postgres::types::{Json, Type};
 
-use super::{classify, client_of, is_conflict, taken_receipt, unexpected};
+use super::{Sql, Statements, classify, client_of, is_conflict, taken_receipt, unexpected};
 use crate::activity::JsonMap;
 use crate::state::StateKey;
 use crate::store::{Commit, CommitOutcome, Expected, KeyChange, StoreError, Version};
@@ -61,24 +61,40 @@ macro_rules! write_one {
 /// The common commit — one scope written over the version the turn read, and the receipt — as
 /// one plain statement: PL/pgSQL costs the database about a third more per turn
 /// (`bench/RESULTS.md`). The write is the check.
-const UPDATE_ONE: &str = write_one!(
-    "UPDATE turnstile_state SET state = $2, version = version + 1, updated_at = now() \
-      WHERE key = $1 AND version = $3 RETURNING version",
-    "$4",
-    "$5"
-);
+const UPDATE_ONE: Sql = Sql {
+    text: write_one!(
+        "UPDATE turnstile_state SET state = $2, version = version + 1, updated_at = now() \
+          WHERE key = $1 AND version = $3 RETURNING version",
+        "$4",
+        "$5"
+    ),
+    types: &[Type::TEXT, Type::JSONB, Type::INT8, Type::TEXT, Type::JSONB],
+};
 /// [`UPDATE_ONE`] for a key the turn found absent: created, or no row when it appeared meanwhile.
-const CREATE_ONE: &str = write_one!(
-    "INSERT INTO turnstile_state (key, state, version) VALUES ($1, $2, 1) \
-     ON CONFLICT (key) DO NOTHING RETURNING version",
-    "$3",
-    "$4"
-);
+const CREATE_ONE: Sql = Sql {
+    text: write_one!(
+        "INSERT INTO turnstile_state (key, state, version) VALUES ($1, $2, 1) \
+         ON CONFLICT (key) DO NOTHING RETURNING version",
+        "$3",
+        "$4"
+    ),
+    types: &[Type::TEXT, Type::JSONB, Type::TEXT, Type::JSONB],
+};
 /// The single-scope commits of a batch, one row per turn (`ord` is the turn's place in the
 /// batch, from 1), in one statement. Writes are the checks, as in [`UPDATE_ONE`]: an update whose
 /// version moved and a create whose key appeared return no row, and only the turns whose write
 /// returned a row insert their receipt.
-const WRITE_MANY: &str = "\
+const WRITE_MANY: Sql = Sql {
+    text: WRITE_MANY_TEXT,
+    types: &[
+        Type::TEXT_ARRAY,
+        Type::JSONB_ARRAY,
+        Type::INT8_ARRAY,
+        Type::TEXT_ARRAY,
+        Type::JSONB_ARRAY,
+    ],
+};
+const WRITE_MANY_TEXT: &str = "\
 WITH input AS ( \
   SELECT * FROM unnest($1::text[], $2::jsonb[], $3::int8[], $4::text[], $5::jsonb[]) \
     WITH ORDINALITY AS i(key, state, expected, receipt_key, receipt, ord) \
@@ -150,9 +166,15 @@ pub(super) struct GroupCommit {
     queue: Mutex<Option<Queue>>,
 }
 
+/// Where the commits go: the pool, and how statements are sent on its connections.
+struct Db {
+    pool: Pool,
+    statements: Statements,
+}
+
 /// What the callers and the committer task share.
 struct Shared {
-    pool: Pool,
+    db: Db,
     /// One permit per statement in flight.
     slots: Arc<Semaphore>,
     counts: Counts,
@@ -187,11 +209,12 @@ impl Counts {
 }
 
 impl GroupCommit {
-    /// A group commit over `pool` with at most `slots` statements in flight at once.
-    pub fn new(pool: Pool, slots: usize) -> Self {
+    /// A group commit over `pool`, its statements sent as `statements` says, with at most
+    /// `slots` statements in flight at once.
+    pub fn new(pool: Pool, statements: Statements, slots: usize) -> Self {
         Self {
             shared: Arc::new(Shared {
-                pool,
+                db: Db { pool, statements },
                 slots: Arc::new(Semaphore::new(slots.max(1))),
                 counts: Counts::default(),
             }),
@@ -221,7 +244,7 @@ impl GroupCommit {
             && let Ok(_slot) = shared.slots.try_acquire()
         {
             shared.counts.record(1);
-            return commit_alone(&shared.pool, &write).await;
+            return commit_alone(&shared.db, &write).await;
         }
         let (outcome, answer) = oneshot::channel();
         queue.waiting.fetch_add(1, Ordering::AcqRel);
@@ -309,7 +332,7 @@ async fn committer(
         shared.counts.record(batch.len());
         let shared = Arc::clone(&shared);
         tokio::spawn(async move {
-            batch.run(&shared.pool).await;
+            batch.run(&shared.db).await;
             drop(slot);
         });
     }
@@ -346,19 +369,19 @@ impl Batch {
     }
 
     /// Runs the batch and answers every commit in it.
-    async fn run(self, pool: &Pool) {
+    async fn run(self, db: &Db) {
         let mut commits = self.commits;
         if commits.len() == 1
             && let Some(only) = commits.pop()
         {
-            let outcome = super::within_call_timeout(commit_alone(pool, &only.write)).await;
+            let outcome = super::within_call_timeout(commit_alone(db, &only.write)).await;
             let _ = only.outcome.send(outcome);
             return;
         }
         // Sorted by key, so that batches lock rows in one order wherever the plan allows.
         commits.sort_by(|a, b| a.write.key.cmp(&b.write.key));
         let writes: Vec<&SingleWrite> = commits.iter().map(|c| &c.write).collect();
-        match super::within_call_timeout(commit_together(pool, &writes)).await {
+        match super::within_call_timeout(commit_together(db, &writes)).await {
             Ok(Together::Outcomes(outcomes)) => {
                 for (queued, outcome) in commits.into_iter().zip(outcomes) {
                     let _ = queued.outcome.send(Ok(outcome));
@@ -368,8 +391,7 @@ impl Batch {
                 // One turn's receipt, or a deadlock, failed them all: each alone, to find out
                 // whose it was.
                 for queued in commits {
-                    let outcome =
-                        super::within_call_timeout(commit_alone(pool, &queued.write)).await;
+                    let outcome = super::within_call_timeout(commit_alone(db, &queued.write)).await;
                     let _ = queued.outcome.send(outcome);
                 }
             }
@@ -400,7 +422,7 @@ enum Together {
 }
 
 /// Commits `writes` by [`WRITE_MANY`].
-async fn commit_together(pool: &Pool, writes: &[&SingleWrite]) -> Result<Together, StoreError> {
+async fn commit_together(db: &Db, writes: &[&SingleWrite]) -> Result<Together, StoreError> {
     let keys: Vec<&str> = writes.iter().map(|w| w.key.as_str()).collect();
     let states: Vec<Json<&JsonMap>> = writes.iter().map(|w| Json(&w.state)).collect();
     let expected = writes
@@ -415,11 +437,11 @@ async fn commit_together(pool: &Pool, writes: &[&SingleWrite]) -> Result<Togethe
         .iter()
         .map(|w| w.receipt.as_ref().map(|(_, payload)| Json(payload)))
         .collect();
-    let client = client_of(pool).await?;
-    let statement = client.prepare_cached(WRITE_MANY).await.map_err(classify)?;
-    let rows = match client
+    let client = client_of(&db.pool).await?;
+    let rows = match WRITE_MANY
         .query(
-            &statement,
+            &client,
+            db.statements,
             &[&keys, &states, &expected, &receipt_keys, &receipts],
         )
         .await
@@ -449,25 +471,28 @@ async fn commit_together(pool: &Pool, writes: &[&SingleWrite]) -> Result<Togethe
 }
 
 /// Commits `write` by itself, by [`UPDATE_ONE`] or [`CREATE_ONE`].
-async fn commit_alone(pool: &Pool, write: &SingleWrite) -> Result<CommitOutcome, StoreError> {
+async fn commit_alone(db: &Db, write: &SingleWrite) -> Result<CommitOutcome, StoreError> {
     let key = write.key.as_str();
     let state = Json(&write.state);
     let receipt_key = write.receipt.as_ref().map(|(key, _)| key.as_str());
     let receipt = write.receipt.as_ref().map(|(_, payload)| Json(payload));
-    let client = client_of(pool).await?;
+    let client = client_of(&db.pool).await?;
     let rows = match write.expected {
         Expected::Absent => {
-            let statement = client.prepare_cached(CREATE_ONE).await.map_err(classify)?;
-            client
-                .query(&statement, &[&key, &state, &receipt_key, &receipt])
+            CREATE_ONE
+                .query(
+                    &client,
+                    db.statements,
+                    &[&key, &state, &receipt_key, &receipt],
+                )
                 .await
         }
         Expected::Version(_) => {
             let expected = expected_version(write.expected)?;
-            let statement = client.prepare_cached(UPDATE_ONE).await.map_err(classify)?;
-            client
+            UPDATE_ONE
                 .query(
-                    &statement,
+                    &client,
+                    db.statements,
                     &[&key, &state, &expected, &receipt_key, &receipt],
                 )
                 .await
