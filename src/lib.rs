@@ -17,7 +17,8 @@
 //! - [`grpc`] — generated code, wire conversions, status mapping, the `TurnService` handler.
 //! - [`config`] — command-line flags and the configuration `serve` takes.
 //! - [`server`] — [`server::serve`], the one way to start the service.
-//! - [`telemetry`] — Prometheus metrics on their own port.
+//! - [`telemetry`] — Prometheus metrics on their own port, OTLP traces, and the RPC layer that
+//!   traces and times every gRPC call.
 
 pub mod activity;
 pub mod bot;
