@@ -238,6 +238,13 @@ pub struct UnknownBot {
     hosted: String,
 }
 
+impl UnknownBot {
+    /// The bot the caller asked for.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
 impl BotRegistry {
     /// A registry whose default bot is `bot`, named `name`.
     pub fn new(name: impl Into<String>, bot: impl Bot) -> Self {

@@ -55,6 +55,74 @@ pub struct Config {
     pub auth_tokens_file: Option<PathBuf>,
     /// TLS on the gRPC port; plaintext when `None`.
     pub tls: Option<TlsFiles>,
+    /// The most turns in flight before new ones are refused with `RESOURCE_EXHAUSTED`; `None`
+    /// derives it from the store (see [`Config::max_in_flight`]).
+    pub max_in_flight: Option<usize>,
+    /// gRPC connection lifetime and liveness (see [`Connections`]).
+    pub connections: Connections,
+}
+
+/// How long a client's HTTP/2 connection lives, and how a dead one is noticed.
+///
+/// A gateway keeps its connections open for as long as they work, so replicas added by a
+/// scale-out would get no traffic from existing gateways: aging connections out makes every
+/// client reconnect, through the load balancer, within `max_age` plus `max_age_grace`. Five
+/// minutes spreads the load over new replicas quickly while a reconnect (a TCP and, with TLS, a
+/// TLS handshake) every five minutes per client costs nothing; 30 s of grace lets a turn in
+/// flight finish (well above the default call times) before the connection is cut. The server
+/// sends GOAWAY at `max_age`, and clients open a new connection for their next call.
+///
+/// Keepalive pings every 60 s notice a connection whose peer vanished (a node gone, a NAT entry
+/// expired) within `keepalive_interval` + `keepalive_timeout`, instead of holding it until TCP
+/// gives up after many minutes; every HTTP/2 client answers a server's pings whatever its own
+/// keepalive settings, and one ping a minute costs nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Connections {
+    /// When a connection is told to go away (GOAWAY); `None`: never.
+    pub max_age: Option<Duration>,
+    /// How long calls in flight on an aged connection get before it is closed; `None`: as long
+    /// as they need.
+    pub max_age_grace: Option<Duration>,
+    /// How often the server pings an idle connection; `None`: never.
+    pub keepalive_interval: Option<Duration>,
+    /// How long a ping may go unanswered before the connection is closed.
+    pub keepalive_timeout: Duration,
+}
+
+impl Default for Connections {
+    fn default() -> Self {
+        Self {
+            max_age: Some(Duration::from_secs(300)),
+            max_age_grace: Some(Duration::from_secs(30)),
+            keepalive_interval: Some(Duration::from_secs(60)),
+            keepalive_timeout: Duration::from_secs(20),
+        }
+    }
+}
+
+/// The in-flight limit with the memory store: it does no I/O, so turns are bounded by the CPU and
+/// the limit only bounds memory (about 85 KiB per turn in flight was measured at 2,048 calls:
+/// 170 MiB), here to some 85 MiB.
+pub const MEMORY_MAX_IN_FLIGHT: usize = 1024;
+
+/// Turns in flight per PostgreSQL connection when the limit is derived. A turn holds a
+/// connection only for its load and its commit (about a millisecond each; commits are grouped),
+/// not while its bot runs, so a pool of 16 serves a few thousand turns a second. By Little's law
+/// 16 × 32 = 512 turns in flight at that rate is about 100 ms of queueing, beyond which more
+/// admitted turns only add latency a gateway will time out on; and 512 turns hold about 43 MiB.
+pub const MAX_IN_FLIGHT_PER_CONNECTION: usize = 32;
+
+impl Config {
+    /// The most turns in flight: as configured, else [`MAX_IN_FLIGHT_PER_CONNECTION`] per pool
+    /// connection with PostgreSQL, or [`MEMORY_MAX_IN_FLIGHT`] in memory.
+    pub fn max_in_flight(&self) -> usize {
+        self.max_in_flight.unwrap_or(match &self.store {
+            StoreConfig::Memory => MEMORY_MAX_IN_FLIGHT,
+            StoreConfig::Postgres { pool_size, .. } => pool_size
+                .saturating_mul(MAX_IN_FLIGHT_PER_CONNECTION)
+                .max(1),
+        })
+    }
 }
 
 /// The PEM files TLS is served from, read when the server starts.
@@ -84,6 +152,8 @@ impl Default for Config {
             auth_tokens: Vec::new(),
             auth_tokens_file: None,
             tls: None,
+            max_in_flight: None,
+            connections: Connections::default(),
         }
     }
 }
@@ -193,6 +263,33 @@ pub struct ServeArgs {
     /// PEM CA certificate(s) client certificates must chain to: turns on mutual TLS.
     #[arg(long, env = "TURNSTILE_TLS_CLIENT_CA", requires = "tls_cert")]
     pub tls_client_ca: Option<PathBuf>,
+    /// Most turns in flight; beyond it calls are refused at once with RESOURCE_EXHAUSTED.
+    /// Default: 32 per pool connection with PostgreSQL, 1024 in memory.
+    #[arg(long, env = "TURNSTILE_MAX_IN_FLIGHT",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_in_flight: Option<u64>,
+    /// Seconds after which a client connection is told to go away (GOAWAY) and the client
+    /// reconnects, so that new replicas get traffic; 0: never.
+    #[arg(long, env = "TURNSTILE_MAX_CONNECTION_AGE_SECS", default_value_t = 300)]
+    pub max_connection_age_secs: u64,
+    /// Seconds calls in flight on an aged connection get before it is closed; 0: no limit.
+    #[arg(
+        long,
+        env = "TURNSTILE_MAX_CONNECTION_AGE_GRACE_SECS",
+        default_value_t = 30
+    )]
+    pub max_connection_age_grace_secs: u64,
+    /// Seconds between HTTP/2 keepalive pings from the server; 0: no pings.
+    #[arg(
+        long,
+        env = "TURNSTILE_HTTP2_KEEPALIVE_INTERVAL_SECS",
+        default_value_t = 60
+    )]
+    pub http2_keepalive_interval_secs: u64,
+    /// Seconds a keepalive ping may go unanswered before the connection is closed.
+    #[arg(long, env = "TURNSTILE_HTTP2_KEEPALIVE_TIMEOUT_SECS", default_value_t = 20,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub http2_keepalive_timeout_secs: u64,
 }
 
 impl ServeArgs {
@@ -242,8 +339,22 @@ impl ServeArgs {
                 }),
                 _ => None,
             },
+            max_in_flight: self
+                .max_in_flight
+                .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+            connections: Connections {
+                max_age: seconds_or_off(self.max_connection_age_secs),
+                max_age_grace: seconds_or_off(self.max_connection_age_grace_secs),
+                keepalive_interval: seconds_or_off(self.http2_keepalive_interval_secs),
+                keepalive_timeout: Duration::from_secs(self.http2_keepalive_timeout_secs),
+            },
         }
     }
+}
+
+/// `secs` seconds, or `None` for 0 (off).
+fn seconds_or_off(secs: u64) -> Option<Duration> {
+    (secs > 0).then(|| Duration::from_secs(secs))
 }
 
 /// `turnstile migrate`.

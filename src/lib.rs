@@ -18,7 +18,8 @@
 //! - [`config`] — command-line flags and the configuration `serve` takes.
 //! - [`server`] — [`server::serve`], the one way to start the service.
 //! - [`probe`] — the gRPC health check `turnstile health-check` runs.
-//! - [`telemetry`] — Prometheus metrics on their own port.
+//! - [`telemetry`] — Prometheus metrics on their own port, OTLP traces, and the RPC layer that
+//!   traces and times every gRPC call.
 
 pub mod activity;
 pub mod bot;

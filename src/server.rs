@@ -5,6 +5,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt as _;
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tonic::service::interceptor::InterceptedService;
@@ -16,13 +17,16 @@ use crate::bot::BotRegistry;
 use crate::config::{Config, StoreConfig, TlsFiles};
 use crate::engine::Engine;
 use crate::grpc::auth::{self, Authenticate};
+use crate::grpc::connection_age::Deadlined;
 use crate::grpc::drain::Drain;
 use crate::grpc::pb;
 use crate::grpc::pb::turn_service_server::TurnServiceServer;
 use crate::grpc::service::TurnApi;
+use crate::grpc::too_large::TooLarge;
 use crate::store::Store;
 use crate::store::memory::MemoryStore;
 use crate::store::postgres::{self, PostgresStore};
+use crate::telemetry::rpc::RpcTelemetryLayer;
 
 /// How long connections get to close once every turn has finished during shutdown.
 const CONNECTION_CLOSE_WAIT: Duration = Duration::from_secs(5);
@@ -172,14 +176,18 @@ pub async fn serve_on_store(
         metrics,
     } = listeners;
     let local_addr = listener.local_addr().ok();
+    // Scrapes go on while the gRPC side drains, and end with it.
+    let metrics_stop = Arc::new(Notify::new());
     let metrics = match metrics {
         Some(metrics_listener) => {
             let handle = crate::telemetry::metrics::recorder()?;
             tracing::info!(address = ?metrics_listener.local_addr().ok(), "serving /metrics");
+            let stop = Arc::clone(&metrics_stop);
             Some(tokio::spawn(crate::telemetry::metrics::serve(
                 metrics_listener,
                 handle,
                 Arc::clone(&store),
+                async move { stop.notified().await },
             )))
         }
         None => None,
@@ -192,13 +200,18 @@ pub async fn serve_on_store(
         .max_activity_bytes
         .saturating_mul(2)
         .max(4 << 20);
-    let drain = Drain::new();
+    let max_in_flight = config.max_in_flight();
+    tracing::info!(max_in_flight, "turns in flight beyond this are refused");
+    let drain = Drain::new(max_in_flight);
     let authenticate = authenticate(&config)?;
-    let turns = InterceptedService::new(
-        TurnServiceServer::new(TurnApi::new(engine, config.limits, Arc::clone(&drain)))
-            .max_decoding_message_size(max_message)
-            .max_encoding_message_size(max_message),
-        authenticate,
+    let turns = TooLarge::new(
+        InterceptedService::new(
+            TurnServiceServer::new(TurnApi::new(engine, config.limits, Arc::clone(&drain)))
+                .max_decoding_message_size(max_message)
+                .max_encoding_message_size(max_message),
+            authenticate,
+        ),
+        max_message,
     );
 
     let (health_reporter, health) = tonic_health::server::health_reporter();
@@ -242,12 +255,27 @@ pub async fn serve_on_store(
             stopping.notify_one();
         }
     };
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let mut builder = Server::builder();
+    let connections = config.connections;
+    // GOAWAY at the age by tonic, the hard end after the grace by the socket: see
+    // `grpc::connection_age` for why not tonic's own grace.
+    let lifetime = connections
+        .max_age
+        .zip(connections.max_age_grace)
+        .map(|(age, grace)| age.saturating_add(grace));
+    let incoming = TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .map(move |accepted| accepted.map(|stream| Deadlined::new(stream, lifetime)));
+    let mut builder = Server::builder()
+        .http2_keepalive_interval(connections.keepalive_interval)
+        .http2_keepalive_timeout(Some(connections.keepalive_timeout));
+    if let Some(age) = connections.max_age {
+        builder = builder.max_connection_age(age);
+    }
     if let Some(tls) = &config.tls {
         builder = builder.tls_config(tls_config(tls)?)?;
     }
     let server = builder
+        .layer(RpcTelemetryLayer)
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
@@ -265,8 +293,17 @@ pub async fn serve_on_store(
         }
     };
     pruner.abort();
-    if let Some(metrics) = metrics {
-        metrics.abort();
+    if let Some(mut metrics) = metrics {
+        metrics_stop.notify_one();
+        match tokio::time::timeout(CONNECTION_CLOSE_WAIT, &mut metrics).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the metrics endpoint failed"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "the metrics endpoint's task failed"),
+            Err(_) => {
+                tracing::warn!("a scraper kept the metrics endpoint open; closing it");
+                metrics.abort();
+            }
+        }
     }
     served?;
     tracing::info!("stopped");

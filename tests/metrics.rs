@@ -19,12 +19,26 @@ use turnstile::store::memory::MemoryStore;
 /// Starts a server over `store` with metrics on a free port; returns its gRPC and metrics
 /// addresses and the sender that stops it.
 async fn start(store: Arc<dyn Store>) -> (SocketAddr, SocketAddr, oneshot::Sender<()>) {
+    let (grpc, metrics, stop, _) = start_with(Config::default(), store).await;
+    (grpc, metrics, stop)
+}
+
+/// [`start`] with `config`, also returning the server's task.
+async fn start_with(
+    config: Config,
+    store: Arc<dyn Store>,
+) -> (
+    SocketAddr,
+    SocketAddr,
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), turnstile::server::ServeError>>,
+) {
     let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let metrics = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addrs = (grpc.local_addr().unwrap(), metrics.local_addr().unwrap());
     let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(turnstile::server::serve_on_store(
-        Config::default(),
+    let task = tokio::spawn(turnstile::server::serve_on_store(
+        config,
         store,
         turnstile::bots::samples(),
         Listeners {
@@ -35,12 +49,18 @@ async fn start(store: Arc<dyn Store>) -> (SocketAddr, SocketAddr, oneshot::Sende
             let _ = rx.await;
         },
     ));
-    (addrs.0, addrs.1, tx)
+    (addrs.0, addrs.1, tx, task)
 }
 
 async fn get(addr: SocketAddr, path: &str) -> (String, String) {
+    request(addr, "GET", path).await
+}
+
+async fn request(addr: SocketAddr, method: &str, path: &str) -> (String, String) {
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let request = format!("GET {path} HTTP/1.1\r\nHost: test\r\nAccept: */*\r\n\r\n");
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: test\r\nAccept: */*\r\nConnection: close\r\n\r\n"
+    );
     stream.write_all(request.as_bytes()).await.unwrap();
     let mut response = String::new();
     stream.read_to_string(&mut response).await.unwrap();
@@ -153,5 +173,70 @@ async fn pool_gauges_and_commit_batches_come_from_postgres() {
     assert!(
         value(&body, r#"turnstile_commit_batch_size_bucket{le="1"}"#) >= 1.0,
         "{body}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rpc_durations_count_served_and_refused_calls_by_status() {
+    let config = Config {
+        auth_tokens: vec![turnstile::grpc::auth::Token::new("scrape-test")],
+        ..Config::default()
+    };
+    let (grpc, metrics, stop, task) = start_with(config, Arc::new(MemoryStore::new())).await;
+    let mut c = client(grpc).await;
+    let (_, before) = get(metrics, "/metrics").await;
+
+    let mut ok = tonic::Request::new(support::request(support::message("rpc", "alice", "hi")));
+    ok.metadata_mut()
+        .insert("authorization", "Bearer scrape-test".parse().unwrap());
+    c.process_turn(ok).await.unwrap();
+    let refused = c
+        .process_turn(support::request(support::message("rpc", "alice", "hi")))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated);
+
+    let (status, after) = get(metrics, "/metrics").await;
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    let moved = |name: &str| value(&after, name) - value(&before, name);
+    let series = |code: u8| {
+        format!(
+            r#"rpc_server_duration_seconds_count{{rpc_service="turnstile.v1.TurnService",rpc_method="ProcessTurn",rpc_grpc_status_code="{code}"}}"#
+        )
+    };
+    assert!(moved(&series(0)) >= 1.0, "{after}");
+    assert!(moved(&series(16)) >= 1.0, "{after}");
+    assert!(
+        after.contains("# TYPE rpc_server_duration_seconds histogram"),
+        "{after}"
+    );
+    assert_eq!(
+        value(
+            &after,
+            &format!(
+                r#"turnstile_build_info{{version="{}"}}"#,
+                env!("CARGO_PKG_VERSION")
+            )
+        ),
+        1.0,
+        "{after}"
+    );
+
+    // Only GET /metrics is served.
+    let (status, _) = request(metrics, "POST", "/metrics").await;
+    assert_eq!(status, "HTTP/1.1 405 Method Not Allowed");
+    let (status, _) = get(metrics, "/metrics/other").await;
+    assert_eq!(status, "HTTP/1.1 404 Not Found");
+
+    // The endpoint stops with the server.
+    stop.send(()).unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(30), task)
+        .await
+        .expect("the server stopped")
+        .unwrap()
+        .unwrap();
+    assert!(
+        tokio::net::TcpStream::connect(metrics).await.is_err(),
+        "the metrics port still accepts after the server stopped"
     );
 }

@@ -12,6 +12,7 @@ use tonic::Code;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
+use tonic_types::StatusExt as _;
 use turnstile::bots::CounterBot;
 use turnstile::grpc::pb;
 use turnstile::{Bot, BotError, BotRegistry, TurnContext};
@@ -84,6 +85,12 @@ async fn in_flight_turns_finish_once_and_new_ones_are_refused() {
         .expect_err("refused");
     assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
     assert!(refused.message().contains("shutting down"), "{refused:?}");
+    let info = refused.get_details_error_info().expect("an ErrorInfo");
+    assert_eq!(info.reason, "SHUTTING_DOWN");
+    assert!(
+        refused.get_details_retry_info().is_some(),
+        "retry elsewhere: {refused:?}"
+    );
 
     for call in in_flight {
         let response = call

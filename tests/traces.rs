@@ -19,8 +19,8 @@ use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 use turnstile::config::Config;
 
-/// A collector that hands every exported span to the test.
-struct Collector(mpsc::UnboundedSender<Span>);
+/// A collector that hands every exported span to the test, with its resource's service name.
+struct Collector(mpsc::UnboundedSender<(String, Span)>);
 
 #[tonic::async_trait]
 impl TraceService for Collector {
@@ -29,9 +29,16 @@ impl TraceService for Collector {
         request: Request<ExportTraceServiceRequest>,
     ) -> Result<Response<ExportTraceServiceResponse>, Status> {
         for resource in request.into_inner().resource_spans {
+            let service = resource
+                .resource
+                .iter()
+                .flat_map(|r| &r.attributes)
+                .find(|a| a.key == "service.name")
+                .map(|a| format!("{:?}", a.value))
+                .unwrap_or_default();
             for scope in resource.scope_spans {
                 for span in scope.spans {
-                    let _ = self.0.send(span);
+                    let _ = self.0.send((service.clone(), span));
                 }
             }
         }
@@ -40,6 +47,42 @@ impl TraceService for Collector {
 }
 
 const TRACE_ID: &str = "0af7651916cd43dd8448eb211c80319c";
+const CALLER_SPAN: &str = "b7ad6b7169203331";
+const REFUSED_TRACE_ID: &str = "1bf7651916cd43dd8448eb211c80319d";
+const RPC_SPAN: &str = "turnstile.v1.TurnService/ProcessTurn";
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The span's attributes as `key=value` (values in their Debug form).
+fn attributes(span: &Span) -> Vec<String> {
+    span.attributes
+        .iter()
+        .map(|a| format!("{}={:?}", a.key, a.value))
+        .collect()
+}
+
+fn request_in_trace(
+    trace_id: &str,
+    token: Option<&str>,
+) -> Request<turnstile::grpc::pb::ProcessTurnRequest> {
+    let mut request = Request::new(support::request(support::message(
+        "traced",
+        "alice",
+        "add cheese",
+    )));
+    request.metadata_mut().insert(
+        "traceparent",
+        format!("00-{trace_id}-{CALLER_SPAN}-01").parse().unwrap(),
+    );
+    if let Some(token) = token {
+        request
+            .metadata_mut()
+            .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    }
+    request
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_collector_receives_the_spans_of_a_turn_in_the_callers_trace() {
@@ -55,52 +98,102 @@ async fn a_collector_receives_the_spans_of_a_turn_in_the_callers_trace() {
         turnstile::telemetry::traces::otlp_layer(&format!("http://{collector}")).unwrap();
     tracing_subscriber::registry().with(layer).init();
 
-    let server = support::TestServer::start(Config::default(), turnstile::bots::samples()).await;
+    let config = Config {
+        auth_tokens: vec![turnstile::grpc::auth::Token::new("trace-token")],
+        ..Config::default()
+    };
+    let server = support::TestServer::start(config, turnstile::bots::samples()).await;
     let mut client = server.client().await;
-    let mut request = Request::new(support::request(support::message(
-        "traced",
-        "alice",
-        "add cheese",
-    )));
-    request.metadata_mut().insert(
-        "traceparent",
-        format!("00-{TRACE_ID}-b7ad6b7169203331-01")
-            .parse()
-            .unwrap(),
-    );
-    client.process_turn(request).await.unwrap();
+    client
+        .process_turn(request_in_trace(TRACE_ID, Some("trace-token")))
+        .await
+        .unwrap();
+    let refused = client
+        .process_turn(request_in_trace(REFUSED_TRACE_ID, None))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated);
     tokio::task::spawn_blocking(move || provider.force_flush())
         .await
         .unwrap()
         .unwrap();
 
-    let mut names = Vec::new();
-    let mut turn = None;
+    let mut all = Vec::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !(names.contains(&"turn".to_owned()) && names.contains(&"attempt".to_owned())) {
+    let wanted = |all: &[(String, Span)]| {
+        let has = |name: &str| all.iter().filter(|(_, s)| s.name == name).count();
+        has("turn") >= 1 && has("attempt") >= 1 && has("process_turn") >= 1 && has(RPC_SPAN) >= 2
+    };
+    while !wanted(&all) {
+        let names: Vec<&str> = all.iter().map(|(_, s)| s.name.as_str()).collect();
         let span = tokio::time::timeout_at(deadline, spans.recv())
             .await
             .unwrap_or_else(|_| panic!("only these spans arrived: {names:?}"))
             .unwrap();
-        names.push(span.name.clone());
-        if span.name == "turn" {
-            turn = Some(span);
-        }
+        all.push(span);
     }
-    let turn = turn.unwrap();
-    let trace_id: String = turn.trace_id.iter().map(|b| format!("{b:02x}")).collect();
-    assert_eq!(trace_id, TRACE_ID, "the turn joined the caller's trace");
-    let attributes: Vec<String> = turn
-        .attributes
-        .iter()
-        .map(|a| format!("{}={:?}", a.key, a.value))
-        .collect();
+    let find = |name: &str, trace: &str| {
+        all.iter()
+            .map(|(_, s)| s)
+            .find(|s| s.name == name && hex(&s.trace_id) == trace)
+            .unwrap_or_else(|| panic!("no {name} span in trace {trace}"))
+    };
+
+    // The server span: named by the RPC, kind server, the rpc.* attributes, in the caller's
+    // trace as the child of the caller's span; the handler's spans are its children.
+    let rpc = find(RPC_SPAN, TRACE_ID);
+    assert_eq!(
+        rpc.kind,
+        opentelemetry_proto::tonic::trace::v1::span::SpanKind::Server as i32
+    );
+    assert_eq!(hex(&rpc.parent_span_id), CALLER_SPAN);
+    let rpc_attributes = attributes(rpc);
+    for expected in [
+        "rpc.system=Some(AnyValue { value: Some(StringValue(\"grpc\")) })",
+        "rpc.service=Some(AnyValue { value: Some(StringValue(\"turnstile.v1.TurnService\")) })",
+        "rpc.method=Some(AnyValue { value: Some(StringValue(\"ProcessTurn\")) })",
+        "rpc.grpc.status_code=Some(AnyValue { value: Some(IntValue(0)) })",
+    ] {
+        assert!(
+            rpc_attributes.contains(&expected.to_owned()),
+            "{expected} not in {rpc_attributes:?}"
+        );
+    }
+    let handler = find("process_turn", TRACE_ID);
+    assert_eq!(
+        handler.parent_span_id, rpc.span_id,
+        "the handler's span is the RPC's child"
+    );
+
+    // A call refused by authentication gets its server span too, with its status.
+    let refused = find(RPC_SPAN, REFUSED_TRACE_ID);
+    assert!(
+        attributes(refused).contains(
+            &"rpc.grpc.status_code=Some(AnyValue { value: Some(IntValue(16)) })".to_owned()
+        ),
+        "{:?}",
+        attributes(refused)
+    );
+    assert_eq!(hex(&refused.parent_span_id), CALLER_SPAN);
+
+    // The resource names the service (OTEL_SERVICE_NAME is unset here: the default).
+    assert!(
+        all.iter()
+            .all(|(service, _)| service.contains("StringValue(\"turnstile\")")),
+        "{:?}",
+        all.iter().map(|(service, _)| service).collect::<Vec<_>>()
+    );
+
+    let turn = find("turn", TRACE_ID);
+    let attributes = attributes(turn);
     assert!(
         attributes.iter().any(|a| a.starts_with("outcome=")),
         "{attributes:?}"
     );
     assert!(
-        !attributes.iter().any(|a| a.contains("cheese")),
-        "message text in a span: {attributes:?}"
+        !all.iter()
+            .flat_map(|(_, s)| s.attributes.iter())
+            .any(|a| format!("{:?}", a.value).contains("cheese")),
+        "message text in a span"
     );
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use support::{TestServer, message, postgres_config, request, say, texts, toppings};
 use tonic::Code;
+use tonic_types::StatusExt as _;
 use turnstile::bots::PizzaBot;
 use turnstile::grpc::pb;
 use turnstile::{Bot, BotError, BotRegistry, TurnContext};
@@ -18,13 +19,26 @@ fn assert_status(
     result: Result<tonic::Response<pb::ProcessTurnResponse>, tonic::Status>,
     code: Code,
     naming: &str,
-) {
+) -> tonic::Status {
     let status = result.expect_err("the call should fail");
     assert_eq!(status.code(), code, "{status:?}");
     assert!(
         status.message().contains(naming),
         "the message should name `{naming}`: {:?}",
         status.message()
+    );
+    status
+}
+
+/// Checks the status's ErrorInfo reason and domain, and whether it advises a retry.
+fn assert_details(status: &tonic::Status, reason: &str, retry: bool) {
+    let info = status.get_details_error_info().expect("an ErrorInfo");
+    assert_eq!(info.reason, reason, "{status:?}");
+    assert_eq!(info.domain, turnstile::grpc::error::ERROR_DOMAIN);
+    assert_eq!(
+        status.get_details_retry_info().is_some(),
+        retry,
+        "RetryInfo on {status:?}"
     );
 }
 
@@ -112,6 +126,19 @@ async fn invalid_activities_get_invalid_argument_naming_the_field_and_change_not
             "the message should name `{field}`: {:?}",
             status.message()
         );
+        assert_details(&status, "INVALID_ACTIVITY", false);
+        let violations = status.get_details_bad_request().expect("a BadRequest");
+        let named: Vec<&str> = violations
+            .field_violations
+            .iter()
+            .map(|v| v.field.as_str())
+            .collect();
+        let expected = if field == "activity" {
+            "activity".to_owned()
+        } else {
+            format!("activity.{field}")
+        };
+        assert_eq!(named, [expected.as_str()], "{status:?}");
     }
     let shown = say(&mut client, "c1", "show").await;
     assert_eq!(texts(&shown), ["Your pizza has: ham."]);
@@ -127,7 +154,8 @@ async fn an_unknown_bot_is_not_found() {
             bot: "calzone".into(),
         })
         .await;
-    assert_status(result, Code::NotFound, "calzone");
+    let status = assert_status(result, Code::NotFound, "calzone");
+    assert_details(&status, "UNKNOWN_BOT", false);
 }
 
 /// Notes a value in conversation state; fails or panics after writing when asked to.
@@ -173,11 +201,13 @@ async fn a_failing_or_panicking_bot_is_internal_and_leaves_state_untouched() {
     let failed = client
         .process_turn(request(message("c1", "alice", "fail second")))
         .await;
-    assert_status(failed, Code::Internal, "the bot failed");
+    let status = assert_status(failed, Code::Internal, "the bot failed");
+    assert_details(&status, "BOT_FAILED", false);
     let panicked = client
         .process_turn(request(message("c1", "alice", "panic third")))
         .await;
-    assert_status(panicked, Code::Internal, "the bot failed");
+    let status = assert_status(panicked, Code::Internal, "the bot failed");
+    assert_details(&status, "BOT_FAILED", false);
 
     let read = say(&mut client, "c1", "read").await;
     assert_eq!(texts(&read), ["note: first"]);
@@ -242,6 +272,7 @@ async fn one_attempt_under_contention_aborts_and_commits_nothing_for_the_aborted
                     status.message().contains("nothing was committed"),
                     "{status:?}"
                 );
+                assert_details(&status, "CONFLICT_RETRIES_EXHAUSTED", true);
                 aborted.insert(topping);
             }
         }
@@ -270,7 +301,8 @@ async fn a_stopped_database_is_unavailable_and_state_survives_its_restart() {
     let result = client
         .process_turn(request(message("c1", "alice", "add olive")))
         .await;
-    assert_status(result, Code::Unavailable, "state store is unavailable");
+    let status = assert_status(result, Code::Unavailable, "state store is unavailable");
+    assert_details(&status, "STORE_UNAVAILABLE", true);
 
     cluster.resume();
     let added = say(&mut client, "c1", "add mushroom").await;

@@ -37,6 +37,11 @@ impl InvalidActivity {
     pub fn field(&self) -> &str {
         &self.field
     }
+
+    /// What is wrong with the field (`is missing`, `is 300 bytes, over the 256-byte limit`, …).
+    pub fn problem(&self) -> &str {
+        &self.problem
+    }
 }
 
 macro_rules! id_newtype {

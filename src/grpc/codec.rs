@@ -9,6 +9,8 @@ use tonic::Status;
 use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder};
 use tonic_prost::{ProstCodec, ProstDecoder, ProstEncoder};
 
+use super::error::Refusal;
+
 /// [`ProstCodec`] with decoding failures reported as `INVALID_ARGUMENT`.
 #[derive(Debug)]
 pub struct StrictCodec<T, U>(ProstCodec<T, U>);
@@ -48,14 +50,17 @@ impl<U: Message + Default> Decoder for StrictDecoder<U> {
 
     fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
         self.0.decode(buf).map_err(|status| {
-            Status::invalid_argument(format!(
-                "the message is not a valid {}: {}",
-                std::any::type_name::<U>()
-                    .rsplit("::")
-                    .next()
-                    .unwrap_or("message"),
-                status.message()
-            ))
+            Refusal::Malformed {
+                detail: format!(
+                    "the message is not a valid {}: {}",
+                    std::any::type_name::<U>()
+                        .rsplit("::")
+                        .next()
+                        .unwrap_or("message"),
+                    status.message()
+                ),
+            }
+            .into()
         })
     }
 

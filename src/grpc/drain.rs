@@ -6,17 +6,25 @@
 //! So shutdown comes in two steps: first [`Drain::start`] makes new turns fail fast with
 //! `UNAVAILABLE` (safe to retry on another replica) and [`Drain::idle`] waits for every turn
 //! already started; only then is the gRPC server told to stop.
+//!
+//! The same count bounds the load: past `max_in_flight` turns (those whose caller hung up
+//! included, since they still hold memory and a place in their conversation's queue), a new turn
+//! is refused at once with `RESOURCE_EXHAUSTED`. An overloaded replica so sheds load instead of
+//! queueing without bound, and a gateway learns it in a round trip rather than at its deadline.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use tokio::sync::Notify;
 
+use super::error::Refusal;
+
 /// Shared between the handler and the server: whether we are draining, and the turns in flight.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Drain {
     draining: AtomicBool,
     in_flight: AtomicUsize,
+    max_in_flight: usize,
     idle: Notify,
 }
 
@@ -25,21 +33,36 @@ pub struct Drain {
 pub struct InFlight(Arc<Drain>);
 
 impl Drain {
-    /// A drain not yet started.
-    pub fn new() -> Arc<Self> {
-        Arc::new(Self::default())
+    /// A drain not yet started, admitting at most `max_in_flight` turns at a time.
+    pub fn new(max_in_flight: usize) -> Arc<Self> {
+        Arc::new(Self {
+            draining: AtomicBool::new(false),
+            in_flight: AtomicUsize::new(0),
+            max_in_flight,
+            idle: Notify::new(),
+        })
     }
 
-    /// Registers a new turn, or `None` when draining has started and it must be refused.
-    pub fn enter(self: &Arc<Self>) -> Option<InFlight> {
+    /// Registers a new turn, or says why it must be refused: draining has started, or
+    /// `max_in_flight` turns are already in flight.
+    ///
+    /// # Errors
+    /// [`Refusal::ShuttingDown`] or [`Refusal::Overloaded`].
+    pub fn enter(self: &Arc<Self>) -> Result<InFlight, Refusal> {
         // Count first, then check: a turn that slips in just as draining starts is either
-        // refused or counted, never missed by `idle`.
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        // refused or counted, never missed by `idle`; and of turns racing for the last slot,
+        // exactly those that counted within the limit are admitted.
+        let before = self.in_flight.fetch_add(1, Ordering::SeqCst);
         let turn = InFlight(Arc::clone(self));
         if self.draining.load(Ordering::SeqCst) {
-            return None;
+            return Err(Refusal::ShuttingDown);
         }
-        Some(turn)
+        if before >= self.max_in_flight {
+            return Err(Refusal::Overloaded {
+                limit: self.max_in_flight,
+            });
+        }
+        Ok(turn)
     }
 
     /// Starts draining: every later [`Drain::enter`] is refused.
@@ -87,10 +110,10 @@ mod tests {
 
     #[tokio::test]
     async fn draining_refuses_new_turns_and_waits_for_running_ones() {
-        let drain = Drain::new();
+        let drain = Drain::new(8);
         let running = drain.enter().expect("not draining yet");
         drain.start();
-        assert!(drain.enter().is_none(), "refused once draining");
+        assert_eq!(drain.enter().err(), Some(Refusal::ShuttingDown));
         let idle = tokio::spawn({
             let drain = Arc::clone(&drain);
             async move { drain.idle().await }
@@ -103,5 +126,16 @@ mod tests {
             .expect("idle once the turn ended")
             .expect("no panic");
         assert_eq!(drain.in_flight(), 0);
+    }
+
+    #[test]
+    fn turns_past_the_limit_are_refused_until_one_ends() {
+        let drain = Drain::new(2);
+        let first = drain.enter().expect("room");
+        let _second = drain.enter().expect("room");
+        assert_eq!(drain.enter().err(), Some(Refusal::Overloaded { limit: 2 }));
+        assert_eq!(drain.in_flight(), 2, "a refusal leaves no count behind");
+        drop(first);
+        assert!(drain.enter().is_ok(), "a slot freed");
     }
 }

@@ -3,44 +3,270 @@
 //! A caller's mistake keeps its message, which names the problem. A failure on our side is
 //! logged with its whole cause chain and answered with a generic message: the caller learns what
 //! to do (retry or not), never our internals.
+//!
+//! Every error status also carries `google.rpc.Status` details (the richer error model, read with
+//! tonic-types' `StatusExt` or any gRPC library's status-details helper), so that a gateway can
+//! branch on data instead of parsing messages:
+//! - an `ErrorInfo` whose `reason` is one of [`Reason`] (stable: renaming one is a breaking
+//!   change) and whose `domain` is [`ERROR_DOMAIN`];
+//! - a `BadRequest` naming the request field at fault on `INVALID_ARGUMENT`, as a path from the
+//!   request (`activity.conversation.id`);
+//! - a `RetryInfo` on `ABORTED`, `UNAVAILABLE` and `RESOURCE_EXHAUSTED`, saying how long to wait
+//!   before retrying — except on [`Reason::MessageTooLarge`], which the same bytes can never get
+//!   past, so no retry is advertised.
+
+use std::collections::HashMap;
+use std::time::Duration;
 
 use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt as _};
 
 use crate::activity::incoming::InvalidActivity;
 use crate::engine::TurnError;
 use crate::store::StoreError;
 
+/// The `ErrorInfo.domain` of every error this service returns.
+pub const ERROR_DOMAIN: &str = "turnstile.dev";
+
+/// How long a caller should wait before retrying a turn whose every attempt lost a conflict: a
+/// few turns of the conversation's other writers (the engine's own backoff caps at 200 ms).
+const RETRY_ABORTED: Duration = Duration::from_millis(250);
+/// Before retrying when the store is unavailable: a pool wait or a database restart is over in
+/// seconds, and hammering a recovering database slows it down.
+const RETRY_STORE_UNAVAILABLE: Duration = Duration::from_secs(1);
+/// Before retrying a turn refused by a replica that is shutting down: at once, since a fresh
+/// connection reaches another replica.
+const RETRY_SHUTTING_DOWN: Duration = Duration::ZERO;
+/// Before retrying a turn refused because too many are in flight: most turns finish within a
+/// few tens of milliseconds, so half a second frees the slots without a retry storm.
+const RETRY_OVERLOADED: Duration = Duration::from_millis(500);
+
+/// The stable `ErrorInfo.reason` of each kind of error status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// `INVALID_ARGUMENT`: the activity lacks a field or one is malformed or over its limit.
+    InvalidActivity,
+    /// `INVALID_ARGUMENT`: the request bytes are not a protobuf `ProcessTurnRequest`.
+    MalformedRequest,
+    /// `NOT_FOUND`: the request names a bot this server does not host.
+    UnknownBot,
+    /// `ABORTED`: every attempt lost a conflict with another writer.
+    ConflictRetriesExhausted,
+    /// `UNAVAILABLE`: the state store cannot be reached.
+    StoreUnavailable,
+    /// `UNAVAILABLE`: this replica is draining before it stops.
+    ShuttingDown,
+    /// `RESOURCE_EXHAUSTED`: too many turns are in flight on this replica.
+    Overloaded,
+    /// `RESOURCE_EXHAUSTED`: the request is larger than the server decodes at all.
+    MessageTooLarge,
+    /// `UNAUTHENTICATED`: no valid bearer token.
+    Unauthenticated,
+    /// `DEADLINE_EXCEEDED`: the caller's deadline passed before the turn could commit.
+    DeadlineExceeded,
+    /// `INTERNAL`: the bot failed; nothing was committed.
+    BotFailed,
+    /// `INTERNAL`: the state store answered something it never should.
+    StoreFailed,
+    /// `INTERNAL`: the turn's task ended without an answer (a panic outside the bot).
+    TurnFailed,
+}
+
+impl Reason {
+    /// The reason as it appears in `ErrorInfo.reason`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InvalidActivity => "INVALID_ACTIVITY",
+            Self::MalformedRequest => "MALFORMED_REQUEST",
+            Self::UnknownBot => "UNKNOWN_BOT",
+            Self::ConflictRetriesExhausted => "CONFLICT_RETRIES_EXHAUSTED",
+            Self::StoreUnavailable => "STORE_UNAVAILABLE",
+            Self::ShuttingDown => "SHUTTING_DOWN",
+            Self::Overloaded => "OVERLOADED",
+            Self::MessageTooLarge => "MESSAGE_TOO_LARGE",
+            Self::Unauthenticated => "UNAUTHENTICATED",
+            Self::DeadlineExceeded => "DEADLINE_EXCEEDED",
+            Self::BotFailed => "BOT_FAILED",
+            Self::StoreFailed => "STORE_FAILED",
+            Self::TurnFailed => "TURN_FAILED",
+        }
+    }
+}
+
+/// A call refused before its turn started, for reasons of the server rather than the activity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// The replica is draining.
+    ShuttingDown,
+    /// `limit` turns are already in flight.
+    Overloaded {
+        /// The configured `--max-in-flight`.
+        limit: usize,
+    },
+    /// The request is over `limit` bytes; `detail` is what the decoder said.
+    MessageTooLarge {
+        /// The largest request decoded.
+        limit: usize,
+        /// The decoder's own words (the sizes).
+        detail: String,
+    },
+    /// The request's bytes do not decode; `detail` is what prost found wrong.
+    Malformed {
+        /// What the decoder said.
+        detail: String,
+    },
+    /// The call has no valid bearer token; the message says which part is wrong.
+    Unauthenticated(&'static str),
+}
+
+impl From<Refusal> for Status {
+    fn from(refusal: Refusal) -> Self {
+        match refusal {
+            Refusal::ShuttingDown => with_details(
+                Code::Unavailable,
+                "this server is shutting down; send the turn to another replica",
+                Reason::ShuttingDown,
+                Some(RETRY_SHUTTING_DOWN),
+                HashMap::new(),
+            ),
+            Refusal::Overloaded { limit } => with_details(
+                Code::ResourceExhausted,
+                format!(
+                    "this server already has {limit} turns in flight; retry shortly or on another \
+                     replica"
+                ),
+                Reason::Overloaded,
+                Some(RETRY_OVERLOADED),
+                HashMap::from([("max_in_flight".to_owned(), limit.to_string())]),
+            ),
+            Refusal::MessageTooLarge { limit, detail } => with_details(
+                Code::ResourceExhausted,
+                format!("the request is too large: {detail}"),
+                Reason::MessageTooLarge,
+                None,
+                HashMap::from([("max_message_bytes".to_owned(), limit.to_string())]),
+            ),
+            Refusal::Malformed { detail } => with_details(
+                Code::InvalidArgument,
+                detail,
+                Reason::MalformedRequest,
+                None,
+                HashMap::new(),
+            ),
+            Refusal::Unauthenticated(message) => with_details(
+                Code::Unauthenticated,
+                message,
+                Reason::Unauthenticated,
+                None,
+                HashMap::new(),
+            ),
+        }
+    }
+}
+
 impl From<InvalidActivity> for Status {
     fn from(e: InvalidActivity) -> Self {
-        Status::invalid_argument(e.to_string())
+        // Fields are named from the activity; BadRequest paths start at the request.
+        let field = match e.field() {
+            "activity" => "activity".to_owned(),
+            field => format!("activity.{field}"),
+        };
+        let mut details = ErrorDetails::new();
+        details
+            .set_error_info(
+                Reason::InvalidActivity.as_str(),
+                ERROR_DOMAIN,
+                HashMap::from([("field".to_owned(), field.clone())]),
+            )
+            .add_bad_request_violation(field, e.problem());
+        Status::with_error_details(Code::InvalidArgument, e.to_string(), details)
     }
 }
 
 impl From<TurnError> for Status {
     fn from(e: TurnError) -> Self {
         match e {
-            TurnError::UnknownBot(e) => Status::not_found(e.to_string()),
-            e @ TurnError::Aborted { .. } => Status::aborted(e.to_string()),
-            e @ TurnError::DeadlineExceeded { .. } => Status::deadline_exceeded(e.to_string()),
+            TurnError::UnknownBot(e) => with_details(
+                Code::NotFound,
+                e.to_string(),
+                Reason::UnknownBot,
+                None,
+                HashMap::from([("bot".to_owned(), e.name().to_owned())]),
+            ),
+            e @ TurnError::Aborted { .. } => with_details(
+                Code::Aborted,
+                e.to_string(),
+                Reason::ConflictRetriesExhausted,
+                Some(RETRY_ABORTED),
+                HashMap::new(),
+            ),
+            e @ TurnError::DeadlineExceeded { .. } => with_details(
+                Code::DeadlineExceeded,
+                e.to_string(),
+                Reason::DeadlineExceeded,
+                None,
+                HashMap::new(),
+            ),
             TurnError::Bot(e) => {
                 tracing::error!(error = %e, "bot failed; nothing was committed");
-                Status::internal("the bot failed to handle the activity; state is untouched")
+                with_details(
+                    Code::Internal,
+                    "the bot failed to handle the activity; state is untouched",
+                    Reason::BotFailed,
+                    None,
+                    HashMap::new(),
+                )
             }
             TurnError::Store(e @ StoreError::Unavailable(_)) => {
                 tracing::warn!(error = ?anyhow_chain(&e), "state store unavailable");
-                Status::unavailable(
+                with_details(
+                    Code::Unavailable,
                     "the state store is unavailable; the turn was not committed, retry later",
+                    Reason::StoreUnavailable,
+                    Some(RETRY_STORE_UNAVAILABLE),
+                    HashMap::new(),
                 )
             }
             TurnError::Store(e @ StoreError::Unexpected(_)) => {
                 tracing::error!(error = ?anyhow_chain(&e), "state store failed");
-                Status::new(
+                with_details(
                     Code::Internal,
                     "the state store failed; the turn was not committed",
+                    Reason::StoreFailed,
+                    None,
+                    HashMap::new(),
                 )
             }
         }
     }
+}
+
+/// The status for a turn whose task ended without an answer: it panicked outside the bot (the
+/// engine turns a bot's panic into [`TurnError::Bot`]) or was cancelled.
+pub fn turn_task_failed(e: &tokio::task::JoinError) -> Status {
+    tracing::error!(error = %e, "turn task failed");
+    with_details(
+        Code::Internal,
+        "the turn failed unexpectedly; state is untouched",
+        Reason::TurnFailed,
+        None,
+        HashMap::new(),
+    )
+}
+
+fn with_details(
+    code: Code,
+    message: impl Into<String>,
+    reason: Reason,
+    retry: Option<Duration>,
+    metadata: HashMap<String, String>,
+) -> Status {
+    let mut details = ErrorDetails::new();
+    details.set_error_info(reason.as_str(), ERROR_DOMAIN, metadata);
+    if retry.is_some() {
+        details.set_retry_info(retry);
+    }
+    Status::with_error_details(code, message, details)
 }
 
 /// The error and its sources, one line.
@@ -53,4 +279,45 @@ fn anyhow_chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invalid_activities_name_the_request_field() {
+        let status = Status::from(InvalidActivity::new("conversation.id", "is missing"));
+        assert_eq!(status.code(), Code::InvalidArgument);
+        let bad = status.get_details_bad_request().expect("a BadRequest");
+        assert_eq!(bad.field_violations[0].field, "activity.conversation.id");
+        assert_eq!(bad.field_violations[0].description, "is missing");
+        let info = status.get_details_error_info().expect("an ErrorInfo");
+        assert_eq!(
+            (info.reason.as_str(), info.domain.as_str()),
+            ("INVALID_ACTIVITY", ERROR_DOMAIN)
+        );
+    }
+
+    #[test]
+    fn retryable_refusals_say_when_and_oversized_ones_do_not() {
+        let overloaded = Status::from(Refusal::Overloaded { limit: 8 });
+        assert_eq!(overloaded.code(), Code::ResourceExhausted);
+        assert_eq!(
+            overloaded
+                .get_details_retry_info()
+                .and_then(|r| r.retry_delay),
+            Some(RETRY_OVERLOADED)
+        );
+        let too_large = Status::from(Refusal::MessageTooLarge {
+            limit: 10,
+            detail: "11 > 10".into(),
+        });
+        assert_eq!(too_large.code(), Code::ResourceExhausted);
+        assert!(too_large.get_details_retry_info().is_none());
+        assert_eq!(
+            too_large.get_details_error_info().map(|i| i.reason),
+            Some("MESSAGE_TOO_LARGE".to_owned())
+        );
+    }
 }

@@ -13,8 +13,10 @@ pub mod pb {
 
 pub mod auth;
 pub mod codec;
+pub mod connection_age;
 pub mod convert;
 pub mod drain;
 pub mod error;
 pub mod limits;
 pub mod service;
+pub mod too_large;

@@ -50,14 +50,13 @@ impl pb::turn_service_server::TurnService for TurnApi {
         &self,
         request: Request<pb::ProcessTurnRequest>,
     ) -> Result<Response<pb::ProcessTurnResponse>, Status> {
-        // The parent must be set before the span is first entered.
+        // A child of the RPC layer's server span, which joined the caller's trace.
         let span = tracing::info_span!("process_turn");
-        crate::telemetry::traces::continue_trace(&span, request.metadata());
         let turn = span.in_scope(|| self.start(request))?;
-        let outcome = turn.instrument(span).await.map_err(|e| {
-            tracing::error!(error = %e, "turn task failed");
-            Status::internal("the turn failed unexpectedly; state is untouched")
-        })??;
+        let outcome = turn
+            .instrument(span)
+            .await
+            .map_err(|e| super::error::turn_task_failed(&e))??;
         Ok(Response::new(pb::ProcessTurnResponse {
             activities: outcome.activities.into_iter().map(Into::into).collect(),
             attempts: outcome.attempts,
@@ -79,11 +78,7 @@ impl TurnApi {
         &self,
         request: Request<pb::ProcessTurnRequest>,
     ) -> Result<JoinHandle<Result<TurnOutcome, TurnError>>, Status> {
-        let Some(in_flight) = self.drain.enter() else {
-            return Err(Status::unavailable(
-                "this server is shutting down; send the turn to another replica",
-            ));
-        };
+        let in_flight = self.drain.enter()?;
         let deadline = deadline(&request);
         let pb::ProcessTurnRequest { activity, bot } = request.into_inner();
         let incoming = self.check(activity).inspect_err(|_| {

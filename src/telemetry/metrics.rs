@@ -4,15 +4,18 @@
 //! The engine and the gRPC layer record through the `metrics` facade's macros; this module
 //! installs the one process-wide recorder that collects them and answers `GET /metrics`. A
 //! recorder can be installed only once per process, so every server in a process (tests start
-//! several) shares it. The HTTP side is a deliberately tiny HTTP/1.1 responder: one fixed page,
-//! read-only, no keep-alive, which is all a scraper needs and keeps a web framework out.
+//! several) shares it. The HTTP side is axum (already in the tree through tonic): one route,
+//! read-only, so that request parsing is left to a maintained HTTP implementation.
 
+use std::future::Future;
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
 
+use axum::Router;
+use axum::extract::State;
+use axum::response::IntoResponse;
+use axum::routing::get;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 
 use crate::store::Store;
 
@@ -32,6 +35,8 @@ pub const COMMIT_BATCH_SIZE: &str = "turnstile_commit_batch_size";
 pub const POOL_CONNECTIONS: &str = "turnstile_pool_connections";
 /// Redelivered activities answered from their stored receipt, without running the bot.
 pub const REPLAYS_SERVED: &str = "turnstile_replays_served_total";
+/// Always 1, labelled with the running `version`: joins other series to the build that made them.
+pub const BUILD_INFO: &str = "turnstile_build_info";
 
 /// Latency buckets, in seconds: from a cached turn (sub-millisecond) to the store's call timeout.
 const SECONDS_BUCKETS: &[f64] = &[
@@ -42,11 +47,6 @@ const ATTEMPT_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 5.0, 10.0, 20.0];
 
 /// Batch-size buckets: 1 when the database keeps up; up to the group commit's largest batch.
 const BATCH_SIZE_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0];
-
-/// How long a scraper gets to send its request line.
-const READ_TIMEOUT: Duration = Duration::from_secs(5);
-/// The most request bytes read before answering; a scrape request is a few hundred.
-const MAX_REQUEST: usize = 8 * 1024;
 
 /// Why metrics could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +75,7 @@ pub fn recorder() -> Result<PrometheusHandle, MetricsError> {
                 .and_then(PrometheusBuilder::install_recorder)
                 .map_err(|e| e.to_string())?;
             describe();
+            metrics::gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
             Ok(handle)
         })
         .clone()
@@ -97,72 +98,50 @@ fn describe() {
         REPLAYS_SERVED,
         "Redelivered activities answered from their receipt"
     );
+    describe_gauge!(BUILD_INFO, "1, labelled with the running version");
+    describe_histogram!(
+        super::rpc::RPC_SERVER_DURATION,
+        Unit::Seconds,
+        "Wall time of one gRPC call on the server, by service, method and status code"
+    );
 }
 
 /// Answers `GET /metrics` on `listener` with `handle`'s rendering, sampling `store`'s connection
-/// pool first, until the task is dropped.
-pub async fn serve(listener: TcpListener, handle: PrometheusHandle, store: Arc<dyn Store>) {
-    loop {
-        let (stream, _) = match listener.accept().await {
-            Ok(accepted) => accepted,
-            Err(e) => {
-                // Out of file descriptors, say: back off instead of spinning.
-                tracing::warn!(error = %e, "accepting a metrics connection failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let handle = handle.clone();
-        let store = Arc::clone(&store);
-        tokio::spawn(async move {
-            if let Err(e) = answer(stream, &handle, store.as_ref()).await {
-                tracing::debug!(error = %e, "metrics scrape failed");
-            }
-        });
-    }
+/// pool first, until `shutdown` completes; then lets scrapes in progress finish. Other paths get
+/// 404, other methods 405.
+///
+/// # Errors
+/// When accepting connections fails for good.
+pub async fn serve(
+    listener: TcpListener,
+    handle: PrometheusHandle,
+    store: Arc<dyn Store>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = Router::new()
+        .route("/metrics", get(scrape))
+        .with_state(Scrape { handle, store });
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
 }
 
-async fn answer(
-    mut stream: TcpStream,
-    handle: &PrometheusHandle,
-    store: &dyn Store,
-) -> std::io::Result<()> {
-    let mut request = Vec::with_capacity(512);
-    let mut buf = [0u8; 1024];
-    let read = tokio::time::timeout(READ_TIMEOUT, async {
-        while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < MAX_REQUEST {
-            let n = stream.read(&mut buf).await?;
-            if n == 0 {
-                break;
-            }
-            request.extend_from_slice(&buf[..n]);
-        }
-        Ok::<_, std::io::Error>(())
-    })
-    .await;
-    if !matches!(read, Ok(Ok(()))) {
-        return Ok(());
-    }
-    let line = request.split(|&b| b == b'\r').next().unwrap_or_default();
-    let mut parts = line.split(|&b| b == b' ');
-    let (method, path) = (parts.next(), parts.next());
-    let path = path.map(|p| p.split(|&b| b == b'?').next().unwrap_or_default());
-    let (status, body) = match (method, path) {
-        (Some(b"GET"), Some(b"/metrics")) => {
-            sample_pool(store);
-            ("200 OK", handle.render())
-        }
-        (Some(b"GET"), _) => ("404 Not Found", "only /metrics is served here\n".to_owned()),
-        _ => ("405 Method Not Allowed", String::new()),
-    };
-    let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await?;
-    stream.write_all(body.as_bytes()).await?;
-    stream.shutdown().await
+/// What a scrape reads.
+#[derive(Clone)]
+struct Scrape {
+    handle: PrometheusHandle,
+    store: Arc<dyn Store>,
+}
+
+async fn scrape(State(scrape): State<Scrape>) -> impl IntoResponse {
+    sample_pool(scrape.store.as_ref());
+    (
+        [(
+            http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        scrape.handle.render(),
+    )
 }
 
 /// Sets the pool gauges from the store's pool, when it has one.

@@ -3,4 +3,5 @@
 //! anything itself.
 
 pub mod metrics;
+pub mod rpc;
 pub mod traces;

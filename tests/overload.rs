@@ -1,0 +1,216 @@
+//! Back-pressure: past `max_in_flight` turns, calls are refused at once with
+//! `RESOURCE_EXHAUSTED` (with `ErrorInfo` OVERLOADED and a `RetryInfo`), the bot never runs more
+//! turns at a time than the limit, and every admitted turn commits exactly once.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use support::{TestServer, message, postgres_config, texts};
+use tokio::sync::{Semaphore, mpsc};
+use tokio::time::Instant;
+use tonic::Code;
+use tonic::transport::Channel;
+use tonic_types::StatusExt as _;
+use turnstile::bots::CounterBot;
+use turnstile::config::Config;
+use turnstile::grpc::pb;
+use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
+use turnstile::{Bot, BotError, BotRegistry, TurnContext};
+
+const LIMIT: usize = 8;
+const CALLS: usize = 200;
+
+/// The counter bot behind a gate the test opens, measuring how many turns are inside at once.
+#[derive(Clone)]
+struct GatedCounter {
+    gate: Arc<Semaphore>,
+    inside: Arc<AtomicUsize>,
+    most_inside: Arc<AtomicUsize>,
+    /// How long each turn stays in the bot after the gate, in milliseconds.
+    pause_ms: Arc<AtomicU64>,
+}
+
+#[async_trait]
+impl Bot for GatedCounter {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        let now = self.inside.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most_inside.fetch_max(now, Ordering::SeqCst);
+        let passed = self.gate.acquire().await.map(drop);
+        tokio::time::sleep(Duration::from_millis(self.pause_ms.load(Ordering::SeqCst))).await;
+        self.inside.fetch_sub(1, Ordering::SeqCst);
+        passed.map_err(BotError::msg)?;
+        CounterBot.on_turn(turn).await
+    }
+}
+
+/// A turn in the shared conversation `hot` (even `i`) or in a conversation of its own.
+fn turn(wave: &str, i: usize) -> pb::ProcessTurnRequest {
+    let conversation = if i % 2 == 0 {
+        "hot".to_owned()
+    } else {
+        format!("{wave}-{i}")
+    };
+    pb::ProcessTurnRequest {
+        activity: Some(message(&conversation, "alice", "hi")),
+        bot: String::new(),
+    }
+}
+
+/// Fires `CALLS` turns at once over four connections (hyper caps streams per connection at 200);
+/// each result arrives on the returned channel with its conversation and how long it took.
+async fn fire(
+    clients: &[TurnServiceClient<Channel>],
+    wave: &'static str,
+) -> mpsc::UnboundedReceiver<(
+    bool,
+    Duration,
+    Result<pb::ProcessTurnResponse, tonic::Status>,
+)> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    for i in 0..CALLS {
+        let mut client = clients[i % clients.len()].clone();
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let result = client.process_turn(turn(wave, i)).await;
+            let _ = tx.send((
+                i % 2 == 0,
+                started.elapsed(),
+                result.map(tonic::Response::into_inner),
+            ));
+        });
+    }
+    rx
+}
+
+fn assert_overloaded(status: &tonic::Status) {
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    let info = status.get_details_error_info().expect("an ErrorInfo");
+    assert_eq!(info.reason, "OVERLOADED", "{info:?}");
+    assert_eq!(info.domain, turnstile::grpc::error::ERROR_DOMAIN);
+    assert_eq!(info.metadata.get("max_in_flight"), Some(&LIMIT.to_string()));
+    let retry = status.get_details_retry_info().expect("a RetryInfo");
+    assert!(retry.retry_delay.is_some_and(|d| d > Duration::ZERO));
+}
+
+/// The count a counter reply names.
+fn count(response: &pb::ProcessTurnResponse) -> u64 {
+    texts(response)[0]
+        .strip_prefix("count: ")
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn calls_past_the_limit_are_refused_at_once_and_admitted_turns_are_exact() {
+    let url = support::pg::fresh_database().await;
+    let bot = GatedCounter {
+        gate: Arc::new(Semaphore::new(0)),
+        inside: Arc::default(),
+        most_inside: Arc::default(),
+        pause_ms: Arc::default(),
+    };
+    let config = Config {
+        max_in_flight: Some(LIMIT),
+        ..postgres_config(&url)
+    };
+    let server = TestServer::start(config, BotRegistry::new("counter", bot.clone())).await;
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        clients.push(server.client().await);
+    }
+
+    // Wave 1, the gate shut: no turn can finish, so exactly LIMIT are admitted and every other
+    // call must be answered while those still hold their places: refused without waiting.
+    let mut results = fire(&clients, "shut").await;
+    let mut slowest_refusal = Duration::ZERO;
+    for n in 0..CALLS - LIMIT {
+        let (_, took, result) = tokio::time::timeout(Duration::from_secs(60), results.recv())
+            .await
+            .unwrap_or_else(|_| panic!("only {n} calls answered while {LIMIT} turns hold the gate"))
+            .unwrap();
+        assert_overloaded(&result.expect_err("refused while the gate is shut"));
+        slowest_refusal = slowest_refusal.max(took);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        results.try_recv().is_err(),
+        "an admitted turn finished behind a shut gate"
+    );
+    assert!(bot.most_inside.load(Ordering::SeqCst) <= LIMIT);
+    eprintln!("slowest of {} refusals: {slowest_refusal:?}", CALLS - LIMIT);
+
+    let mut hot_counts = Vec::new();
+    bot.gate.add_permits(Semaphore::MAX_PERMITS / 2);
+    for _ in 0..LIMIT {
+        let (hot, _, result) = tokio::time::timeout(Duration::from_secs(60), results.recv())
+            .await
+            .expect("the admitted turns finish once the gate opens")
+            .unwrap();
+        let response = result.expect("an admitted turn commits");
+        if hot {
+            hot_counts.push(count(&response));
+        } else {
+            assert_eq!(count(&response), 1);
+        }
+    }
+
+    // Wave 2, the gate open and the bot slow enough for turns to overlap: some are admitted,
+    // some refused, and the bot never holds more than LIMIT.
+    bot.pause_ms.store(20, Ordering::SeqCst);
+    let mut results = fire(&clients, "open").await;
+    let (mut admitted, mut refused) = (0, 0);
+    for _ in 0..CALLS {
+        let (hot, _, result) = tokio::time::timeout(Duration::from_secs(60), results.recv())
+            .await
+            .expect("every call is answered")
+            .unwrap();
+        match result {
+            Ok(response) => {
+                admitted += 1;
+                if hot {
+                    hot_counts.push(count(&response));
+                } else {
+                    assert_eq!(count(&response), 1);
+                }
+            }
+            Err(status) => {
+                assert_overloaded(&status);
+                refused += 1;
+            }
+        }
+    }
+    let most = bot.most_inside.load(Ordering::SeqCst);
+    eprintln!("wave 2: {admitted} admitted, {refused} refused, at most {most} turns in the bot");
+    assert!(most <= LIMIT, "{most} turns ran in the bot at once");
+    assert!(
+        refused > 0 && admitted > 0,
+        "{admitted} admitted, {refused} refused"
+    );
+
+    // Every admitted turn of the shared conversation counted once: 1..=n, no gap, no double.
+    hot_counts.sort_unstable();
+    let expected: Vec<u64> = (1..=hot_counts.len() as u64).collect();
+    assert_eq!(hot_counts, expected);
+    let read = pb::Activity {
+        r#type: Some("event".into()),
+        name: Some("read".into()),
+        ..message("hot", "alice", "")
+    };
+    let state = clients[0]
+        .process_turn(support::request(read))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        count(&state),
+        hot_counts.len() as u64,
+        "refused turns left no trace"
+    );
+}
