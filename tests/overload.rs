@@ -163,7 +163,7 @@ async fn calls_past_the_limit_are_refused_at_once_and_admitted_turns_are_exact()
 
     // Wave 2, the gate open and the bot slow enough for turns to overlap: some are admitted,
     // some refused, and the bot never holds more than LIMIT.
-    bot.pause_ms.store(20, Ordering::SeqCst);
+    bot.pause_ms.store(100, Ordering::SeqCst);
     let mut results = fire(&clients, "open").await;
     let (mut admitted, mut refused) = (0, 0);
     for _ in 0..CALLS {

@@ -160,13 +160,17 @@ async fn a_collector_receives_the_spans_of_a_turn_in_the_callers_trace() {
         );
     }
     let handler = find("process_turn", TRACE_ID);
-    assert_eq!(handler.parent_span_id, rpc.span_id, "the handler's span is the RPC's child");
+    assert_eq!(
+        handler.parent_span_id, rpc.span_id,
+        "the handler's span is the RPC's child"
+    );
 
     // A call refused by authentication gets its server span too, with its status.
     let refused = find(RPC_SPAN, REFUSED_TRACE_ID);
     assert!(
-        attributes(refused)
-            .contains(&"rpc.grpc.status_code=Some(AnyValue { value: Some(IntValue(16)) })".to_owned()),
+        attributes(refused).contains(
+            &"rpc.grpc.status_code=Some(AnyValue { value: Some(IntValue(16)) })".to_owned()
+        ),
         "{:?}",
         attributes(refused)
     );
