@@ -340,3 +340,43 @@ pub struct MigrateArgs {
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn serve_config(args: &[&str]) -> Config {
+        let cli = Cli::try_parse_from(std::iter::once("turnstile").chain(args.iter().copied()))
+            .expect("valid arguments");
+        cli.serve.config()
+    }
+
+    #[test]
+    fn connection_flags_default_and_zero_turns_them_off() {
+        let defaults = serve_config(&[]);
+        assert_eq!(defaults.connections, Connections::default());
+        assert_eq!(defaults.connections.max_age, Some(Duration::from_secs(300)));
+        let off = serve_config(&[
+            "--max-connection-age-secs",
+            "0",
+            "--max-connection-age-grace-secs",
+            "0",
+            "--http2-keepalive-interval-secs",
+            "0",
+        ]);
+        assert_eq!(off.connections.max_age, None);
+        assert_eq!(off.connections.max_age_grace, None);
+        assert_eq!(off.connections.keepalive_interval, None);
+        assert!(Cli::try_parse_from(["turnstile", "--http2-keepalive-timeout-secs", "0"]).is_err());
+    }
+
+    #[test]
+    fn the_in_flight_limit_is_derived_from_the_pool_unless_set() {
+        assert_eq!(serve_config(&[]).max_in_flight(), MEMORY_MAX_IN_FLIGHT);
+        let pooled = serve_config(&["--database-url", "postgres://x/y", "--pool-size", "16"]);
+        assert_eq!(pooled.max_in_flight(), 16 * MAX_IN_FLIGHT_PER_CONNECTION);
+        let set = serve_config(&["--database-url", "postgres://x/y", "--max-in-flight", "8"]);
+        assert_eq!(set.max_in_flight(), 8);
+        assert!(Cli::try_parse_from(["turnstile", "--max-in-flight", "0"]).is_err());
+    }
+}
