@@ -96,15 +96,16 @@ impl Default for Connections {
 }
 
 /// The in-flight limit with the memory store: it does no I/O, so turns are bounded by the CPU and
-/// the limit only bounds memory (about 85 KiB per turn in flight was measured at 2,048 calls:
-/// 170 MiB), here to some 85 MiB.
+/// the limit only bounds memory. A replica held 170 MiB at 2,048 concurrent calls (issue 11), so
+/// at most about 85 KiB per call: 1,024 calls stay under some 85 MiB.
 pub const MEMORY_MAX_IN_FLIGHT: usize = 1024;
 
 /// Turns in flight per PostgreSQL connection when the limit is derived. A turn holds a
 /// connection only for its load and its commit (about a millisecond each; commits are grouped),
 /// not while its bot runs, so a pool of 16 serves a few thousand turns a second. By Little's law
 /// 16 × 32 = 512 turns in flight at that rate is about 100 ms of queueing, beyond which more
-/// admitted turns only add latency a gateway will time out on; and 512 turns hold about 43 MiB.
+/// admitted turns only add latency a gateway will time out on; and 512 calls hold at most about
+/// 43 MiB (see [`MEMORY_MAX_IN_FLIGHT`]).
 pub const MAX_IN_FLIGHT_PER_CONNECTION: usize = 32;
 
 impl Config {
