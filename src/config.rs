@@ -101,15 +101,16 @@ impl Default for Connections {
 }
 
 /// The in-flight limit with the memory store: it does no I/O, so turns are bounded by the CPU and
-/// the limit only bounds memory (about 85 KiB per turn in flight was measured at 2,048 calls:
-/// 170 MiB), here to some 85 MiB.
+/// the limit only bounds memory. A replica held 170 MiB at 2,048 concurrent calls (issue 11), so
+/// at most about 85 KiB per call: 1,024 calls stay under some 85 MiB.
 pub const MEMORY_MAX_IN_FLIGHT: usize = 1024;
 
 /// Turns in flight per PostgreSQL connection when the limit is derived. A turn holds a
 /// connection only for its load and its commit (about a millisecond each; commits are grouped),
 /// not while its bot runs, so a pool of 16 serves a few thousand turns a second. By Little's law
 /// 16 × 32 = 512 turns in flight at that rate is about 100 ms of queueing, beyond which more
-/// admitted turns only add latency a gateway will time out on; and 512 turns hold about 43 MiB.
+/// admitted turns only add latency a gateway will time out on; and 512 calls hold at most about
+/// 43 MiB (see [`MEMORY_MAX_IN_FLIGHT`]).
 pub const MAX_IN_FLIGHT_PER_CONNECTION: usize = 32;
 
 impl Config {
@@ -441,5 +442,45 @@ mod tests {
         ]);
         assert_eq!(config.statements, Statements::Unprepared);
         assert!(config.migration_url.is_some());
+    }
+}
+
+#[cfg(test)]
+mod server_flags {
+    use super::*;
+
+    fn serve_config(args: &[&str]) -> Config {
+        let cli = Cli::try_parse_from(std::iter::once("turnstile").chain(args.iter().copied()))
+            .expect("valid arguments");
+        cli.serve.config()
+    }
+
+    #[test]
+    fn connection_flags_default_and_zero_turns_them_off() {
+        let defaults = serve_config(&[]);
+        assert_eq!(defaults.connections, Connections::default());
+        assert_eq!(defaults.connections.max_age, Some(Duration::from_secs(300)));
+        let off = serve_config(&[
+            "--max-connection-age-secs",
+            "0",
+            "--max-connection-age-grace-secs",
+            "0",
+            "--http2-keepalive-interval-secs",
+            "0",
+        ]);
+        assert_eq!(off.connections.max_age, None);
+        assert_eq!(off.connections.max_age_grace, None);
+        assert_eq!(off.connections.keepalive_interval, None);
+        assert!(Cli::try_parse_from(["turnstile", "--http2-keepalive-timeout-secs", "0"]).is_err());
+    }
+
+    #[test]
+    fn the_in_flight_limit_is_derived_from_the_pool_unless_set() {
+        assert_eq!(serve_config(&[]).max_in_flight(), MEMORY_MAX_IN_FLIGHT);
+        let pooled = serve_config(&["--database-url", "postgres://x/y", "--pool-size", "16"]);
+        assert_eq!(pooled.max_in_flight(), 16 * MAX_IN_FLIGHT_PER_CONNECTION);
+        let set = serve_config(&["--database-url", "postgres://x/y", "--max-in-flight", "8"]);
+        assert_eq!(set.max_in_flight(), 8);
+        assert!(Cli::try_parse_from(["turnstile", "--max-in-flight", "0"]).is_err());
     }
 }

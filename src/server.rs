@@ -119,7 +119,8 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServeError> {
 /// Serves `TurnService` (with `grpc.health.v1.Health` and server reflection v1 and v1alpha) for
 /// `bots` on `listener` until `shutdown` completes. Then health turns `NOT_SERVING`, new turns
 /// get `UNAVAILABLE`, turns in flight get up to `config.shutdown_grace` to finish, and the server
-/// stops.
+/// stops. Until then, calls beyond `config.max_in_flight()` turns in flight get
+/// `RESOURCE_EXHAUSTED`, and client connections age out after `config.connections.max_age`.
 ///
 /// # Errors
 /// [`ServeError`] when the store cannot be opened or the server fails.

@@ -178,3 +178,166 @@ impl Decoder for NoDecoder {
         Ok(Some(()))
     }
 }
+
+/// grpcio and grpcio-status, the reference Python client and its status-details helper.
+const PYTHON_PACKAGES: [&str; 2] = ["grpcio==1.76.0", "grpcio-status==1.76.0"];
+
+/// Calls `ProcessTurn` with raw request bytes and prints, per case, the status code and the
+/// details grpcio-status decodes.
+const PYTHON_CLIENT: &str = r#"
+import json, sys
+import grpc
+from grpc_status import rpc_status
+from google.rpc import error_details_pb2
+
+target, token = sys.argv[1], sys.argv[2]
+cases = json.load(sys.stdin)
+channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)])
+call = channel.unary_unary("/turnstile.v1.TurnService/ProcessTurn")
+out = {}
+for case in cases:
+    body = bytes.fromhex(case["hex"]) if "hex" in case else b"\0" * case["zeros"]
+    metadata = [("authorization", "Bearer " + token)] if case["token"] else []
+    try:
+        call(body, metadata=metadata, timeout=30)
+        out[case["name"]] = {"code": "OK"}
+        continue
+    except grpc.RpcError as e:
+        result = {"code": e.code().name, "fields": [], "retry": False}
+        status = rpc_status.from_call(e)
+    for detail in status.details if status is not None else []:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            result["reason"], result["domain"] = info.reason, info.domain
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            result["fields"] = [v.field for v in bad.field_violations]
+        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            result["retry"] = True
+    out[case["name"]] = result
+print(json.dumps(out))
+"#;
+
+/// A `pip install --target` directory holding [`PYTHON_PACKAGES`], installed once under
+/// `<target>/tools`.
+fn python_grpc() -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let tools = exe
+        .ancestors()
+        .nth(3)
+        .expect("test binary lives in <target>/<profile>/deps")
+        .join("tools");
+    let done = tools.join("python-grpcio-1.76.0");
+    if done.exists() {
+        return done;
+    }
+    let scratch = tools.join(format!("python-grpcio.partial-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(&scratch).unwrap();
+    let output = std::process::Command::new("python3")
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-input",
+            "--target",
+        ])
+        .arg(&scratch)
+        .args(PYTHON_PACKAGES)
+        .output()
+        .expect("python3 is needed for the grpcio client test");
+    assert!(
+        output.status.success(),
+        "pip install {PYTHON_PACKAGES:?} failed (needs python3 with pip and PyPI):\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    if std::fs::rename(&scratch, &done).is_err() {
+        assert!(done.exists(), "could not move {scratch:?} to {done:?}");
+        let _ = std::fs::remove_dir_all(&scratch);
+    }
+    done
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_independent_python_client_decodes_the_details() {
+    use prost::Message as _;
+    let python_path = tokio::task::spawn_blocking(python_grpc).await.unwrap();
+    let config = Config {
+        auth_tokens: vec![Token::new("t0ken")],
+        ..Config::default()
+    };
+    let server = TestServer::start(config, turnstile::bots::samples()).await;
+    drop(server.client().await);
+
+    let ok = message("python", "alice", "hi");
+    let hex = |r: pb::ProcessTurnRequest| -> String {
+        r.encode_to_vec()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    };
+    let missing = pb::Activity {
+        conversation: Some(pb::ConversationAccount::default()),
+        ..ok.clone()
+    };
+    let unknown = pb::ProcessTurnRequest {
+        activity: Some(ok.clone()),
+        bot: "calzone".into(),
+    };
+    let cases = serde_json::json!([
+        {"name": "ok", "hex": hex(request(ok.clone())), "token": true},
+        {"name": "missing", "hex": hex(request(missing)), "token": true},
+        {"name": "unknown", "hex": hex(unknown), "token": true},
+        {"name": "no_token", "hex": hex(request(ok)), "token": false},
+        {"name": "malformed", "hex": "ffffffff0f01", "token": true},
+        {"name": "huge", "zeros": 5 << 20, "token": true},
+    ]);
+    let addr = server.addr.to_string();
+    let output = tokio::task::spawn_blocking(move || {
+        use std::io::Write as _;
+        let mut child = std::process::Command::new("python3")
+            .args(["-c", PYTHON_CLIENT, &addr, "t0ken"])
+            .env("PYTHONPATH", &python_path)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(cases.to_string().as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        output.status.success(),
+        "the Python client failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let seen: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let expect = |case: &str, code: &str, reason: &str, retry: bool| {
+        let got = &seen[case];
+        assert_eq!(got["code"], code, "{case}: {got}");
+        assert_eq!(got["reason"], reason, "{case}: {got}");
+        assert_eq!(got["domain"], ERROR_DOMAIN, "{case}: {got}");
+        assert_eq!(got["retry"], retry, "{case}: {got}");
+    };
+    assert_eq!(seen["ok"]["code"], "OK", "{seen}");
+    expect("missing", "INVALID_ARGUMENT", "INVALID_ACTIVITY", false);
+    assert_eq!(
+        seen["missing"]["fields"],
+        serde_json::json!(["activity.conversation.id"])
+    );
+    expect("unknown", "NOT_FOUND", "UNKNOWN_BOT", false);
+    expect("no_token", "UNAUTHENTICATED", "UNAUTHENTICATED", false);
+    expect("malformed", "INVALID_ARGUMENT", "MALFORMED_REQUEST", false);
+    expect("huge", "RESOURCE_EXHAUSTED", "MESSAGE_TOO_LARGE", false);
+}

@@ -48,9 +48,14 @@ impl Bot for GatedCounter {
     }
 }
 
-/// A turn in the shared conversation `hot` (even `i`) or in a conversation of its own.
+/// Whether call `i` goes to the shared conversation `hot` (one in five, on every connection).
+fn is_hot(i: usize) -> bool {
+    i % 5 == 0
+}
+
+/// A turn in the shared conversation `hot` or in a conversation of its own.
 fn turn(wave: &str, i: usize) -> pb::ProcessTurnRequest {
-    let conversation = if i % 2 == 0 {
+    let conversation = if is_hot(i) {
         "hot".to_owned()
     } else {
         format!("{wave}-{i}")
@@ -61,11 +66,13 @@ fn turn(wave: &str, i: usize) -> pb::ProcessTurnRequest {
     }
 }
 
-/// Fires `CALLS` turns at once over four connections (hyper caps streams per connection at 200);
-/// each result arrives on the returned channel with its conversation and how long it took.
+/// Fires `CALLS` turns over four connections (hyper caps streams per connection at 200), call
+/// `i` after `i * stagger`; each result arrives on the returned channel with whether it went to
+/// the shared conversation and how long it took.
 async fn fire(
     clients: &[TurnServiceClient<Channel>],
     wave: &'static str,
+    stagger: Duration,
 ) -> mpsc::UnboundedReceiver<(
     bool,
     Duration,
@@ -76,10 +83,11 @@ async fn fire(
         let mut client = clients[i % clients.len()].clone();
         let tx = tx.clone();
         tokio::spawn(async move {
+            tokio::time::sleep(stagger * u32::try_from(i).unwrap()).await;
             let started = Instant::now();
             let result = client.process_turn(turn(wave, i)).await;
             let _ = tx.send((
-                i % 2 == 0,
+                is_hot(i),
                 started.elapsed(),
                 result.map(tonic::Response::into_inner),
             ));
@@ -128,7 +136,7 @@ async fn calls_past_the_limit_are_refused_at_once_and_admitted_turns_are_exact()
 
     // Wave 1, the gate shut: no turn can finish, so exactly LIMIT are admitted and every other
     // call must be answered while those still hold their places: refused without waiting.
-    let mut results = fire(&clients, "shut").await;
+    let mut results = fire(&clients, "shut", Duration::ZERO).await;
     let mut slowest_refusal = Duration::ZERO;
     for n in 0..CALLS - LIMIT {
         let (_, took, result) = tokio::time::timeout(Duration::from_secs(60), results.recv())
@@ -144,8 +152,13 @@ async fn calls_past_the_limit_are_refused_at_once_and_admitted_turns_are_exact()
         "an admitted turn finished behind a shut gate"
     );
     assert!(bot.most_inside.load(Ordering::SeqCst) <= LIMIT);
-    eprintln!("slowest of {} refusals: {slowest_refusal:?}", CALLS - LIMIT);
+    eprintln!(
+        "slowest of {} refusals: {slowest_refusal:?}; {} turns in the bot",
+        CALLS - LIMIT,
+        bot.most_inside.load(Ordering::SeqCst)
+    );
 
+    let most_while_shut = bot.most_inside.load(Ordering::SeqCst);
     let mut hot_counts = Vec::new();
     bot.gate.add_permits(Semaphore::MAX_PERMITS / 2);
     for _ in 0..LIMIT {
@@ -160,11 +173,20 @@ async fn calls_past_the_limit_are_refused_at_once_and_admitted_turns_are_exact()
             assert_eq!(count(&response), 1);
         }
     }
+    // Behind the shut gate sat every admitted turn of its own conversation, and one of the
+    // shared conversation's (the others queued behind it): no more, no fewer.
+    let cold_admitted = LIMIT - hot_counts.len();
+    assert_eq!(
+        most_while_shut,
+        cold_admitted + usize::from(!hot_counts.is_empty()),
+        "turns in the bot behind the shut gate"
+    );
 
-    // Wave 2, the gate open and the bot slow enough for turns to overlap: some are admitted,
-    // some refused, and the bot never holds more than LIMIT.
-    bot.pause_ms.store(20, Ordering::SeqCst);
-    let mut results = fire(&clients, "open").await;
+    // Wave 2, the gate open, calls spread over a second and each turn 30 ms in the bot: slots
+    // free up and are taken again, the shared conversation's turns queue, some calls find the
+    // replica full, and the bot never holds more than LIMIT.
+    bot.pause_ms.store(30, Ordering::SeqCst);
+    let mut results = fire(&clients, "open", Duration::from_millis(5)).await;
     let (mut admitted, mut refused) = (0, 0);
     for _ in 0..CALLS {
         let (hot, _, result) = tokio::time::timeout(Duration::from_secs(60), results.recv())
