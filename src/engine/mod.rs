@@ -739,9 +739,12 @@ mod tests {
         fn on_new_span(
             &self,
             attrs: &tracing::span::Attributes<'_>,
-            _: &tracing::span::Id,
-            _: tracing_subscriber::layer::Context<'_, S>,
+            id: &tracing::span::Id,
+            ctx: tracing_subscriber::layer::Context<'_, S>,
         ) {
+            if !under_recorded(id, &ctx) {
+                return;
+            }
             let mut seen = self
                 .0
                 .lock()
@@ -755,6 +758,9 @@ mod tests {
             values: &tracing::span::Record<'_>,
             ctx: tracing_subscriber::layer::Context<'_, S>,
         ) {
+            if !under_recorded(id, &ctx) {
+                return;
+            }
             let name = ctx.span(id).map_or("?", |s| s.name());
             let mut seen = self
                 .0
@@ -764,9 +770,36 @@ mod tests {
         }
     }
 
+    /// Whether span `id` is, or descends from, a span named `recorded`.
+    fn under_recorded<S>(
+        id: &tracing::span::Id,
+        ctx: &tracing_subscriber::layer::Context<'_, S>,
+    ) -> bool
+    where
+        S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    {
+        ctx.span(id)
+            .is_some_and(|span| span.scope().any(|s| s.name() == "recorded"))
+    }
+
+    /// The spans under a `recorded` span, from anywhere in this test process. A process-wide
+    /// subscriber, because tracing caches per callsite whether any subscriber wants it, and a
+    /// thread-local one loses that race against test threads that have none.
+    fn recorder() -> &'static Spans {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        static RECORDER: std::sync::OnceLock<Spans> = std::sync::OnceLock::new();
+        RECORDER.get_or_init(|| {
+            let spans = Spans::default();
+            tracing::subscriber::set_global_default(
+                tracing_subscriber::registry().with(spans.clone()),
+            )
+            .expect("no other global subscriber in the library's tests");
+            spans
+        })
+    }
+
     #[tokio::test]
     async fn each_attempt_has_a_span_with_its_outcome_and_no_message_text() {
-        use tracing_subscriber::layer::SubscriberExt as _;
         let retry = RetryPolicy {
             max_attempts: 2,
             base_delay: Duration::from_millis(1),
@@ -781,14 +814,8 @@ mod tests {
                 .await
                 .expect("an uncontested turn commits");
         };
-        // Once without a subscriber, so that every span's callsite is registered before ours is
-        // set: tracing caches whether a callsite is wanted, and a test thread without a
-        // subscriber registering it at the same moment could cache "never" past our `set_default`.
-        turns().await;
-        let spans = Spans::default();
-        let _default =
-            tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
-        turns().await;
+        let spans = recorder();
+        turns().instrument(tracing::info_span!("recorded")).await;
 
         let seen = spans.0.lock().expect("no test thread panicked").clone();
         for expected in [
