@@ -117,6 +117,15 @@ pub(super) struct Sql {
 }
 
 impl Sql {
+    /// `params` paired with the statement's parameter types, for an unnamed statement.
+    fn typed<'p>(&self, params: &[&'p (dyn ToSql + Sync)]) -> Vec<(&'p (dyn ToSql + Sync), Type)> {
+        params
+            .iter()
+            .copied()
+            .zip(self.types.iter().cloned())
+            .collect()
+    }
+
     /// Runs the statement on `client` the way `statements` says.
     async fn query(
         &self,
@@ -130,14 +139,7 @@ impl Sql {
                 let statement = client.prepare_cached(self.text).await?;
                 client.query(&statement, params).await
             }
-            Statements::Unprepared => {
-                let typed: Vec<(&(dyn ToSql + Sync), Type)> = params
-                    .iter()
-                    .copied()
-                    .zip(self.types.iter().cloned())
-                    .collect();
-                client.query_typed(self.text, &typed).await
-            }
+            Statements::Unprepared => client.query_typed(self.text, &self.typed(params)).await,
         }
     }
 
@@ -154,14 +156,7 @@ impl Sql {
                 let statement = client.prepare_cached(self.text).await?;
                 client.execute(&statement, params).await
             }
-            Statements::Unprepared => {
-                let typed: Vec<(&(dyn ToSql + Sync), Type)> = params
-                    .iter()
-                    .copied()
-                    .zip(self.types.iter().cloned())
-                    .collect();
-                client.execute_typed(self.text, &typed).await
-            }
+            Statements::Unprepared => client.execute_typed(self.text, &self.typed(params)).await,
         }
     }
 }
