@@ -24,6 +24,19 @@ pub enum StoreConfig {
         /// The most connections this replica opens.
         pool_size: usize,
     },
+    /// A store the caller built, which several servers in one process may share (tests do, to
+    /// run replicas over one store).
+    Shared(SharedStore),
+}
+
+/// A store built outside `serve`, for [`StoreConfig::Shared`].
+#[derive(Clone)]
+pub struct SharedStore(pub std::sync::Arc<dyn crate::store::Store>);
+
+impl std::fmt::Debug for SharedStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SharedStore")
+    }
 }
 
 /// Everything `serve` needs besides the listener and the bots.
@@ -115,10 +128,10 @@ pub const MAX_IN_FLIGHT_PER_CONNECTION: usize = 32;
 
 impl Config {
     /// The most turns in flight: as configured, else [`MAX_IN_FLIGHT_PER_CONNECTION`] per pool
-    /// connection with PostgreSQL, or [`MEMORY_MAX_IN_FLIGHT`] in memory.
+    /// connection with PostgreSQL, or [`MEMORY_MAX_IN_FLIGHT`] in memory or over a shared store.
     pub fn max_in_flight(&self) -> usize {
         self.max_in_flight.unwrap_or(match &self.store {
-            StoreConfig::Memory => MEMORY_MAX_IN_FLIGHT,
+            StoreConfig::Memory | StoreConfig::Shared(_) => MEMORY_MAX_IN_FLIGHT,
             StoreConfig::Postgres { pool_size, .. } => pool_size
                 .saturating_mul(MAX_IN_FLIGHT_PER_CONNECTION)
                 .max(1),

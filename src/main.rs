@@ -71,7 +71,7 @@ async fn serve(args: turnstile::config::ServeArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    turnstile::server::serve_on(
+    turnstile::serve(
         args.config(),
         turnstile::bots::samples(),
         turnstile::server::Listeners {

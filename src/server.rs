@@ -113,65 +113,30 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServeError> {
                     .map_err(ServeError::Store)?,
             )
         }
+        StoreConfig::Shared(shared) => Arc::clone(&shared.0),
     })
 }
 
 /// Serves `TurnService` (with `grpc.health.v1.Health` and server reflection v1 and v1alpha) for
-/// `bots` on `listener` until `shutdown` completes. Then health turns `NOT_SERVING`, new turns
-/// get `UNAVAILABLE`, turns in flight get up to `config.shutdown_grace` to finish, and the server
+/// `bots` over the store `config` names, on `listeners` (a gRPC listener, and a metrics one if
+/// wanted), until `shutdown` completes. Then health turns `NOT_SERVING`, new turns get
+/// `UNAVAILABLE`, turns in flight get up to `config.shutdown_grace` to finish, and the server
 /// stops. Until then, calls beyond `config.max_in_flight()` turns in flight get
 /// `RESOURCE_EXHAUSTED`, and client connections age out after `config.connections.max_age`.
+///
+/// This is the one way to start the service: `main`, the example and every test call it (tests
+/// that run several replicas over one store pass it as [`StoreConfig::Shared`]).
 ///
 /// # Errors
 /// [`ServeError`] when the store cannot be opened or the server fails.
 pub async fn serve(
     config: Config,
     bots: BotRegistry,
-    listener: TcpListener,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), ServeError> {
-    serve_on(config, bots, listener.into(), shutdown).await
-}
-
-/// [`serve`] on every socket of `listeners`.
-///
-/// # Errors
-/// [`ServeError`] when the store cannot be opened or the server fails.
-pub async fn serve_on(
-    config: Config,
-    bots: BotRegistry,
-    listeners: Listeners,
+    listeners: impl Into<Listeners>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let store = open_store(&config).await?;
-    serve_on_store(config, store, bots, listeners, shutdown).await
-}
-
-/// [`serve`] over a store the caller built.
-///
-/// # Errors
-/// [`ServeError`] when the server fails.
-pub async fn serve_with_store(
-    config: Config,
-    store: Arc<dyn Store>,
-    bots: BotRegistry,
-    listener: TcpListener,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), ServeError> {
-    serve_on_store(config, store, bots, listener.into(), shutdown).await
-}
-
-/// [`serve_on`] over a store the caller built.
-///
-/// # Errors
-/// [`ServeError`] when the metrics recorder cannot be installed or the server fails.
-pub async fn serve_on_store(
-    config: Config,
-    store: Arc<dyn Store>,
-    bots: BotRegistry,
-    listeners: Listeners,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), ServeError> {
+    let listeners: Listeners = listeners.into();
     let Listeners {
         grpc: listener,
         metrics,

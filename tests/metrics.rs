@@ -10,7 +10,7 @@ use std::sync::Arc;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
-use turnstile::config::Config;
+use turnstile::config::{Config, SharedStore, StoreConfig};
 use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
 use turnstile::server::Listeners;
 use turnstile::store::Store;
@@ -37,9 +37,12 @@ async fn start_with(
     let metrics = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addrs = (grpc.local_addr().unwrap(), metrics.local_addr().unwrap());
     let (tx, rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(turnstile::server::serve_on_store(
+    let config = Config {
+        store: StoreConfig::Shared(SharedStore(store)),
+        ..config
+    };
+    let task = tokio::spawn(turnstile::serve(
         config,
-        store,
         turnstile::bots::samples(),
         Listeners {
             grpc,

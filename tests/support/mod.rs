@@ -14,7 +14,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 use turnstile::BotRegistry;
-use turnstile::config::{Config, StoreConfig};
+use turnstile::config::{Config, SharedStore, StoreConfig};
 use turnstile::grpc::pb;
 use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
 use turnstile::server::ServeError;
@@ -43,29 +43,17 @@ impl TestServer {
         }
     }
 
-    /// Starts `turnstile::server::serve_with_store` over `store`, which other servers may share.
+    /// Starts `turnstile::serve` over `store`, which other servers may share.
     pub async fn start_with_store(
         config: Config,
         store: std::sync::Arc<dyn turnstile::store::Store>,
         bots: BotRegistry,
     ) -> TestServer {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (tx, rx) = oneshot::channel::<()>();
-        let handle = tokio::spawn(turnstile::server::serve_with_store(
-            config,
-            store,
-            bots,
-            listener,
-            async {
-                let _ = rx.await;
-            },
-        ));
-        TestServer {
-            addr,
-            shutdown: Some(tx),
-            handle: Some(handle),
-        }
+        let config = Config {
+            store: StoreConfig::Shared(SharedStore(store)),
+            ..config
+        };
+        TestServer::start(config, bots).await
     }
 
     /// A new client connection to this server.
