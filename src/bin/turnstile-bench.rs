@@ -369,10 +369,7 @@ impl Worker {
         if self.args.state_bytes > 0 {
             activity.value = Some(json_to_proto_value(json!({ "pad": self.args.state_bytes })));
         }
-        pb::ProcessTurnRequest {
-            activity: Some(activity),
-            bot: self.args.bot.clone(),
-        }
+        pb::ProcessTurnRequest::typed(activity, self.args.bot.clone())
     }
 }
 
@@ -442,10 +439,7 @@ async fn verify(
                     read.r#type = Some("event".into());
                     read.name = Some("read".into());
                     let response = client
-                        .process_turn(pb::ProcessTurnRequest {
-                            activity: Some(read),
-                            bot: bot.clone(),
-                        })
+                        .process_turn(pb::ProcessTurnRequest::typed(read, bot.clone()))
                         .await
                         .with_context(|| format!("reading conversation {conversation}"))?
                         .into_inner();

@@ -17,4 +17,5 @@ pub mod convert;
 pub mod drain;
 pub mod error;
 pub mod limits;
+pub mod request;
 pub mod service;
