@@ -101,6 +101,8 @@ pub enum Command {
     Serve(ServeArgs),
     /// Apply pending database migrations, then exit.
     Migrate(MigrateArgs),
+    /// Serve the Bot Framework endpoint (`POST /api/messages`) in front of a Turnstile server.
+    Gateway(crate::gateway::GatewayArgs),
 }
 
 /// `turnstile serve`.

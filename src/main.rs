@@ -1,4 +1,5 @@
-//! The `turnstile` binary: parse the configuration, set up logging, then serve or migrate.
+//! The `turnstile` binary: parse the configuration, set up logging, then serve, migrate or run
+//! the Bot Framework gateway.
 
 use std::io::IsTerminal as _;
 
@@ -54,6 +55,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Some(Command::Serve(args)) => serve(args).await,
+        Some(Command::Gateway(args)) => gateway(args).await,
         None => serve(cli.serve).await,
     }
 }
@@ -80,6 +82,15 @@ async fn serve(args: turnstile::config::ServeArgs) -> anyhow::Result<()> {
         shutdown_signal(),
     )
     .await?;
+    Ok(())
+}
+
+async fn gateway(args: turnstile::gateway::GatewayArgs) -> anyhow::Result<()> {
+    let config = args.config()?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    turnstile::gateway::serve(config, listener, shutdown_signal()).await?;
     Ok(())
 }
 
