@@ -27,6 +27,15 @@ use turnstile::{Bot, BotError, BotRegistry, TurnContext};
 const APP_ID: &str = "app-1234";
 const ISSUER: &str = "https://api.botframework.com";
 const SERVICE_URL_PATH: &str = "/connector";
+const TENANT: &str = "tenant";
+
+/// How the gateway under test authenticates.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Development,
+    MultiTenant,
+    SingleTenant,
+}
 
 /// Counts its runs; a message gets two replies and a trace, an invoke an `invokeResponse`.
 struct Echo {
@@ -68,6 +77,8 @@ type TokenRequests = Arc<Mutex<Vec<Vec<(String, String)>>>>;
 struct Channel {
     addr: SocketAddr,
     jwks: Value,
+    /// The single-tenant app's Entra ID keys.
+    entra_jwks: Value,
     received: Received,
     token_requests: TokenRequests,
     /// How many of the next Connector POSTs answer 503.
@@ -80,6 +91,17 @@ async fn openid(State(ch): State<Channel>) -> Json<Value> {
 
 async fn keys(State(ch): State<Channel>) -> Json<Value> {
     Json(ch.jwks.clone())
+}
+
+async fn entra_openid(State(ch): State<Channel>) -> Json<Value> {
+    Json(
+        json!({"issuer": format!("http://{}/{TENANT}/v2.0", ch.addr),
+                "jwks_uri": format!("http://{}/entra-keys", ch.addr)}),
+    )
+}
+
+async fn entra_keys(State(ch): State<Channel>) -> Json<Value> {
+    Json(ch.entra_jwks.clone())
 }
 
 async fn token(State(ch): State<Channel>, Form(form): Form<Vec<(String, String)>>) -> Json<Value> {
@@ -169,6 +191,7 @@ struct World {
     runs: Arc<AtomicUsize>,
     key: EncodingKey,
     stranger: EncodingKey,
+    entra: EncodingKey,
     _server: TestServer,
     _stop: oneshot::Sender<()>,
     _dir: tempfile::TempDir,
@@ -176,14 +199,17 @@ struct World {
 
 impl World {
     /// A Turnstile server, the channel stand-ins, and a gateway: authenticated with `auth`.
-    async fn start(auth: bool) -> World {
+    async fn start(mode: Mode) -> World {
         let dir = tempfile::tempdir().unwrap();
         let (key, jwk) = rsa_key(dir.path(), "k1");
         let (stranger, _) = rsa_key(dir.path(), "k2");
+        let (entra, mut entra_jwk) = rsa_key(dir.path(), "k3");
+        entra_jwk.as_object_mut().unwrap().remove("endorsements");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let channel = Channel {
             addr: listener.local_addr().unwrap(),
             jwks: json!({"keys": [jwk]}),
+            entra_jwks: json!({"keys": [entra_jwk]}),
             received: Arc::default(),
             token_requests: Arc::default(),
             fail_next: Arc::default(),
@@ -191,6 +217,11 @@ impl World {
         let app = Router::new()
             .route("/openid", get(openid))
             .route("/keys", get(keys))
+            .route(
+                &format!("/{TENANT}/v2.0/.well-known/openid-configuration"),
+                get(entra_openid),
+            )
+            .route("/entra-keys", get(entra_keys))
             .route("/tenant/oauth2/v2.0/token", post(token))
             .route(
                 &format!("{SERVICE_URL_PATH}/v3/conversations/{{*rest}}"),
@@ -219,16 +250,20 @@ impl World {
         .await;
         let mut config = GatewayConfig::development(format!("http://{}", server.addr));
         config.delivery.base_delay = Duration::from_millis(20);
-        if auth {
+        if mode != Mode::Development {
             let base = format!("http://{}", channel.addr);
             config.credentials = Some(AppCredentials {
                 app_id: APP_ID.into(),
                 password: Secret::new("s3cret"),
-                app_type: AppType::MultiTenant,
-                tenant_id: None,
+                app_type: if mode == Mode::SingleTenant {
+                    AppType::SingleTenant
+                } else {
+                    AppType::MultiTenant
+                },
+                tenant_id: Some(TENANT.into()).filter(|_| mode == Mode::SingleTenant),
                 openid_metadata_url: format!("{base}/openid"),
                 token_issuer: ISSUER.into(),
-                login_url: format!("{base}/tenant"),
+                login_url: format!("{base}/{TENANT}"),
                 oauth_scope: "https://api.botframework.com".into(),
             });
         }
@@ -244,6 +279,7 @@ impl World {
             runs,
             key,
             stranger,
+            entra,
             _server: server,
             _stop: stop,
             _dir: dir,
@@ -315,7 +351,7 @@ fn texts(delivered: &[(String, Option<String>, Value)]) -> Vec<String> {
 
 #[tokio::test]
 async fn a_valid_token_runs_the_turn_and_replies_reach_the_channel_in_order_with_a_token() {
-    let world = World::start(true).await;
+    let world = World::start(Mode::MultiTenant).await;
     let (status, body) = world
         .post(&world.activity("a1", "hi"), Some(&world.valid_token()))
         .await;
@@ -357,7 +393,7 @@ async fn a_valid_token_runs_the_turn_and_replies_reach_the_channel_in_order_with
 
 #[tokio::test]
 async fn every_bad_token_is_401_and_runs_nothing() {
-    let world = World::start(true).await;
+    let world = World::start(Mode::MultiTenant).await;
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
@@ -426,7 +462,7 @@ async fn every_bad_token_is_401_and_runs_nothing() {
 
 #[tokio::test]
 async fn a_503_from_the_channel_is_retried_and_a_redelivery_replays_without_running_the_bot() {
-    let world = World::start(true).await;
+    let world = World::start(Mode::MultiTenant).await;
     world.channel.fail_next.store(1, Ordering::SeqCst);
     let activity = world.activity("r1", "again");
     let (status, _) = world.post(&activity, Some(&world.valid_token())).await;
@@ -452,7 +488,7 @@ async fn a_503_from_the_channel_is_retried_and_a_redelivery_replays_without_runn
 
 #[tokio::test]
 async fn a_channel_that_keeps_failing_gets_an_error_so_it_redelivers() {
-    let world = World::start(true).await;
+    let world = World::start(Mode::MultiTenant).await;
     world.channel.fail_next.store(100, Ordering::SeqCst);
     let (status, _) = world
         .post(&world.activity("f1", "lost"), Some(&world.valid_token()))
@@ -469,7 +505,7 @@ async fn a_channel_that_keeps_failing_gets_an_error_so_it_redelivers() {
 
 #[tokio::test]
 async fn expect_replies_answers_in_the_body_and_invoke_with_the_invoke_response() {
-    let world = World::start(true).await;
+    let world = World::start(Mode::MultiTenant).await;
     let mut activity = world.activity("e1", "inline");
     activity["deliveryMode"] = json!("expectReplies");
     let (status, body) = world.post(&activity, Some(&world.valid_token())).await;
@@ -508,7 +544,7 @@ fn texts_of(world: &World) -> Vec<String> {
 
 #[tokio::test]
 async fn development_mode_needs_no_token_and_the_emulator_gets_traces() {
-    let world = World::start(false).await;
+    let world = World::start(Mode::Development).await;
     let mut activity = world.activity("d1", "dev");
     activity["channelId"] = json!("emulator");
     let (status, _) = world.post(&activity, None).await;
@@ -524,4 +560,150 @@ async fn development_mode_needs_no_token_and_the_emulator_gets_traces() {
         delivered.iter().all(|d| d.1.is_none()),
         "no token in development"
     );
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `turnstile …` with a clean environment apart from `env`.
+fn spawn_turnstile(args: &[&str], env: &[(&str, String)]) -> std::process::Child {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_turnstile"));
+    command
+        .args(args)
+        .env_clear()
+        .env("RUST_LOG", "info")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    command.spawn().unwrap()
+}
+
+/// SIGTERM, then the exit status and the log.
+fn terminate(mut child: std::process::Child) -> (std::process::ExitStatus, String) {
+    use std::io::Read as _;
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let mut log = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    (child.wait().unwrap(), log)
+}
+
+#[tokio::test]
+async fn the_binary_orders_a_pizza_through_the_gateway_in_development_mode() {
+    let grpc = free_port();
+    let http = free_port();
+    let server = spawn_turnstile(
+        &["serve"],
+        &[("TURNSTILE_LISTEN", format!("127.0.0.1:{grpc}"))],
+    );
+    let gateway = spawn_turnstile(
+        &["gateway"],
+        &[
+            ("TURNSTILE_GATEWAY_LISTEN", format!("127.0.0.1:{http}")),
+            ("TURNSTILE_URL", format!("http://127.0.0.1:{grpc}")),
+        ],
+    );
+    let activity = json!({
+        "type": "message", "id": "p1", "channelId": "emulator",
+        "serviceUrl": "http://127.0.0.1:9/unused", "deliveryMode": "expectReplies",
+        "conversation": {"id": "pizza-1"}, "from": {"id": "ada"}, "recipient": {"id": "bot"},
+        "text": "add ham",
+    });
+    let client = reqwest::Client::new();
+    let mut answer = None;
+    // Both processes start in parallel; the gateway answers 503 until the server listens.
+    for _ in 0..200 {
+        if let Ok(response) = client
+            .post(format!("http://127.0.0.1:{http}/api/messages"))
+            .json(&activity)
+            .send()
+            .await
+            && response.status().is_success()
+        {
+            answer = Some(response.json::<Value>().await.unwrap());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let answer = answer.expect("the gateway answered");
+    assert_eq!(
+        answer["activities"][0]["text"],
+        "Added ham. Your pizza has: ham."
+    );
+    let (status, log) = terminate(gateway);
+    assert!(status.success(), "the gateway stopped cleanly: {log}");
+    assert!(
+        log.contains("WITHOUT AUTHENTICATION"),
+        "the loud warning: {log}"
+    );
+    let (status, _) = terminate(server);
+    assert!(status.success());
+}
+
+#[tokio::test]
+async fn a_single_tenant_app_also_accepts_its_tenants_entra_id_tokens() {
+    let world = World::start(Mode::SingleTenant).await;
+    let entra_v1 = world.token(
+        &world.entra,
+        "k3",
+        json!({"iss": format!("https://sts.windows.net/{TENANT}/")}),
+    );
+    let (status, body) = world
+        .post(&world.activity("s1", "entra"), Some(&entra_v1))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, _) = world
+        .post(&world.activity("s2", "channel"), Some(&world.valid_token()))
+        .await;
+    assert_eq!(status, StatusCode::OK, "channel tokens still work");
+    assert_eq!(world.runs.load(Ordering::SeqCst), 2);
+
+    // An Entra ID key does not vouch for the channel's issuer, nor a channel key for Entra's.
+    let crossed = world.token(&world.entra, "k3", json!({}));
+    let (status, _) = world.post(&world.activity("s3", "x"), Some(&crossed)).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let crossed = world.token(
+        &world.key,
+        "k1",
+        json!({"iss": format!("https://sts.windows.net/{TENANT}/")}),
+    );
+    let (status, _) = world.post(&world.activity("s4", "x"), Some(&crossed)).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(world.runs.load(Ordering::SeqCst), 2);
+    let requests = world.channel.token_requests.lock().unwrap().clone();
+    assert!(
+        !requests.is_empty(),
+        "replies were sent with the tenant's token"
+    );
+}
+
+#[tokio::test]
+async fn a_multi_tenant_app_refuses_entra_id_tokens() {
+    let world = World::start(Mode::MultiTenant).await;
+    let entra_v1 = world.token(
+        &world.entra,
+        "k3",
+        json!({"iss": format!("https://sts.windows.net/{TENANT}/")}),
+    );
+    let (status, _) = world
+        .post(&world.activity("m1", "entra"), Some(&entra_v1))
+        .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(world.runs.load(Ordering::SeqCst), 0);
 }
