@@ -133,10 +133,7 @@ mod tests {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         };
         let mut say = async |conversation: &str, text: &str| -> Vec<String> {
-            let request = pb::ProcessTurnRequest {
-                activity: Some(message("ada", conversation, text)),
-                bot: String::new(),
-            };
+            let request = pb::ProcessTurnRequest::typed(message("ada", conversation, text), "");
             let response = client.process_turn(request).await.expect("a turn");
             response
                 .into_inner()

@@ -195,6 +195,8 @@ pub enum Command {
     /// Ask a server for its gRPC health; exit 0 when it is serving, 1 otherwise (for `helm
     /// test`, container health checks and scripts).
     HealthCheck(HealthCheckArgs),
+    /// Serve the Bot Framework endpoint (`POST /api/messages`) in front of a Turnstile server.
+    Gateway(crate::gateway::GatewayArgs),
 }
 
 /// `turnstile serve`.

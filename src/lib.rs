@@ -14,6 +14,8 @@
 //! - [`dialogs`] — Bot Framework's dialog model: dialog sets and stacks, waterfalls, components,
 //!   prompts.
 //! - [`bots`] — the sample bots the binary hosts.
+//! - [`gateway`] — `turnstile gateway`: the Bot Framework channel protocol (`/api/messages`,
+//!   channel JWTs, delivery to the Connector), purely a gRPC client of `TurnService`.
 //! - [`grpc`] — generated code, wire conversions, status mapping, the `TurnService` handler.
 //! - [`config`] — command-line flags and the configuration `serve` takes.
 //! - [`server`] — [`server::serve`], the one way to start the service.
@@ -27,6 +29,7 @@ pub mod bots;
 pub mod config;
 pub mod dialogs;
 pub mod engine;
+pub mod gateway;
 pub mod grpc;
 pub mod probe;
 pub mod server;

@@ -1,4 +1,5 @@
-//! The `turnstile` binary: parse the configuration, set up logging, then serve or migrate.
+//! The `turnstile` binary: parse the configuration, set up logging, then serve, migrate or run
+//! the Bot Framework gateway.
 
 use std::io::IsTerminal as _;
 
@@ -55,6 +56,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Some(Command::Serve(args)) => serve(args).await,
         Some(Command::HealthCheck(args)) => health_check(&args).await,
+        Some(Command::Gateway(args)) => gateway(args).await,
         None => serve(cli.serve).await,
     }
 }
@@ -97,6 +99,16 @@ async fn health_check(args: &turnstile::config::HealthCheckArgs) -> anyhow::Resu
     } else {
         anyhow::bail!("{} is not serving", args.address)
     }
+}
+
+/// Serves the Bot Framework gateway until SIGINT or SIGTERM.
+async fn gateway(args: turnstile::gateway::GatewayArgs) -> anyhow::Result<()> {
+    let config = args.config()?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    turnstile::gateway::serve(config, listener, shutdown_signal()).await?;
+    Ok(())
 }
 
 /// Completes at the first SIGINT or SIGTERM.

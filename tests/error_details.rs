@@ -77,7 +77,7 @@ async fn every_refusal_carries_details_a_client_can_decode() {
 
     // No activity at all.
     let mut empty = with_token(ok.clone());
-    empty.get_mut().activity = None;
+    empty.get_mut().input = None;
     let status = client.process_turn(empty).await.unwrap_err();
     assert_eq!(bad_fields(&status), ["activity"]);
 
@@ -284,10 +284,7 @@ async fn an_independent_python_client_decodes_the_details() {
         conversation: Some(pb::ConversationAccount::default()),
         ..ok.clone()
     };
-    let unknown = pb::ProcessTurnRequest {
-        activity: Some(ok.clone()),
-        bot: "calzone".into(),
-    };
+    let unknown = pb::ProcessTurnRequest::typed(ok.clone(), "calzone");
     let cases = serde_json::json!([
         {"name": "ok", "hex": hex(request(ok.clone())), "token": true},
         {"name": "missing", "hex": hex(request(missing)), "token": true},

@@ -15,10 +15,7 @@ use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
 use turnstile::{Bot, BotError, BotRegistry, TurnContext};
 
 fn counted(activity: pb::Activity) -> pb::ProcessTurnRequest {
-    pb::ProcessTurnRequest {
-        activity: Some(activity),
-        bot: "counter".into(),
-    }
+    pb::ProcessTurnRequest::typed(activity, "counter")
 }
 
 fn with_id(id: &str) -> pb::Activity {

@@ -94,10 +94,10 @@ async fn client(addr: SocketAddr) -> TurnServiceClient<Channel> {
 async fn count(
     client: &mut TurnServiceClient<Channel>,
 ) -> turnstile::grpc::pb::ProcessTurnResponse {
-    let request = turnstile::grpc::pb::ProcessTurnRequest {
-        activity: Some(support::message("metrics-conv", "alice", "count")),
-        bot: "counter".into(),
-    };
+    let request = turnstile::grpc::pb::ProcessTurnRequest::typed(
+        support::message("metrics-conv", "alice", "count"),
+        "counter",
+    );
     client.process_turn(request).await.unwrap().into_inner()
 }
 

@@ -60,10 +60,7 @@ fn turn(wave: &str, i: usize) -> pb::ProcessTurnRequest {
     } else {
         format!("{wave}-{i}")
     };
-    pb::ProcessTurnRequest {
-        activity: Some(message(&conversation, "alice", "hi")),
-        bot: String::new(),
-    }
+    pb::ProcessTurnRequest::typed(message(&conversation, "alice", "hi"), String::new())
 }
 
 /// Fires `CALLS` turns over four connections (hyper caps streams per connection at 200), call

@@ -235,13 +235,13 @@ async fn replica(pooled: &str, direct: &str, statements: Statements) -> TestServ
 }
 
 fn counted(id: &str, conversation: &str) -> pb::ProcessTurnRequest {
-    pb::ProcessTurnRequest {
-        activity: Some(pb::Activity {
+    pb::ProcessTurnRequest::typed(
+        pb::Activity {
             id: Some(id.into()),
             ..message(conversation, "alice", "hi")
-        }),
-        bot: "counter".into(),
-    }
+        },
+        "counter",
+    )
 }
 
 /// `add t00` … `add t39` at once, alternating between `clients`; the replies.

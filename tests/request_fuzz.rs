@@ -10,6 +10,8 @@ use turnstile::activity::Activity;
 use turnstile::activity::incoming::IncomingActivity;
 use turnstile::grpc::limits::Limits;
 use turnstile::grpc::pb;
+use turnstile::grpc::pb::process_turn_request::Input;
+use turnstile::grpc::request::read_activity;
 use turnstile::state::TurnKeys;
 
 /// Everything the service does with a request before the bot runs.
@@ -17,15 +19,14 @@ fn process(bytes: &[u8]) {
     let Ok(request) = pb::ProcessTurnRequest::decode(bytes) else {
         return;
     };
-    let Some(activity) = request.activity else {
+    let typed = matches!(request.input, Some(Input::Activity(_)));
+    let Ok(domain) = read_activity(request.input, &Limits::default()) else {
         return;
     };
-    if Limits::default().check(&activity).is_err() {
-        return;
+    if typed {
+        // Converting back and forth is stable.
+        assert_eq!(Activity::from(pb::Activity::from(domain.clone())), domain);
     }
-    let domain = Activity::from(activity.clone());
-    // Converting back and forth is stable.
-    assert_eq!(Activity::from(pb::Activity::from(domain.clone())), domain);
     let Ok(incoming) = IncomingActivity::parse(domain) else {
         return;
     };
@@ -50,8 +51,8 @@ fn process(bytes: &[u8]) {
 
 /// A plausible request, to be damaged.
 fn seed() -> Vec<u8> {
-    pb::ProcessTurnRequest {
-        activity: Some(pb::Activity {
+    pb::ProcessTurnRequest::typed(
+        pb::Activity {
             r#type: Some("message".into()),
             id: Some("1".into()),
             channel_id: Some("msteams".into()),
@@ -65,9 +66,9 @@ fn seed() -> Vec<u8> {
             }),
             text: Some("add ham".into()),
             ..Default::default()
-        }),
-        bot: "pizza".into(),
-    }
+        },
+        "pizza",
+    )
     .encode_to_vec()
 }
 
@@ -97,7 +98,8 @@ proptest! {
 #[test]
 fn the_seed_itself_goes_all_the_way() {
     let request = pb::ProcessTurnRequest::decode(seed().as_slice()).unwrap();
-    let incoming = IncomingActivity::parse(Activity::from(request.activity.unwrap())).unwrap();
+    let activity = read_activity(request.input, &Limits::default()).unwrap();
+    let incoming = IncomingActivity::parse(activity).unwrap();
     let keys = TurnKeys::new("pizza", incoming.address());
     assert_eq!(
         keys.conversation.as_str(),

@@ -16,10 +16,10 @@ async fn tell(
     text: &str,
 ) -> Vec<String> {
     let response = client
-        .process_turn(pb::ProcessTurnRequest {
-            activity: Some(message(conversation, "alice", text)),
-            bot: bot.to_owned(),
-        })
+        .process_turn(pb::ProcessTurnRequest::typed(
+            message(conversation, "alice", text),
+            bot,
+        ))
         .await
         .unwrap_or_else(|s| panic!("`{text}` failed: {s:?}"))
         .into_inner();

@@ -29,13 +29,13 @@ impl Bot for SlowCounter {
 }
 
 fn turn(id: &str) -> pb::ProcessTurnRequest {
-    pb::ProcessTurnRequest {
-        activity: Some(pb::Activity {
+    pb::ProcessTurnRequest::typed(
+        pb::Activity {
             id: Some(id.into()),
             ..message(&format!("conv-{id}"), "alice", "hi")
-        }),
-        bot: String::new(),
-    }
+        },
+        "",
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

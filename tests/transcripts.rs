@@ -109,10 +109,10 @@ async fn replay(
             .map(shown)
             .collect();
         let response = client
-            .process_turn(pb::ProcessTurnRequest {
-                activity: Some(sent.clone().into()),
-                bot: transcript.bot.to_owned(),
-            })
+            .process_turn(pb::ProcessTurnRequest::typed(
+                sent.clone().into(),
+                transcript.bot,
+            ))
             .await
             .map_err(|s| format!("activity {i} ({}) failed: {s:?}", shown(&sent)))?
             .into_inner();

@@ -58,13 +58,7 @@ async fn invalid_activities_get_invalid_argument_naming_the_field_and_change_not
 
     let base = || message("c1", "alice", "add pineapple");
     let cases: Vec<(&str, pb::ProcessTurnRequest)> = vec![
-        (
-            "activity",
-            pb::ProcessTurnRequest {
-                activity: None,
-                bot: String::new(),
-            },
-        ),
+        ("activity", pb::ProcessTurnRequest::default()),
         (
             "type",
             request(pb::Activity {
@@ -149,10 +143,10 @@ async fn an_unknown_bot_is_not_found() {
     let server = TestServer::start(turnstile::Config::default(), turnstile::bots::samples()).await;
     let mut client = server.client().await;
     let result = client
-        .process_turn(pb::ProcessTurnRequest {
-            activity: Some(message("c1", "alice", "hi")),
-            bot: "calzone".into(),
-        })
+        .process_turn(pb::ProcessTurnRequest::typed(
+            message("c1", "alice", "hi"),
+            "calzone",
+        ))
         .await;
     let status = assert_status(result, Code::NotFound, "calzone");
     assert_details(&status, "UNKNOWN_BOT", false);

@@ -79,6 +79,12 @@ struct Args {
     /// postmaster to count every backend. The load generator's own is always reported.
     #[arg(long = "cpu-of", value_name = "NAME=PID", value_parser = parse_cpu_of)]
     cpu_of: Vec<(String, u32)>,
+    /// Send each turn as a channel would, `POST /api/messages` with `deliveryMode:
+    /// expectReplies`, to the `turnstile gateway` at this URL (e.g. `http://127.0.0.1:3978`,
+    /// started with `TURNSTILE_BOT=counter`) instead of over gRPC; the counters are still read
+    /// over gRPC from --target, which must be the gateway's server.
+    #[arg(long)]
+    gateway: Option<String>,
 }
 
 fn parse_cpu_of(s: &str) -> Result<(String, u32), String> {
@@ -154,11 +160,23 @@ async fn main() -> anyhow::Result<()> {
         prefilled = prefill(&args, &channels, &run, &next_id).await?;
     }
 
+    // One HTTP/1.1 client: a pool of keep-alive connections, as a channel's would be.
+    let gateway = match &args.gateway {
+        Some(url) => Some((
+            reqwest::Client::builder()
+                .pool_max_idle_per_host(args.concurrency)
+                .build()
+                .context("building the HTTP client")?,
+            format!("{}/api/messages", url.trim_end_matches('/')),
+        )),
+        None => None,
+    };
     let started = Instant::now();
     let workers: Vec<_> = (0..args.concurrency)
         .map(|w| {
             let client = TurnServiceClient::new(channels[w % channels.len()].clone());
             let ctx = Worker {
+                gateway: gateway.clone(),
                 args: Arc::clone(&args),
                 run: run.clone(),
                 next_id: Arc::clone(&next_id),
@@ -221,6 +239,7 @@ async fn prefill(
             let mut client = TurnServiceClient::new(channels[w % channels.len()].clone());
             let queue = Arc::clone(&queue);
             let worker = Worker {
+                gateway: None,
                 args: Arc::clone(args),
                 run: run.to_owned(),
                 next_id: Arc::clone(next_id),
@@ -276,6 +295,8 @@ async fn connect(args: &Args) -> anyhow::Result<Vec<Channel>> {
 
 struct Worker {
     args: Arc<Args>,
+    /// The HTTP client and `/api/messages` URL, with --gateway.
+    gateway: Option<(reqwest::Client, String)>,
     run: String,
     next_id: Arc<AtomicU64>,
     measuring: Arc<AtomicBool>,
@@ -308,34 +329,45 @@ impl Worker {
                     tally.retries += 1;
                     tokio::time::sleep(Duration::from_millis(20 << attempt.min(5))).await;
                 }
-                let mut call = tonic::Request::new(request.clone());
-                call.set_timeout(timeout);
                 let sent = Instant::now();
-                match client.process_turn(call).await {
-                    Ok(response) => {
-                        let response = response.into_inner();
+                let outcome = match &self.gateway {
+                    Some((http, url)) => post(http, url, &request, timeout).await,
+                    None => {
+                        let mut call = tonic::Request::new(request.clone());
+                        call.set_timeout(timeout);
+                        match client.process_turn(call).await {
+                            Ok(response) => {
+                                let response = response.into_inner();
+                                Ok((response.attempts, response.replayed))
+                            }
+                            Err(status) => Err((
+                                format!("{:?}", status.code()),
+                                matches!(
+                                    status.code(),
+                                    tonic::Code::InvalidArgument
+                                        | tonic::Code::NotFound
+                                        | tonic::Code::Internal
+                                ),
+                            )),
+                        }
+                    }
+                };
+                match outcome {
+                    Ok((attempts, replayed)) => {
                         if measuring {
                             tally.latencies.push(sent.elapsed());
                             *tally.statuses.entry("OK".into()).or_default() += 1;
-                            *tally.attempts.entry(response.attempts).or_default() += 1;
+                            *tally.attempts.entry(attempts).or_default() += 1;
                         }
-                        tally.replayed += u64::from(response.replayed);
+                        tally.replayed += u64::from(replayed);
                         acked = true;
                         break;
                     }
-                    Err(status) => {
+                    Err((status, final_)) => {
                         if measuring {
-                            *tally
-                                .statuses
-                                .entry(format!("{:?}", status.code()))
-                                .or_default() += 1;
+                            *tally.statuses.entry(status).or_default() += 1;
                         }
-                        if matches!(
-                            status.code(),
-                            tonic::Code::InvalidArgument
-                                | tonic::Code::NotFound
-                                | tonic::Code::Internal
-                        ) {
+                        if final_ {
                             break;
                         }
                     }
@@ -369,10 +401,7 @@ impl Worker {
         if self.args.state_bytes > 0 {
             activity.value = Some(json_to_proto_value(json!({ "pad": self.args.state_bytes })));
         }
-        pb::ProcessTurnRequest {
-            activity: Some(activity),
-            bot: self.args.bot.clone(),
-        }
+        pb::ProcessTurnRequest::typed(activity, self.args.bot.clone())
     }
 }
 
@@ -392,6 +421,43 @@ fn base_activity(run: &str, conversation: u64) -> pb::Activity {
             ..Default::default()
         }),
         ..Default::default()
+    }
+}
+
+/// One turn through the gateway: `(attempts, replayed)` as far as HTTP tells (1, false), or the
+/// status and whether retrying is pointless.
+async fn post(
+    http: &reqwest::Client,
+    url: &str,
+    request: &pb::ProcessTurnRequest,
+    timeout: Duration,
+) -> Result<(u32, bool), (String, bool)> {
+    let Some(pb::process_turn_request::Input::Activity(activity)) = request.input.clone() else {
+        return Err(("no activity".into(), true));
+    };
+    let mut json = turnstile::activity::Activity::from(activity).to_json();
+    json["deliveryMode"] = json!("expectReplies");
+    json["serviceUrl"] = json!("http://127.0.0.1:9/bench");
+    let response = http
+        .post(url)
+        .timeout(timeout)
+        .json(&json)
+        .send()
+        .await
+        .map_err(|e| (format!("HTTP error: {e}"), false))?;
+    let status = response.status();
+    // The replies are part of the cost: read them.
+    let body = response
+        .bytes()
+        .await
+        .map_err(|e| (format!("HTTP error: {e}"), false))?;
+    if status.is_success() && !body.is_empty() {
+        Ok((1, false))
+    } else {
+        Err((
+            format!("HTTP {}", status.as_u16()),
+            status.is_client_error() || status.as_u16() == 500,
+        ))
     }
 }
 
@@ -442,10 +508,7 @@ async fn verify(
                     read.r#type = Some("event".into());
                     read.name = Some("read".into());
                     let response = client
-                        .process_turn(pb::ProcessTurnRequest {
-                            activity: Some(read),
-                            bot: bot.clone(),
-                        })
+                        .process_turn(pb::ProcessTurnRequest::typed(read, bot.clone()))
                         .await
                         .with_context(|| format!("reading conversation {conversation}"))?
                         .into_inner();

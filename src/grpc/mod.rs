@@ -18,5 +18,6 @@ pub mod convert;
 pub mod drain;
 pub mod error;
 pub mod limits;
+pub mod request;
 pub mod service;
 pub mod too_large;

@@ -11,8 +11,9 @@ use tracing::Instrument as _;
 use super::drain::Drain;
 use super::limits::Limits;
 use super::pb;
-use crate::activity::Activity;
-use crate::activity::incoming::{IncomingActivity, InvalidActivity};
+use super::pb::process_turn_request::Input;
+use super::request;
+use crate::activity::incoming::IncomingActivity;
 use crate::engine::{Engine, TurnError, TurnOutcome};
 
 /// The `TurnService` implementation.
@@ -36,11 +37,10 @@ impl TurnApi {
 }
 
 impl TurnApi {
-    /// The request's activity, parsed, or why it is refused.
-    fn check(&self, activity: Option<pb::Activity>) -> Result<IncomingActivity, Status> {
-        let activity = activity.ok_or_else(|| InvalidActivity::new("activity", "is missing"))?;
-        self.limits.check(&activity)?;
-        Ok(IncomingActivity::parse(Activity::from(activity))?)
+    /// The request's activity (typed or JSON), parsed, or why it is refused.
+    fn check(&self, input: Option<Input>) -> Result<IncomingActivity, Status> {
+        let activity = request::read_activity(input, &self.limits)?;
+        Ok(IncomingActivity::parse(activity)?)
     }
 }
 
@@ -52,13 +52,16 @@ impl pb::turn_service_server::TurnService for TurnApi {
     ) -> Result<Response<pb::ProcessTurnResponse>, Status> {
         // A child of the RPC layer's server span, which joined the caller's trace.
         let span = tracing::info_span!("process_turn");
+        let json_replies = request.get_ref().json_replies;
         let turn = span.in_scope(|| self.start(request))?;
         let outcome = turn
             .instrument(span)
             .await
             .map_err(|e| super::error::turn_task_failed(&e))??;
+        let (activities, activities_json) = request::replies(outcome.activities, json_replies);
         Ok(Response::new(pb::ProcessTurnResponse {
-            activities: outcome.activities.into_iter().map(Into::into).collect(),
+            activities,
+            activities_json,
             attempts: outcome.attempts,
             version: outcome.conversation_version.map_or(0, |v| v.get()),
             replayed: outcome.replayed,
@@ -80,8 +83,8 @@ impl TurnApi {
     ) -> Result<JoinHandle<Result<TurnOutcome, TurnError>>, Status> {
         let in_flight = self.drain.enter()?;
         let deadline = deadline(&request);
-        let pb::ProcessTurnRequest { activity, bot } = request.into_inner();
-        let incoming = self.check(activity).inspect_err(|_| {
+        let pb::ProcessTurnRequest { input, bot, .. } = request.into_inner();
+        let incoming = self.check(input).inspect_err(|_| {
             metrics::counter!(crate::telemetry::metrics::TURNS, "outcome" => "invalid")
                 .increment(1);
         })?;

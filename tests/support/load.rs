@@ -283,13 +283,13 @@ pub fn request_for(turn: &Turn) -> pb::ProcessTurnRequest {
         "hi",
     );
     debug_assert_eq!(activity.channel_id.as_deref(), Some(CHANNEL));
-    pb::ProcessTurnRequest {
-        activity: Some(pb::Activity {
+    pb::ProcessTurnRequest::typed(
+        pb::Activity {
             id: Some(turn.id.clone()),
             ..activity
-        }),
-        bot: BOT.into(),
-    }
+        },
+        BOT,
+    )
 }
 
 /// N of a response that is exactly one `count: N` reply.

@@ -127,10 +127,7 @@ pub fn message(conversation: &str, user: &str, text: &str) -> pb::Activity {
 
 /// A request for the default bot.
 pub fn request(activity: pb::Activity) -> pb::ProcessTurnRequest {
-    pb::ProcessTurnRequest {
-        activity: Some(activity),
-        bot: String::new(),
-    }
+    pb::ProcessTurnRequest::typed(activity, "")
 }
 
 /// Sends `text` to the default bot and returns the response, panicking on a non-OK status.

@@ -1,0 +1,337 @@
+//! The gateway's settings, under Bot Framework's own names, so that an existing bot's
+//! `MicrosoftAppId`, `MicrosoftAppPassword`, … work unchanged as environment variables.
+//!
+//! Without `MicrosoftAppId` the gateway runs unauthenticated, as the Bot Framework Emulator and
+//! the Agents Playground expect locally; [`GatewayArgs::config`] is where that choice is made,
+//! and `serve` warns about it loudly.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Args;
+
+/// Bot Framework's public cloud: where channel tokens' signing keys are published.
+pub const CHANNEL_OPENID_METADATA_URL: &str =
+    "https://login.botframework.com/v1/.well-known/openidconfiguration";
+/// Bot Framework's public cloud: the issuer of channel tokens.
+pub const CHANNEL_TOKEN_ISSUER: &str = "https://api.botframework.com";
+/// Entra ID's public cloud, under which a bot's own tokens are issued.
+pub const LOGIN_HOST: &str = "https://login.microsoftonline.com";
+/// The tenant multi-tenant bots get their tokens from.
+pub const BOT_FRAMEWORK_TENANT: &str = "botframework.com";
+/// The audience of a bot's tokens for the channels.
+pub const CHANNEL_OAUTH_SCOPE: &str = "https://api.botframework.com";
+
+/// `turnstile gateway`.
+#[derive(Debug, Clone, Args)]
+pub struct GatewayArgs {
+    /// Address to serve the Bot Framework endpoint (`POST /api/messages`) on.
+    #[arg(
+        long,
+        env = "TURNSTILE_GATEWAY_LISTEN",
+        default_value = "127.0.0.1:3978"
+    )]
+    pub listen: SocketAddr,
+    /// The Turnstile server whose `TurnService` runs the turns.
+    #[arg(long, env = "TURNSTILE_URL", default_value = "http://127.0.0.1:50051")]
+    pub turnstile_url: String,
+    /// The hosted bot that handles the turns; empty selects the server's default bot.
+    #[arg(long, env = "TURNSTILE_BOT", default_value = "")]
+    pub bot: String,
+    /// Bearer token for `TurnService`, when the server requires one.
+    #[arg(long, env = "TURNSTILE_AUTH_TOKEN", hide_env_values = true)]
+    pub turnstile_token: Option<String>,
+    /// Milliseconds a turn may take, retries included; channels give up after 15 s, and the
+    /// replies must still be delivered within them.
+    #[arg(
+        long,
+        env = "TURNSTILE_GATEWAY_TURN_TIMEOUT_MS",
+        default_value_t = 8_000
+    )]
+    pub turn_timeout_ms: u64,
+    /// The bot's app id; without it the gateway accepts unauthenticated calls (local
+    /// development only).
+    #[arg(long = "microsoft-app-id", env = "MicrosoftAppId")]
+    pub app_id: Option<String>,
+    /// The app's client secret, for the tokens replies are sent with.
+    #[arg(
+        long = "microsoft-app-password",
+        env = "MicrosoftAppPassword",
+        hide_env_values = true
+    )]
+    pub app_password: Option<String>,
+    /// `MultiTenant` (the default) or `SingleTenant`.
+    #[arg(long = "microsoft-app-type", env = "MicrosoftAppType")]
+    pub app_type: Option<String>,
+    /// The app's tenant, required for `SingleTenant`.
+    #[arg(long = "microsoft-app-tenant-id", env = "MicrosoftAppTenantId")]
+    pub app_tenant_id: Option<String>,
+    /// Where the channels' signing keys are published (OpenID metadata).
+    #[arg(long, env = "ToBotFromChannelOpenIdMetadataUrl")]
+    pub to_bot_from_channel_open_id_metadata_url: Option<String>,
+    /// The issuer of channel tokens.
+    #[arg(long, env = "ToBotFromChannelTokenIssuer")]
+    pub to_bot_from_channel_token_issuer: Option<String>,
+    /// The authority the bot's own tokens come from (`…/oauth2/v2.0/token` is appended).
+    #[arg(long, env = "ToChannelFromBotLoginUrl")]
+    pub to_channel_from_bot_login_url: Option<String>,
+    /// The audience of the bot's own tokens (`/.default` is appended).
+    #[arg(long, env = "ToChannelFromBotOAuthScope")]
+    pub to_channel_from_bot_oauth_scope: Option<String>,
+}
+
+/// Why the settings describe no gateway that could work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// The app type is not one this gateway knows.
+    #[error(
+        "MicrosoftAppType `{0}` is not supported; use MultiTenant or SingleTenant \
+         (UserAssignedMSI needs a managed identity endpoint this gateway does not call)"
+    )]
+    AppType(String),
+    /// A setting the others require is missing.
+    #[error("{0} is required when MicrosoftAppId is set{1}")]
+    Missing(&'static str, &'static str),
+}
+
+/// How the gateway authenticates channels and itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AppType {
+    /// One app registration used from any tenant; tokens from the `botframework.com` tenant.
+    MultiTenant,
+    /// An app registration of one tenant; tokens from that tenant.
+    SingleTenant,
+}
+
+/// A client secret; `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a secret.
+    pub fn new(secret: impl Into<String>) -> Self {
+        Self(secret.into())
+    }
+
+    /// The secret itself, for the one request that sends it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+/// The bot's identity and where channels' and its own tokens come from.
+#[derive(Debug, Clone)]
+pub struct AppCredentials {
+    /// The app id: the audience every channel token must name.
+    pub app_id: String,
+    /// The client secret replies' tokens are requested with.
+    pub password: Secret,
+    /// Multi- or single-tenant.
+    pub app_type: AppType,
+    /// The tenant of a single-tenant app.
+    pub tenant_id: Option<String>,
+    /// Where the channels' signing keys are published (`ToBotFromChannelOpenIdMetadataUrl`).
+    pub openid_metadata_url: String,
+    /// The issuer of channel tokens (`ToBotFromChannelTokenIssuer`).
+    pub token_issuer: String,
+    /// The authority of the bot's own tokens (`ToChannelFromBotLoginUrl`).
+    pub login_url: String,
+    /// The audience of the bot's own tokens (`ToChannelFromBotOAuthScope`).
+    pub oauth_scope: String,
+}
+
+/// How stubbornly replies are delivered to the channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeliveryPolicy {
+    /// Most POSTs per reply (the first included).
+    pub attempts: u32,
+    /// The wait before the second POST; doubles each time.
+    pub base_delay: Duration,
+    /// The longest wait, whatever `Retry-After` asks for.
+    pub max_delay: Duration,
+}
+
+impl Default for DeliveryPolicy {
+    fn default() -> Self {
+        Self {
+            attempts: 4,
+            base_delay: Duration::from_millis(200),
+            max_delay: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Everything [`super::serve`] needs besides the listener; tests build it directly.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// The Turnstile server's URL (`http://host:port`, or `https://` for TLS).
+    pub turnstile_url: String,
+    /// The hosted bot that handles the turns; empty: the server's default.
+    pub bot: String,
+    /// Bearer token for `TurnService`, when the server requires one.
+    pub turnstile_token: Option<Secret>,
+    /// How long a turn may take, retries included.
+    pub turn_timeout: Duration,
+    /// The bot's credentials; `None` runs unauthenticated (local development).
+    pub credentials: Option<AppCredentials>,
+    /// How replies are delivered.
+    pub delivery: DeliveryPolicy,
+}
+
+impl GatewayConfig {
+    /// An unauthenticated gateway in front of the Turnstile server at `turnstile_url`.
+    pub fn development(turnstile_url: impl Into<String>) -> Self {
+        Self {
+            turnstile_url: turnstile_url.into(),
+            bot: String::new(),
+            turnstile_token: None,
+            turn_timeout: Duration::from_secs(8),
+            credentials: None,
+            delivery: DeliveryPolicy::default(),
+        }
+    }
+}
+
+impl GatewayArgs {
+    /// The configuration these settings describe.
+    ///
+    /// # Errors
+    /// [`ConfigError`] when an app id is set but the settings it needs are missing or unknown.
+    pub fn config(&self) -> Result<GatewayConfig, ConfigError> {
+        let credentials = match self.app_id.as_deref().filter(|id| !id.is_empty()) {
+            Some(app_id) => Some(self.credentials(app_id)?),
+            None => None,
+        };
+        Ok(GatewayConfig {
+            turnstile_url: self.turnstile_url.clone(),
+            bot: self.bot.clone(),
+            turnstile_token: self.turnstile_token.clone().map(Secret::new),
+            turn_timeout: Duration::from_millis(self.turn_timeout_ms),
+            credentials,
+            delivery: DeliveryPolicy::default(),
+        })
+    }
+
+    fn credentials(&self, app_id: &str) -> Result<AppCredentials, ConfigError> {
+        let app_type = match self.app_type.as_deref().unwrap_or("") {
+            "" => AppType::MultiTenant,
+            t if t.eq_ignore_ascii_case("MultiTenant") => AppType::MultiTenant,
+            t if t.eq_ignore_ascii_case("SingleTenant") => AppType::SingleTenant,
+            other => return Err(ConfigError::AppType(other.to_owned())),
+        };
+        let password = self
+            .app_password
+            .clone()
+            .filter(|p| !p.is_empty())
+            .ok_or(ConfigError::Missing("MicrosoftAppPassword", ""))?;
+        let tenant_id = self.app_tenant_id.clone().filter(|t| !t.is_empty());
+        let tenant = match (app_type, &tenant_id) {
+            (AppType::SingleTenant, None) => {
+                return Err(ConfigError::Missing(
+                    "MicrosoftAppTenantId",
+                    " and MicrosoftAppType is SingleTenant",
+                ));
+            }
+            (AppType::SingleTenant, Some(tenant)) => tenant.clone(),
+            (AppType::MultiTenant, _) => BOT_FRAMEWORK_TENANT.to_owned(),
+        };
+        let or = |value: &Option<String>, default: String| {
+            value.clone().filter(|v| !v.is_empty()).unwrap_or(default)
+        };
+        Ok(AppCredentials {
+            app_id: app_id.to_owned(),
+            password: Secret::new(password),
+            app_type,
+            tenant_id,
+            openid_metadata_url: or(
+                &self.to_bot_from_channel_open_id_metadata_url,
+                CHANNEL_OPENID_METADATA_URL.to_owned(),
+            ),
+            token_issuer: or(
+                &self.to_bot_from_channel_token_issuer,
+                CHANNEL_TOKEN_ISSUER.to_owned(),
+            ),
+            login_url: or(
+                &self.to_channel_from_bot_login_url,
+                format!("{LOGIN_HOST}/{tenant}"),
+            ),
+            oauth_scope: or(
+                &self.to_channel_from_bot_oauth_scope,
+                CHANNEL_OAUTH_SCOPE.to_owned(),
+            ),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        gateway: GatewayArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<GatewayConfig, ConfigError> {
+        let mut argv = vec!["gateway"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv).expect("parses").gateway.config()
+    }
+
+    #[test]
+    fn no_app_id_is_development_and_an_app_id_needs_its_secret() {
+        assert!(parse(&[]).expect("dev").credentials.is_none());
+        assert!(
+            parse(&["--microsoft-app-id", ""])
+                .expect("dev")
+                .credentials
+                .is_none()
+        );
+        assert_eq!(
+            parse(&["--microsoft-app-id", "a"]).expect_err("no secret"),
+            ConfigError::Missing("MicrosoftAppPassword", "")
+        );
+        let multi = parse(&["--microsoft-app-id", "a", "--microsoft-app-password", "p"])
+            .expect("multi-tenant")
+            .credentials
+            .expect("authenticated");
+        assert_eq!(
+            multi.login_url,
+            "https://login.microsoftonline.com/botframework.com"
+        );
+        assert_eq!(multi.token_issuer, CHANNEL_TOKEN_ISSUER);
+        assert!(
+            !format!("{multi:?}").contains("\"p\""),
+            "the secret is redacted"
+        );
+    }
+
+    #[test]
+    fn single_tenant_needs_its_tenant_and_gets_its_tokens_there() {
+        let base = ["--microsoft-app-id", "a", "--microsoft-app-password", "p"];
+        let mut single = base.to_vec();
+        single.extend(["--microsoft-app-type", "SingleTenant"]);
+        assert!(matches!(
+            parse(&single),
+            Err(ConfigError::Missing("MicrosoftAppTenantId", _))
+        ));
+        single.extend(["--microsoft-app-tenant-id", "t1"]);
+        let credentials = parse(&single).expect("ok").credentials.expect("auth");
+        assert_eq!(
+            credentials.login_url,
+            "https://login.microsoftonline.com/t1"
+        );
+        let mut msi = base.to_vec();
+        msi.extend(["--microsoft-app-type", "UserAssignedMSI"]);
+        assert!(matches!(parse(&msi), Err(ConfigError::AppType(_))));
+    }
+}

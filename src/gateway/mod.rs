@@ -1,0 +1,280 @@
+//! The Bot Framework side of Turnstile: `POST /api/messages`, as Azure Bot Service, Teams, the
+//! Bot Framework Emulator and the Agents Playground call a bot.
+//!
+//! The gateway is purely a gRPC client of `TurnService` — it never reaches into the engine or the
+//! store — so that it runs as its own process and doubles as the reference for teams writing a
+//! gateway in another language. One call flows in a straight line:
+//!
+//! 1. [`auth`]: the channel's JWT is checked (nothing runs without a valid one, unless no app id
+//!    is configured: local development);
+//! 2. [`turns`]: the activity goes to `ProcessTurn` as the channel's JSON text, so nothing the
+//!    schema does not name is lost, and comes back as JSON replies;
+//! 3. delivery: `expectReplies` and `invoke` are answered in the HTTP response; other replies
+//!    are POSTed to the channel through the [`connector`], in order, and only then is the
+//!    channel answered. A gateway that dies mid-delivery therefore makes the channel redeliver,
+//!    and the turn's receipt makes that redelivery deliver the same replies without running the
+//!    bot again.
+//!
+//! `trace` replies are diagnostics for the Emulator and reach no other channel.
+
+pub mod auth;
+pub mod config;
+pub mod connector;
+pub mod turns;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use serde_json::Value;
+use tokio::net::TcpListener;
+
+pub use config::{AppCredentials, AppType, DeliveryPolicy, GatewayArgs, GatewayConfig, Secret};
+
+use crate::activity::{Activity, types};
+use auth::{AuthError, ChannelAuth};
+use connector::{Connector, DeliveryError, ReplyAddress};
+use turns::{Turns, TurnsError};
+
+/// The channel that shows `trace` activities.
+const EMULATOR_CHANNEL: &str = "emulator";
+/// `deliveryMode` asking for the replies in the HTTP response.
+const EXPECT_REPLIES: &str = "expectReplies";
+
+/// Why the gateway could not start or stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// Turnstile's address or token is unusable.
+    #[error(transparent)]
+    Turns(#[from] TurnsError),
+    /// The HTTP client for keys, tokens and delivery could not be built.
+    #[error("building the HTTP client failed")]
+    Http(#[source] reqwest::Error),
+    /// Serving HTTP failed.
+    #[error("serving HTTP failed")]
+    Serve(#[source] std::io::Error),
+}
+
+/// Everything a call needs, shared by all calls.
+#[derive(Debug)]
+struct Gateway {
+    turns: Turns,
+    auth: Option<ChannelAuth>,
+    connector: Connector,
+}
+
+/// Serves `POST /api/messages` on `listener` until `shutdown` completes, then finishes the calls
+/// in flight (their turns and deliveries) and returns.
+///
+/// # Errors
+/// [`GatewayError`] when the configuration is unusable or serving fails.
+pub async fn serve(
+    config: GatewayConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), GatewayError> {
+    let http = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(10))
+        .build()
+        .map_err(GatewayError::Http)?;
+    let auth = config
+        .credentials
+        .as_ref()
+        .map(|c| ChannelAuth::new(c, http.clone()));
+    if auth.is_none() {
+        tracing::warn!(
+            "NO MicrosoftAppId: the gateway accepts calls WITHOUT AUTHENTICATION and sends \
+             replies without a token. This is for the Emulator and the Agents Playground on \
+             your own machine only; set MicrosoftAppId and MicrosoftAppPassword before exposing \
+             it anywhere"
+        );
+    }
+    let gateway = Arc::new(Gateway {
+        turns: Turns::new(&config)?,
+        connector: Connector::new(config.credentials.as_ref(), http, config.delivery),
+        auth,
+    });
+    let app = Router::new()
+        .route("/api/messages", post(messages))
+        .with_state(gateway);
+    tracing::info!(address = ?listener.local_addr().ok(), "serving the Bot Framework endpoint");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(GatewayError::Serve)?;
+    tracing::info!("gateway stopped");
+    Ok(())
+}
+
+/// Why a call was not answered with the bot's replies.
+#[derive(Debug, thiserror::Error)]
+enum Refusal {
+    #[error("the body is not a Bot Framework activity: {0}")]
+    BadActivity(String),
+    #[error(transparent)]
+    Unauthorized(AuthError),
+    #[error("Turnstile refused the turn: {0}")]
+    Turn(tonic::Status),
+    #[error("the bot's reply is not an activity: {0}")]
+    BadReply(String),
+    #[error(transparent)]
+    Delivery(#[from] DeliveryError),
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        use tonic::Code;
+        let status = match &self {
+            Refusal::BadActivity(_) => StatusCode::BAD_REQUEST,
+            Refusal::Unauthorized(AuthError::KeysUnavailable { .. }) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            Refusal::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Refusal::Turn(s) if s.code() == Code::InvalidArgument => StatusCode::BAD_REQUEST,
+            Refusal::Turn(s) if s.code() == Code::NotFound || s.code() == Code::Internal => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+            Refusal::Turn(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Refusal::BadReply(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Refusal::Delivery(_) => StatusCode::BAD_GATEWAY,
+        };
+        if status.is_server_error() {
+            tracing::warn!(error = %self, %status, "call failed");
+        } else {
+            tracing::info!(error = %self, %status, "call refused");
+        }
+        // A refused caller learns the class of problem, not the token check's details.
+        let message = match &self {
+            Refusal::Unauthorized(_) => "unauthorized".to_owned(),
+            other => other.to_string(),
+        };
+        (status, message).into_response()
+    }
+}
+
+#[tracing::instrument(skip_all, fields(channel = tracing::field::Empty, activity_id = tracing::field::Empty))]
+async fn messages(
+    State(gateway): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    match gateway.handle(&headers, body).await {
+        Ok(response) => response,
+        Err(refusal) => refusal.into_response(),
+    }
+}
+
+impl Gateway {
+    async fn handle(&self, headers: &HeaderMap, body: Bytes) -> Result<Response, Refusal> {
+        let text =
+            std::str::from_utf8(&body).map_err(|_| Refusal::BadActivity("not UTF-8".into()))?;
+        let value: Value =
+            serde_json::from_str(text).map_err(|e| Refusal::BadActivity(e.to_string()))?;
+        let inbound =
+            Activity::from_json(value).map_err(|e| Refusal::BadActivity(e.to_string()))?;
+        let channel_id = inbound.channel_id.as_deref().unwrap_or_default();
+        let service_url = inbound.service_url.as_deref().unwrap_or_default();
+        if let Some(auth) = &self.auth {
+            let authorization = headers
+                .get(header::AUTHORIZATION)
+                .and_then(|h| h.to_str().ok());
+            auth.check(authorization, channel_id, service_url)
+                .await
+                .map_err(Refusal::Unauthorized)?;
+        }
+        let span = tracing::Span::current();
+        span.record("channel", channel_id);
+        span.record("activity_id", inbound.id.as_deref().unwrap_or_default());
+        let response = self.turns.process(text).await.map_err(Refusal::Turn)?;
+        let mut replies = Vec::with_capacity(response.activities_json.len());
+        for json in response.activities_json {
+            let value: Value =
+                serde_json::from_str(&json).map_err(|e| Refusal::BadReply(e.to_string()))?;
+            let activity =
+                Activity::from_json(value).map_err(|e| Refusal::BadReply(e.to_string()))?;
+            if activity.is_type(types::TRACE) && channel_id != EMULATOR_CHANNEL {
+                continue;
+            }
+            replies.push((activity, json));
+        }
+        if inbound.delivery_mode.as_deref() == Some(EXPECT_REPLIES) {
+            return Ok(expected_replies(&replies));
+        }
+        let invoke_response = if inbound.is_type(types::INVOKE) {
+            let at = replies
+                .iter()
+                .position(|(a, _)| a.is_type(types::INVOKE_RESPONSE));
+            Some(at.map(|i| replies.remove(i).0))
+        } else {
+            None
+        };
+        self.deliver(&inbound, &replies).await?;
+        Ok(match invoke_response {
+            Some(Some(reply)) => invoke_answer(&reply),
+            // Bot Framework's answer to an invoke the bot did not answer.
+            Some(None) => StatusCode::NOT_IMPLEMENTED.into_response(),
+            None => StatusCode::OK.into_response(),
+        })
+    }
+
+    /// POSTs `replies` in order to the channel the inbound activity came from.
+    async fn deliver(
+        &self,
+        inbound: &Activity,
+        replies: &[(Activity, String)],
+    ) -> Result<(), DeliveryError> {
+        // Replies go back where the (authenticated) inbound activity came from, never to a URL a
+        // reply names: the bot's token must not travel anywhere else.
+        let service_url = inbound.service_url.as_deref().unwrap_or_default();
+        for (reply, json) in replies {
+            let conversation_id = reply
+                .conversation_id()
+                .or_else(|| inbound.conversation_id())
+                .unwrap_or_default();
+            let to = ReplyAddress {
+                service_url,
+                conversation_id,
+                reply_to_id: reply.reply_to_id.as_deref(),
+            };
+            self.connector.send(to, json).await?;
+        }
+        Ok(())
+    }
+}
+
+/// `{"activities": [...]}`, the replies as the bot sent them, verbatim.
+fn expected_replies(replies: &[(Activity, String)]) -> Response {
+    let mut body = String::from("{\"activities\":[");
+    for (i, (_, json)) in replies.iter().enumerate() {
+        if i > 0 {
+            body.push(',');
+        }
+        body.push_str(json);
+    }
+    body.push_str("]}");
+    json_response(StatusCode::OK, body)
+}
+
+/// The invoke's HTTP answer: the `invokeResponse` activity's `value.status` and `value.body`.
+fn invoke_answer(reply: &Activity) -> Response {
+    let value = reply.value.as_ref();
+    let status = value
+        .and_then(|v| v.get("status"))
+        .and_then(Value::as_u64)
+        .and_then(|s| u16::try_from(s).ok())
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .unwrap_or(StatusCode::OK);
+    match value.and_then(|v| v.get("body")) {
+        Some(body) if !body.is_null() => json_response(status, body.to_string()),
+        _ => status.into_response(),
+    }
+}
+
+fn json_response(status: StatusCode, body: String) -> Response {
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}

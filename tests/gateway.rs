@@ -1,0 +1,709 @@
+//! `turnstile gateway` against stand-ins for everything Bot Framework runs: the test serves the
+//! OpenID metadata and signing keys, the token endpoint and the Connector on 127.0.0.1, signs
+//! channel tokens with an RSA key it generates, and calls `/api/messages` as a channel would.
+//! Turns run in a real Turnstile server over PostgreSQL, reached only through gRPC.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use axum::extract::{Form, State};
+use axum::http::{HeaderMap, StatusCode, Uri};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use jsonwebtoken::{Algorithm, EncodingKey, Header};
+use serde_json::{Value, json};
+use support::{TestServer, postgres_config};
+use tokio::sync::oneshot;
+use turnstile::activity::{Activity, types};
+use turnstile::gateway::{AppCredentials, AppType, GatewayConfig, Secret};
+use turnstile::{Bot, BotError, BotRegistry, TurnContext};
+
+const APP_ID: &str = "app-1234";
+const ISSUER: &str = "https://api.botframework.com";
+const SERVICE_URL_PATH: &str = "/connector";
+const TENANT: &str = "tenant";
+
+/// How the gateway under test authenticates.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Development,
+    MultiTenant,
+    SingleTenant,
+}
+
+/// Counts its runs; a message gets two replies and a trace, an invoke an `invokeResponse`.
+struct Echo {
+    runs: Arc<AtomicUsize>,
+}
+
+#[async_trait]
+impl Bot for Echo {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        let activity = turn.activity().clone();
+        if activity.is_type(types::INVOKE) {
+            turn.send_text("working on it");
+            turn.send(Activity {
+                activity_type: Some(types::INVOKE_RESPONSE.into()),
+                value: Some(json!({"status": 202, "body": {"accepted": activity.name}})),
+                ..Activity::default()
+            });
+            return Ok(());
+        }
+        let text = turn.text().to_owned();
+        turn.send_text(format!("first: {text}"));
+        turn.send(Activity {
+            activity_type: Some(types::TRACE.into()),
+            name: Some("diagnostics".into()),
+            ..Activity::default()
+        });
+        turn.send_text(format!("second: {text}"));
+        Ok(())
+    }
+}
+
+/// What the Connector stand-in received: (path, authorization header, body).
+type Received = Arc<Mutex<Vec<(String, Option<String>, Value)>>>;
+/// The forms the token endpoint received.
+type TokenRequests = Arc<Mutex<Vec<Vec<(String, String)>>>>;
+
+#[derive(Clone)]
+struct Channel {
+    addr: SocketAddr,
+    jwks: Value,
+    /// The single-tenant app's Entra ID keys.
+    entra_jwks: Value,
+    received: Received,
+    token_requests: TokenRequests,
+    /// How many of the next Connector POSTs answer 503.
+    fail_next: Arc<AtomicUsize>,
+}
+
+async fn openid(State(ch): State<Channel>) -> Json<Value> {
+    Json(json!({"issuer": ISSUER, "jwks_uri": format!("http://{}/keys", ch.addr)}))
+}
+
+async fn keys(State(ch): State<Channel>) -> Json<Value> {
+    Json(ch.jwks.clone())
+}
+
+async fn entra_openid(State(ch): State<Channel>) -> Json<Value> {
+    Json(
+        json!({"issuer": format!("http://{}/{TENANT}/v2.0", ch.addr),
+                "jwks_uri": format!("http://{}/entra-keys", ch.addr)}),
+    )
+}
+
+async fn entra_keys(State(ch): State<Channel>) -> Json<Value> {
+    Json(ch.entra_jwks.clone())
+}
+
+async fn token(State(ch): State<Channel>, Form(form): Form<Vec<(String, String)>>) -> Json<Value> {
+    ch.token_requests.lock().unwrap().push(form);
+    Json(json!({"token_type": "Bearer", "expires_in": 3600, "access_token": "bot-token-1"}))
+}
+
+async fn connector(
+    State(ch): State<Channel>,
+    uri: Uri,
+    headers: HeaderMap,
+    Json(body): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    if ch
+        .fail_next
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
+    {
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({})));
+    }
+    // The path as sent, percent-encoding included.
+    let path = uri.path().strip_prefix(SERVICE_URL_PATH).unwrap();
+    let auth = headers
+        .get("authorization")
+        .map(|h| h.to_str().unwrap().to_owned());
+    ch.received
+        .lock()
+        .unwrap()
+        .push((path.to_owned(), auth, body));
+    (StatusCode::OK, Json(json!({"id": "sent"})))
+}
+
+/// An RSA key made by `openssl`, as PEM and as a JWK with `kid`.
+fn rsa_key(dir: &std::path::Path, kid: &str) -> (EncodingKey, Value) {
+    let pem = dir.join(format!("{kid}.pem"));
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .output()
+            .expect("openssl is needed to make test keys (apt-get install -y openssl)");
+        assert!(out.status.success(), "openssl {args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let pem_path = pem.to_str().unwrap();
+    run(&[
+        "genpkey",
+        "-algorithm",
+        "RSA",
+        "-pkeyopt",
+        "rsa_keygen_bits:2048",
+        "-out",
+        pem_path,
+    ]);
+    let modulus = run(&["rsa", "-in", pem_path, "-noout", "-modulus"]);
+    let hex = modulus.trim().strip_prefix("Modulus=").unwrap();
+    let bytes: Vec<u8> = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+        .collect();
+    let jwk = json!({
+        "kty": "RSA", "use": "sig", "kid": kid,
+        "n": base64url(&bytes), "e": "AQAB",
+        "endorsements": ["test", "emulator", "msteams"],
+    });
+    let key = EncodingKey::from_rsa_pem(&std::fs::read(&pem).unwrap()).unwrap();
+    (key, jwk)
+}
+
+fn base64url(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..=chunk.len() {
+            out.push(char::from(ALPHABET[(n >> (18 - 6 * i) & 63) as usize]));
+        }
+    }
+    out
+}
+
+struct World {
+    gateway: SocketAddr,
+    channel: Channel,
+    runs: Arc<AtomicUsize>,
+    key: EncodingKey,
+    stranger: EncodingKey,
+    entra: EncodingKey,
+    _server: TestServer,
+    _stop: oneshot::Sender<()>,
+    _dir: tempfile::TempDir,
+}
+
+impl World {
+    /// A Turnstile server, the channel stand-ins, and a gateway: authenticated with `auth`.
+    async fn start(mode: Mode) -> World {
+        let dir = tempfile::tempdir().unwrap();
+        let (key, jwk) = rsa_key(dir.path(), "k1");
+        let (stranger, _) = rsa_key(dir.path(), "k2");
+        let (entra, mut entra_jwk) = rsa_key(dir.path(), "k3");
+        entra_jwk.as_object_mut().unwrap().remove("endorsements");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let channel = Channel {
+            addr: listener.local_addr().unwrap(),
+            jwks: json!({"keys": [jwk]}),
+            entra_jwks: json!({"keys": [entra_jwk]}),
+            received: Arc::default(),
+            token_requests: Arc::default(),
+            fail_next: Arc::default(),
+        };
+        let app = Router::new()
+            .route("/openid", get(openid))
+            .route("/keys", get(keys))
+            .route(
+                &format!("/{TENANT}/v2.0/.well-known/openid-configuration"),
+                get(entra_openid),
+            )
+            .route("/entra-keys", get(entra_keys))
+            .route("/tenant/oauth2/v2.0/token", post(token))
+            .route(
+                &format!("{SERVICE_URL_PATH}/v3/conversations/{{*rest}}"),
+                post(connector),
+            )
+            .with_state(channel.clone());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+        let url = support::pg::fresh_database().await;
+        let runs = Arc::new(AtomicUsize::new(0));
+        // Without the state cache, a redelivery's first load finds the receipt, so the bot does
+        // not run at all; with it, the bot may run once more and its result is discarded when
+        // the commit meets the receipt, which `runs` could not tell from a second turn.
+        let server = TestServer::start(
+            turnstile::Config {
+                state_cache_entries: 0,
+                ..postgres_config(&url)
+            },
+            BotRegistry::new(
+                "echo",
+                Echo {
+                    runs: Arc::clone(&runs),
+                },
+            ),
+        )
+        .await;
+        let mut config = GatewayConfig::development(format!("http://{}", server.addr));
+        config.delivery.base_delay = Duration::from_millis(20);
+        if mode != Mode::Development {
+            let base = format!("http://{}", channel.addr);
+            config.credentials = Some(AppCredentials {
+                app_id: APP_ID.into(),
+                password: Secret::new("s3cret"),
+                app_type: if mode == Mode::SingleTenant {
+                    AppType::SingleTenant
+                } else {
+                    AppType::MultiTenant
+                },
+                tenant_id: Some(TENANT.into()).filter(|_| mode == Mode::SingleTenant),
+                openid_metadata_url: format!("{base}/openid"),
+                token_issuer: ISSUER.into(),
+                login_url: format!("{base}/{TENANT}"),
+                oauth_scope: "https://api.botframework.com".into(),
+            });
+        }
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let gateway = listener.local_addr().unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(turnstile::gateway::serve(config, listener, async {
+            let _ = stopped.await;
+        }));
+        World {
+            gateway,
+            channel,
+            runs,
+            key,
+            stranger,
+            entra,
+            _server: server,
+            _stop: stop,
+            _dir: dir,
+        }
+    }
+
+    fn service_url(&self) -> String {
+        format!("http://{}{SERVICE_URL_PATH}", self.channel.addr)
+    }
+
+    fn activity(&self, id: &str, text: &str) -> Value {
+        json!({
+            "type": "message",
+            "id": id,
+            "channelId": "test",
+            "serviceUrl": self.service_url(),
+            "conversation": {"id": "19:conv@thread.skype"},
+            "from": {"id": "user-1", "name": "Ada"},
+            "recipient": {"id": APP_ID, "name": "bot"},
+            "text": text,
+        })
+    }
+
+    /// A channel token: valid unless `claims` overrides something, signed with `key`.
+    fn token(&self, key: &EncodingKey, kid: &str, claims: Value) -> String {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let mut all = json!({
+            "iss": ISSUER, "aud": APP_ID, "exp": now + 600, "nbf": now - 10,
+            "serviceurl": self.service_url(),
+        });
+        for (k, v) in claims.as_object().unwrap() {
+            all[k] = v.clone();
+        }
+        let mut header = Header::new(Algorithm::RS256);
+        header.kid = Some(kid.into());
+        jsonwebtoken::encode(&header, &all, key).unwrap()
+    }
+
+    fn valid_token(&self) -> String {
+        self.token(&self.key, "k1", json!({}))
+    }
+
+    async fn post(&self, activity: &Value, token: Option<&str>) -> (StatusCode, String) {
+        let mut request = reqwest::Client::new()
+            .post(format!("http://{}/api/messages", self.gateway))
+            .json(activity);
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        let response = request.send().await.unwrap();
+        let status = StatusCode::from_u16(response.status().as_u16()).unwrap();
+        (status, response.text().await.unwrap())
+    }
+
+    fn delivered(&self) -> Vec<(String, Option<String>, Value)> {
+        self.channel.received.lock().unwrap().clone()
+    }
+}
+
+fn texts(delivered: &[(String, Option<String>, Value)]) -> Vec<String> {
+    delivered
+        .iter()
+        .map(|(_, _, body)| body["text"].as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_valid_token_runs_the_turn_and_replies_reach_the_channel_in_order_with_a_token() {
+    let world = World::start(Mode::MultiTenant).await;
+    let (status, body) = world
+        .post(&world.activity("a1", "hi"), Some(&world.valid_token()))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(world.runs.load(Ordering::SeqCst), 1);
+    let delivered = world.delivered();
+    assert_eq!(
+        texts(&delivered),
+        ["first: hi", "second: hi"],
+        "in order, no trace"
+    );
+    for (path, auth, body) in &delivered {
+        assert_eq!(
+            path, "/v3/conversations/19%3Aconv%40thread.skype/activities/a1",
+            "a reply to a1"
+        );
+        assert_eq!(auth.as_deref(), Some("Bearer bot-token-1"));
+        assert_eq!(body["replyToId"], "a1");
+        assert_eq!(body["recipient"]["id"], "user-1");
+    }
+    let requests = world.channel.token_requests.lock().unwrap().clone();
+    assert_eq!(requests.len(), 1, "the bot's token is cached");
+    let form: std::collections::HashMap<_, _> = requests[0].iter().cloned().collect();
+    assert_eq!(form["grant_type"], "client_credentials");
+    assert_eq!(form["client_id"], APP_ID);
+    assert_eq!(form["client_secret"], "s3cret");
+    assert_eq!(form["scope"], "https://api.botframework.com/.default");
+
+    // Within the five minutes of clock skew, an expired token still passes.
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let late = world.token(&world.key, "k1", json!({"exp": now - 120}));
+    let (status, _) = world.post(&world.activity("a2", "late"), Some(&late)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(world.runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn every_bad_token_is_401_and_runs_nothing() {
+    let world = World::start(Mode::MultiTenant).await;
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let cases = [
+        ("no token", None),
+        ("garbage", Some("not.a.jwt".to_owned())),
+        (
+            "expired",
+            Some(world.token(&world.key, "k1", json!({"exp": now - 600}))),
+        ),
+        (
+            "wrong audience",
+            Some(world.token(&world.key, "k1", json!({"aud": "another-app"}))),
+        ),
+        (
+            "wrong issuer",
+            Some(world.token(&world.key, "k1", json!({"iss": "https://evil.example"}))),
+        ),
+        (
+            "unknown key",
+            Some(world.token(&world.stranger, "k2", json!({}))),
+        ),
+        (
+            "known kid, wrong key",
+            Some(world.token(&world.stranger, "k1", json!({}))),
+        ),
+        (
+            "serviceUrl mismatch",
+            Some(world.token(
+                &world.key,
+                "k1",
+                json!({"serviceurl": "https://evil.example/"}),
+            )),
+        ),
+        (
+            "no serviceurl claim",
+            Some(world.token(&world.key, "k1", json!({"serviceurl": null}))),
+        ),
+    ];
+    for (i, (case, token)) in cases.iter().enumerate() {
+        let (status, body) = world
+            .post(&world.activity(&format!("bad-{i}"), "hi"), token.as_deref())
+            .await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{case}: {body}");
+    }
+    assert_eq!(world.runs.load(Ordering::SeqCst), 0, "no turn ran");
+    assert!(world.delivered().is_empty(), "nothing was delivered");
+
+    // A channel not endorsed for the key is refused too.
+    let mut other_channel = world.activity("bad-channel", "hi");
+    other_channel["channelId"] = json!("slack");
+    let (status, _) = world.post(&other_channel, Some(&world.valid_token())).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(world.runs.load(Ordering::SeqCst), 0);
+
+    let (status, _) = world
+        .post(&world.activity("good", "hi"), Some(&world.valid_token()))
+        .await;
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "the same gateway accepts a valid token"
+    );
+}
+
+#[tokio::test]
+async fn a_503_from_the_channel_is_retried_and_a_redelivery_replays_without_running_the_bot() {
+    let world = World::start(Mode::MultiTenant).await;
+    world.channel.fail_next.store(1, Ordering::SeqCst);
+    let activity = world.activity("r1", "again");
+    let (status, _) = world.post(&activity, Some(&world.valid_token())).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        world.channel.fail_next.load(Ordering::SeqCst),
+        0,
+        "the 503 was served"
+    );
+    assert_eq!(texts(&world.delivered()), ["first: again", "second: again"]);
+
+    let (status, _) = world.post(&activity, Some(&world.valid_token())).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(world.runs.load(Ordering::SeqCst), 1, "the bot ran once");
+    let delivered = world.delivered();
+    assert_eq!(delivered.len(), 4);
+    assert_eq!(
+        delivered[2..].iter().map(|d| &d.2).collect::<Vec<_>>(),
+        delivered[..2].iter().map(|d| &d.2).collect::<Vec<_>>(),
+        "the redelivery delivered the same replies"
+    );
+}
+
+#[tokio::test]
+async fn a_channel_that_keeps_failing_gets_an_error_so_it_redelivers() {
+    let world = World::start(Mode::MultiTenant).await;
+    world.channel.fail_next.store(100, Ordering::SeqCst);
+    let (status, _) = world
+        .post(&world.activity("f1", "lost"), Some(&world.valid_token()))
+        .await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    world.channel.fail_next.store(0, Ordering::SeqCst);
+    let (status, _) = world
+        .post(&world.activity("f1", "lost"), Some(&world.valid_token()))
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(texts(&world.delivered()), ["first: lost", "second: lost"]);
+    assert_eq!(world.runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn expect_replies_answers_in_the_body_and_invoke_with_the_invoke_response() {
+    let world = World::start(Mode::MultiTenant).await;
+    let mut activity = world.activity("e1", "inline");
+    activity["deliveryMode"] = json!("expectReplies");
+    let (status, body) = world.post(&activity, Some(&world.valid_token())).await;
+    assert_eq!(status, StatusCode::OK);
+    let body: Value = serde_json::from_str(&body).unwrap();
+    let replies = body["activities"].as_array().unwrap();
+    let texts: Vec<_> = replies
+        .iter()
+        .map(|r| r["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts, ["first: inline", "second: inline"]);
+    assert!(
+        world.delivered().is_empty(),
+        "nothing went through the Connector"
+    );
+
+    let mut invoke = world.activity("i1", "");
+    invoke["type"] = json!("invoke");
+    invoke["name"] = json!("adaptiveCard/action");
+    let (status, body) = world.post(&invoke, Some(&world.valid_token())).await;
+    assert_eq!(status.as_u16(), 202, "{body}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap(),
+        json!({"accepted": "adaptiveCard/action"})
+    );
+    assert_eq!(
+        texts_of(&world),
+        ["working on it"],
+        "other replies were delivered"
+    );
+}
+
+fn texts_of(world: &World) -> Vec<String> {
+    texts(&world.delivered())
+}
+
+#[tokio::test]
+async fn development_mode_needs_no_token_and_the_emulator_gets_traces() {
+    let world = World::start(Mode::Development).await;
+    let mut activity = world.activity("d1", "dev");
+    activity["channelId"] = json!("emulator");
+    let (status, _) = world.post(&activity, None).await;
+    assert_eq!(status, StatusCode::OK);
+    let delivered = world.delivered();
+    let kinds: Vec<_> = delivered.iter().map(|d| d.2["type"].clone()).collect();
+    assert_eq!(
+        kinds,
+        ["message", "trace", "message"],
+        "the emulator sees traces"
+    );
+    assert!(
+        delivered.iter().all(|d| d.1.is_none()),
+        "no token in development"
+    );
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `turnstile …` with a clean environment apart from `env`.
+fn spawn_turnstile(args: &[&str], env: &[(&str, String)]) -> std::process::Child {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_turnstile"));
+    command
+        .args(args)
+        .env_clear()
+        .env("RUST_LOG", "info")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    command.spawn().unwrap()
+}
+
+/// SIGTERM, then the exit status and the log.
+fn terminate(mut child: std::process::Child) -> (std::process::ExitStatus, String) {
+    use std::io::Read as _;
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let mut log = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    (child.wait().unwrap(), log)
+}
+
+#[tokio::test]
+async fn the_binary_orders_a_pizza_through_the_gateway_in_development_mode() {
+    let grpc = free_port();
+    let http = free_port();
+    let server = spawn_turnstile(
+        &["serve"],
+        &[("TURNSTILE_LISTEN", format!("127.0.0.1:{grpc}"))],
+    );
+    let gateway = spawn_turnstile(
+        &["gateway"],
+        &[
+            ("TURNSTILE_GATEWAY_LISTEN", format!("127.0.0.1:{http}")),
+            ("TURNSTILE_URL", format!("http://127.0.0.1:{grpc}")),
+        ],
+    );
+    let activity = json!({
+        "type": "message", "id": "p1", "channelId": "emulator",
+        "serviceUrl": "http://127.0.0.1:9/unused", "deliveryMode": "expectReplies",
+        "conversation": {"id": "pizza-1"}, "from": {"id": "ada"}, "recipient": {"id": "bot"},
+        "text": "add ham",
+    });
+    let client = reqwest::Client::new();
+    let mut answer = None;
+    // Both processes start in parallel; the gateway answers 503 until the server listens.
+    for _ in 0..200 {
+        if let Ok(response) = client
+            .post(format!("http://127.0.0.1:{http}/api/messages"))
+            .json(&activity)
+            .send()
+            .await
+            && response.status().is_success()
+        {
+            answer = Some(response.json::<Value>().await.unwrap());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let answer = answer.expect("the gateway answered");
+    assert_eq!(
+        answer["activities"][0]["text"],
+        "Added ham. Your pizza has: ham."
+    );
+    let (status, log) = terminate(gateway);
+    assert!(status.success(), "the gateway stopped cleanly: {log}");
+    assert!(
+        log.contains("WITHOUT AUTHENTICATION"),
+        "the loud warning: {log}"
+    );
+    let (status, _) = terminate(server);
+    assert!(status.success());
+}
+
+#[tokio::test]
+async fn a_single_tenant_app_also_accepts_its_tenants_entra_id_tokens() {
+    let world = World::start(Mode::SingleTenant).await;
+    let entra_v1 = world.token(
+        &world.entra,
+        "k3",
+        json!({"iss": format!("https://sts.windows.net/{TENANT}/")}),
+    );
+    let (status, body) = world
+        .post(&world.activity("s1", "entra"), Some(&entra_v1))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, _) = world
+        .post(&world.activity("s2", "channel"), Some(&world.valid_token()))
+        .await;
+    assert_eq!(status, StatusCode::OK, "channel tokens still work");
+    assert_eq!(world.runs.load(Ordering::SeqCst), 2);
+
+    // An Entra ID key does not vouch for the channel's issuer, nor a channel key for Entra's.
+    let crossed = world.token(&world.entra, "k3", json!({}));
+    let (status, _) = world.post(&world.activity("s3", "x"), Some(&crossed)).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let crossed = world.token(
+        &world.key,
+        "k1",
+        json!({"iss": format!("https://sts.windows.net/{TENANT}/")}),
+    );
+    let (status, _) = world.post(&world.activity("s4", "x"), Some(&crossed)).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(world.runs.load(Ordering::SeqCst), 2);
+    let requests = world.channel.token_requests.lock().unwrap().clone();
+    assert!(
+        !requests.is_empty(),
+        "replies were sent with the tenant's token"
+    );
+}
+
+#[tokio::test]
+async fn a_multi_tenant_app_refuses_entra_id_tokens() {
+    let world = World::start(Mode::MultiTenant).await;
+    let entra_v1 = world.token(
+        &world.entra,
+        "k3",
+        json!({"iss": format!("https://sts.windows.net/{TENANT}/")}),
+    );
+    let (status, _) = world
+        .post(&world.activity("m1", "entra"), Some(&entra_v1))
+        .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(world.runs.load(Ordering::SeqCst), 0);
+}
