@@ -268,6 +268,9 @@ pub async fn serve(
             Err(_) => {
                 tracing::warn!("a scraper kept the metrics endpoint open; closing it");
                 metrics.abort();
+                // Until the aborted task is dropped its listener stays open: wait for that, so
+                // that the port is closed once `serve` returns.
+                let _ = metrics.await;
             }
         }
     }

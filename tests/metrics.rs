@@ -238,8 +238,16 @@ async fn rpc_durations_count_served_and_refused_calls_by_status() {
         .expect("the server stopped")
         .unwrap()
         .unwrap();
+    let mut closed = false;
+    for _ in 0..20 {
+        if tokio::net::TcpStream::connect(metrics).await.is_err() {
+            closed = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
     assert!(
-        tokio::net::TcpStream::connect(metrics).await.is_err(),
+        closed,
         "the metrics port still accepts after the server stopped"
     );
 }
