@@ -7,69 +7,11 @@ mod support;
 use async_trait::async_trait;
 use prost::Message as _;
 use prost_types::value::Kind;
+use support::raw::send_raw;
 use support::{TestServer, message, postgres_config, request, say, texts};
 use tonic::Code;
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
-use tonic::codegen::http::uri::PathAndQuery;
 use turnstile::grpc::pb;
 use turnstile::{Bot, BotError, BotRegistry, TurnContext};
-
-/// Sends raw bytes as a ProcessTurn request body, as a broken or hostile gateway might.
-#[derive(Default)]
-struct RawCodec;
-
-struct RawEncoder;
-struct ResponseDecoder;
-
-impl Codec for RawCodec {
-    type Encode = Vec<u8>;
-    type Decode = pb::ProcessTurnResponse;
-    type Encoder = RawEncoder;
-    type Decoder = ResponseDecoder;
-    fn encoder(&mut self) -> RawEncoder {
-        RawEncoder
-    }
-    fn decoder(&mut self) -> ResponseDecoder {
-        ResponseDecoder
-    }
-}
-
-impl Encoder for RawEncoder {
-    type Item = Vec<u8>;
-    type Error = tonic::Status;
-    fn encode(&mut self, item: Vec<u8>, dst: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
-        use bytes::BufMut as _;
-        dst.put_slice(&item);
-        Ok(())
-    }
-}
-
-impl Decoder for ResponseDecoder {
-    type Item = pb::ProcessTurnResponse;
-    type Error = tonic::Status;
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Self::Item>, tonic::Status> {
-        pb::ProcessTurnResponse::decode(src)
-            .map(Some)
-            .map_err(|e| tonic::Status::internal(e.to_string()))
-    }
-}
-
-async fn send_raw(server: &TestServer, body: Vec<u8>) -> tonic::Status {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready().await.unwrap();
-    grpc.unary(
-        tonic::Request::new(body),
-        PathAndQuery::from_static("/turnstile.v1.TurnService/ProcessTurn"),
-        RawCodec,
-    )
-    .await
-    .expect_err("not a valid request")
-}
 
 fn nested_list(levels: usize) -> prost_types::Value {
     let mut v = prost_types::Value {
@@ -105,14 +47,14 @@ async fn broken_and_oversized_input_is_refused_by_name_and_changes_nothing() {
     let add = || message("c1", "alice", "add pineapple");
 
     // Bytes that are no protobuf at all, and a truncated valid request.
-    let status = send_raw(&server, vec![0xff, 0xff, 0xff, 0xff, 0x0f, 0x01]).await;
+    let status = send_raw(server.addr, vec![0xff, 0xff, 0xff, 0xff, 0x0f, 0x01], None).await;
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     assert!(
         status.message().contains("not a valid ProcessTurnRequest"),
         "{status:?}"
     );
     let whole = request(add()).encode_to_vec();
-    let status = send_raw(&server, whole[..whole.len() / 2].to_vec()).await;
+    let status = send_raw(server.addr, whole[..whole.len() / 2].to_vec(), None).await;
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
 
     // Oversized fields, each named.
@@ -170,7 +112,7 @@ async fn broken_and_oversized_input_is_refused_by_name_and_changes_nothing() {
         channel_data: Some(nested_list(200)),
         ..add()
     });
-    let status = send_raw(&server, deeper.encode_to_vec()).await;
+    let status = send_raw(server.addr, deeper.encode_to_vec(), None).await;
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     assert!(status.message().contains("recursion limit"), "{status:?}");
 

@@ -8,7 +8,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use support::{say, texts};
+use support::{health_check, say, texts};
 use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
 
 fn free_port() -> u16 {
@@ -185,17 +185,6 @@ async fn the_load_generator_drives_the_counter_bot_and_verifies_it() {
         .await
         .unwrap();
     assert!(status.success(), "{log}");
-}
-
-/// `turnstile health-check` with these arguments: whether it exited 0, and what it printed.
-fn health_check(args: &[&str]) -> (bool, String) {
-    let out = turnstile().arg("health-check").args(args).output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
 }
 
 #[tokio::test]

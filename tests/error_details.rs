@@ -6,10 +6,9 @@
 
 mod support;
 
+use support::raw::send_raw;
 use support::{TestServer, message, request};
 use tonic::Code;
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
-use tonic::codegen::http::uri::PathAndQuery;
 use tonic_types::StatusExt as _;
 use turnstile::config::Config;
 use turnstile::grpc::auth::Token;
@@ -111,72 +110,17 @@ async fn every_refusal_carries_details_a_client_can_decode() {
     assert!(status.message().contains("too large"), "{status:?}");
 
     // Bytes that are no protobuf.
-    let status = send_raw(&server, vec![0xff, 0xff, 0xff, 0xff, 0x0f, 0x01]).await;
+    let status = send_raw(
+        server.addr,
+        vec![0xff, 0xff, 0xff, 0xff, 0x0f, 0x01],
+        Some("t0ken"),
+    )
+    .await;
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     assert_eq!(reason(&status), "MALFORMED_REQUEST");
 
     // The connection survived all of it.
     client.process_turn(with_token(ok)).await.unwrap();
-}
-
-/// Sends raw bytes as a ProcessTurn request body.
-async fn send_raw(server: &TestServer, body: Vec<u8>) -> tonic::Status {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready().await.unwrap();
-    let mut request = tonic::Request::new(body);
-    request
-        .metadata_mut()
-        .insert("authorization", "Bearer t0ken".parse().unwrap());
-    grpc.unary(
-        request,
-        PathAndQuery::from_static("/turnstile.v1.TurnService/ProcessTurn"),
-        RawCodec,
-    )
-    .await
-    .expect_err("not a valid request")
-}
-
-/// Sends raw bytes, decodes nothing (every call here fails).
-#[derive(Default)]
-struct RawCodec;
-
-struct RawEncoder;
-struct NoDecoder;
-
-impl Codec for RawCodec {
-    type Encode = Vec<u8>;
-    type Decode = ();
-    type Encoder = RawEncoder;
-    type Decoder = NoDecoder;
-    fn encoder(&mut self) -> RawEncoder {
-        RawEncoder
-    }
-    fn decoder(&mut self) -> NoDecoder {
-        NoDecoder
-    }
-}
-
-impl Encoder for RawEncoder {
-    type Item = Vec<u8>;
-    type Error = tonic::Status;
-    fn encode(&mut self, item: Vec<u8>, dst: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
-        use bytes::BufMut as _;
-        dst.put_slice(&item);
-        Ok(())
-    }
-}
-
-impl Decoder for NoDecoder {
-    type Item = ();
-    type Error = tonic::Status;
-    fn decode(&mut self, _: &mut DecodeBuf<'_>) -> Result<Option<()>, tonic::Status> {
-        Ok(Some(()))
-    }
 }
 
 /// grpcio and grpcio-status, the reference Python client and its status-details helper.

@@ -163,24 +163,11 @@ async fn a_missing_key_file_stops_the_start() {
     );
 }
 
-/// `turnstile health-check` with these arguments; its exit status and output.
+/// `turnstile health-check` with these arguments, off the runtime's threads.
 async fn health_check(args: Vec<String>) -> (bool, String) {
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_turnstile"))
-            .arg("health-check")
-            .args(args)
-            .env_clear()
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
+    tokio::task::spawn_blocking(move || support::health_check(&args))
+        .await
+        .unwrap()
 }
 
 #[tokio::test]

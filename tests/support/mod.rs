@@ -7,6 +7,7 @@ pub mod fleet;
 pub mod load;
 pub mod pg;
 pub mod proxy;
+pub mod raw;
 
 use std::net::SocketAddr;
 
@@ -162,4 +163,21 @@ pub fn toppings(reply: &str) -> Vec<String> {
             .collect(),
         None => Vec::new(),
     }
+}
+
+/// Runs `turnstile health-check` with `args` in a clean environment: whether it exited 0, and
+/// what it printed (stdout, then stderr).
+pub fn health_check<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .arg("health-check")
+        .args(args)
+        .env_clear()
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
 }
