@@ -8,10 +8,12 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+use tonic::transport::Endpoint;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
+
+use crate::grpc::client::{self, ClientError, ClientTls};
 
 /// What to ask and how to reach it.
 #[derive(Debug, Clone)]
@@ -94,38 +96,22 @@ impl Probe {
     }
 
     fn endpoint(&self) -> Result<Endpoint, ProbeError> {
-        let mut endpoint = Channel::from_shared(self.address.clone())
-            .map_err(|e| ProbeError::Config(format!("the address is not a valid URI: {e}")))?
-            .connect_timeout(self.timeout)
-            .timeout(self.timeout);
-        if self.address.starts_with("https://") {
-            let Some(ca) = &self.ca_cert else {
-                return Err(ProbeError::Config(
-                    "an https address needs --ca-cert, the CA the server's certificate chains to"
-                        .into(),
-                ));
-            };
-            let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read(ca)?));
-            if let Some(domain) = &self.tls_domain {
-                tls = tls.domain_name(domain.clone());
-            }
-            if let Some((cert, key)) = &self.client_identity {
-                tls = tls.identity(Identity::from_pem(read(cert)?, read(key)?));
-            }
-            endpoint = endpoint
-                .tls_config(tls)
-                .map_err(|source| ProbeError::Connect {
-                    address: self.address.clone(),
-                    source,
-                })?;
+        if self.address.starts_with("https://") && self.ca_cert.is_none() {
+            return Err(ProbeError::Config(
+                "an https address needs --ca-cert, the CA the server's certificate chains to"
+                    .into(),
+            ));
         }
-        Ok(endpoint)
+        let tls = ClientTls {
+            ca_cert: self.ca_cert.clone(),
+            domain: self.tls_domain.clone(),
+            identity: self.client_identity.clone(),
+        };
+        let endpoint = client::endpoint(&self.address, &tls).map_err(|e| match e {
+            ClientError::File { path, source } => ProbeError::File { path, source },
+            ClientError::Tls { address, source } => ProbeError::Connect { address, source },
+            other => ProbeError::Config(other.to_string()),
+        })?;
+        Ok(endpoint.connect_timeout(self.timeout).timeout(self.timeout))
     }
-}
-
-fn read(path: &PathBuf) -> Result<Vec<u8>, ProbeError> {
-    std::fs::read(path).map_err(|source| ProbeError::File {
-        path: path.clone(),
-        source,
-    })
 }

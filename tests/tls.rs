@@ -10,6 +10,8 @@ use std::path::PathBuf;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use turnstile::config::{Config, TlsFiles};
+use turnstile::gateway::GatewayConfig;
+use turnstile::grpc::client::ClientTls;
 use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
 
 /// A certificate and its key, in PEM.
@@ -206,4 +208,63 @@ async fn the_health_check_command_speaks_mutual_tls() {
     let (ok, out) = health_check(base[..4].to_vec()).await;
     assert!(!ok);
     assert!(out.contains("--ca-cert"), "says what is missing: {out}");
+}
+
+/// What the gateway answers for one `expectReplies` message, in development mode, in front of
+/// the mutual-TLS server at `addr` with `tls`.
+async fn through_gateway(addr: SocketAddr, tls: ClientTls) -> (u16, serde_json::Value) {
+    let mut config = GatewayConfig::development(format!("https://localhost:{}", addr.port()));
+    config.turnstile_tls = tls;
+    config.turn_timeout = std::time::Duration::from_secs(5);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gateway = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(turnstile::gateway::serve(config, listener, async {
+        let _ = stopped.await;
+    }));
+    let activity = serde_json::json!({
+        "type": "message", "id": "tls-1", "channelId": "directline",
+        "serviceUrl": "http://127.0.0.1:9", "deliveryMode": "expectReplies",
+        "conversation": {"id": "tls-gateway"}, "from": {"id": "alice"},
+        "recipient": {"id": "bot"}, "text": "hi"
+    });
+    let response = reqwest::Client::new()
+        .post(format!("http://{gateway}/api/messages"))
+        .json(&activity)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    let body = response.json().await.unwrap_or(serde_json::Value::Null);
+    let _ = stop.send(());
+    served.await.unwrap().unwrap();
+    (status, body)
+}
+
+#[tokio::test]
+async fn the_gateway_reaches_a_mutual_tls_server_with_its_ca_and_client_certificate() {
+    let pki = Pki::new();
+    let server = start(&pki, true).await;
+    std::fs::write(pki.path("client.pem"), &pki.client.cert).unwrap();
+    std::fs::write(pki.path("client.key"), &pki.client.key).unwrap();
+    let tls = ClientTls {
+        ca_cert: Some(pki.path("ca.pem")),
+        domain: None,
+        identity: Some((pki.path("client.pem"), pki.path("client.key"))),
+    };
+
+    let (status, body) = through_gateway(server.addr, tls.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let replies = body["activities"].as_array().expect("expectReplies body");
+    assert!(!replies.is_empty(), "the bot answered: {body}");
+
+    let without_identity = ClientTls {
+        identity: None,
+        ..tls
+    };
+    let (status, body) = through_gateway(server.addr, without_identity).await;
+    assert!(
+        status >= 500,
+        "a gateway without a client certificate got a turn through: {status} {body}"
+    );
 }

@@ -7,9 +7,12 @@
 
 use std::fmt;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
+
+use crate::grpc::client::ClientTls;
 
 /// Bot Framework's public cloud: where channel tokens' signing keys are published.
 pub const CHANNEL_OPENID_METADATA_URL: &str =
@@ -42,6 +45,20 @@ pub struct GatewayArgs {
     /// Bearer token for `TurnService`, when the server requires one.
     #[arg(long, env = "TURNSTILE_AUTH_TOKEN", hide_env_values = true)]
     pub turnstile_token: Option<String>,
+    /// PEM CA the server's certificate chains to, for an `https://` URL; without it the public
+    /// (Mozilla) roots are trusted.
+    #[arg(long, env = "TURNSTILE_CA_CERT")]
+    pub turnstile_ca_cert: Option<PathBuf>,
+    /// The name the server's certificate carries, when it is not the URL's host.
+    #[arg(long, env = "TURNSTILE_TLS_DOMAIN")]
+    pub turnstile_tls_domain: Option<String>,
+    /// PEM client certificate for a server that requires mutual TLS (with
+    /// `--turnstile-client-key`).
+    #[arg(long, env = "TURNSTILE_CLIENT_CERT", requires = "turnstile_client_key")]
+    pub turnstile_client_cert: Option<PathBuf>,
+    /// The client certificate's PEM key.
+    #[arg(long, env = "TURNSTILE_CLIENT_KEY", requires = "turnstile_client_cert")]
+    pub turnstile_client_key: Option<PathBuf>,
     /// Milliseconds a turn may take, retries included; channels give up after 15 s, and the
     /// replies must still be delivered within them.
     #[arg(
@@ -177,6 +194,8 @@ pub struct GatewayConfig {
     pub bot: String,
     /// Bearer token for `TurnService`, when the server requires one.
     pub turnstile_token: Option<Secret>,
+    /// TLS towards the server, for an `https://` URL.
+    pub turnstile_tls: ClientTls,
     /// How long a turn may take, retries included.
     pub turn_timeout: Duration,
     /// The bot's credentials; `None` runs unauthenticated (local development).
@@ -192,6 +211,7 @@ impl GatewayConfig {
             turnstile_url: turnstile_url.into(),
             bot: String::new(),
             turnstile_token: None,
+            turnstile_tls: ClientTls::default(),
             turn_timeout: Duration::from_secs(8),
             credentials: None,
             delivery: DeliveryPolicy::default(),
@@ -213,6 +233,14 @@ impl GatewayArgs {
             turnstile_url: self.turnstile_url.clone(),
             bot: self.bot.clone(),
             turnstile_token: self.turnstile_token.clone().map(Secret::new),
+            turnstile_tls: ClientTls {
+                ca_cert: self.turnstile_ca_cert.clone(),
+                domain: self.turnstile_tls_domain.clone(),
+                identity: self
+                    .turnstile_client_cert
+                    .clone()
+                    .zip(self.turnstile_client_key.clone()),
+            },
             turn_timeout: Duration::from_millis(self.turn_timeout_ms),
             credentials,
             delivery: DeliveryPolicy::default(),

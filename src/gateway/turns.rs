@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tonic::metadata::{Ascii, MetadataValue};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
 
 use super::config::{GatewayConfig, Secret};
+use crate::grpc::client::{self, ClientError};
 use crate::grpc::pb;
 use crate::grpc::pb::turn_service_client::TurnServiceClient;
 
@@ -40,9 +41,9 @@ impl std::fmt::Debug for Turns {
 /// Why the gateway cannot talk to Turnstile at all.
 #[derive(Debug, thiserror::Error)]
 pub enum TurnsError {
-    /// The server URL is not a URL.
-    #[error("the Turnstile URL `{0}` is not valid")]
-    Url(String, #[source] tonic::transport::Error),
+    /// The server URL or its TLS settings are unusable.
+    #[error("the Turnstile URL or its TLS settings are unusable")]
+    Endpoint(#[from] ClientError),
     /// The bearer token cannot be sent as a header.
     #[error("the Turnstile auth token holds characters a header cannot carry")]
     Token,
@@ -54,9 +55,8 @@ impl Turns {
     /// # Errors
     /// [`TurnsError`] when the URL or the token is unusable.
     pub fn new(config: &GatewayConfig) -> Result<Self, TurnsError> {
-        let endpoint = Endpoint::from_shared(config.turnstile_url.clone())
-            .map_err(|e| TurnsError::Url(config.turnstile_url.clone(), e))?
-            .tcp_nodelay(true);
+        let endpoint =
+            client::endpoint(&config.turnstile_url, &config.turnstile_tls)?.tcp_nodelay(true);
         let authorization = match &config.turnstile_token {
             Some(token) => Some(bearer(token).ok_or(TurnsError::Token)?),
             None => None,

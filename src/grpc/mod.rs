@@ -12,6 +12,7 @@ pub mod pb {
 }
 
 pub mod auth;
+pub mod client;
 pub mod codec;
 pub mod connection_age;
 pub mod convert;

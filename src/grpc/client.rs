@@ -1,0 +1,139 @@
+//! How Turnstile's own clients of a `TurnService` — the gateway and `turnstile health-check` —
+//! turn an address and TLS settings into a channel endpoint, in one place.
+//!
+//! A deployment that serves gRPC over TLS (and perhaps requires client certificates) must be
+//! reachable by its own gateway and probe with the same files the chart mounts, so both read
+//! them the same way: `http://` is plaintext HTTP/2, `https://` is TLS verified against the given
+//! CA (or, without one, the Mozilla roots, for a server behind a public certificate), with an
+//! optional name to verify instead of the address's host and an optional client identity.
+
+use std::path::{Path, PathBuf};
+
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+
+/// TLS settings of a client; unused for `http://` addresses.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClientTls {
+    /// PEM CA certificate(s) the server's certificate must chain to; `None` trusts the Mozilla
+    /// roots.
+    pub ca_cert: Option<PathBuf>,
+    /// The name the server's certificate must carry, when it is not the address's host.
+    pub domain: Option<String>,
+    /// A PEM client certificate and its key, for a server that requires mutual TLS.
+    pub identity: Option<(PathBuf, PathBuf)>,
+}
+
+/// Why no endpoint could be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The address is no valid URI.
+    #[error("the address `{address}` is not a valid URI")]
+    Address {
+        /// The address given.
+        address: String,
+        /// Why.
+        #[source]
+        source: tonic::codegen::http::uri::InvalidUri,
+    },
+    /// A certificate or key file could not be read.
+    #[error("reading {path} failed")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// TLS settings were given for a plaintext address, which would silently not use them.
+    #[error("TLS settings were given but `{0}` is a plaintext http:// address; use https://")]
+    TlsOnPlaintext(String),
+    /// The TLS configuration was refused.
+    #[error("configuring TLS for {address} failed")]
+    Tls {
+        /// The address.
+        address: String,
+        /// Why.
+        #[source]
+        source: tonic::transport::Error,
+    },
+}
+
+impl ClientTls {
+    /// Whether any TLS setting was given.
+    pub fn is_set(&self) -> bool {
+        self.ca_cert.is_some() || self.domain.is_some() || self.identity.is_some()
+    }
+}
+
+/// A lazy-connecting endpoint for `address` with `tls` applied to `https://` addresses.
+///
+/// # Errors
+/// [`ClientError`] when the address is invalid, a file cannot be read, or TLS settings were given
+/// for a plaintext address.
+pub fn endpoint(address: &str, tls: &ClientTls) -> Result<Endpoint, ClientError> {
+    let endpoint =
+        Channel::from_shared(address.to_owned()).map_err(|source| ClientError::Address {
+            address: address.to_owned(),
+            source,
+        })?;
+    if !address.starts_with("https://") {
+        if tls.is_set() {
+            return Err(ClientError::TlsOnPlaintext(address.to_owned()));
+        }
+        return Ok(endpoint);
+    }
+    let mut config = match &tls.ca_cert {
+        Some(ca) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read(ca)?)),
+        None => ClientTlsConfig::new().with_webpki_roots(),
+    };
+    if let Some(domain) = &tls.domain {
+        config = config.domain_name(domain.clone());
+    }
+    if let Some((cert, key)) = &tls.identity {
+        config = config.identity(Identity::from_pem(read(cert)?, read(key)?));
+    }
+    endpoint
+        .tls_config(config)
+        .map_err(|source| ClientError::Tls {
+            address: address.to_owned(),
+            source,
+        })
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, ClientError> {
+    std::fs::read(path).map_err(|source| ClientError::File {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tls_settings_on_a_plaintext_address_are_refused_not_ignored() {
+        let tls = ClientTls {
+            ca_cert: Some("ca.pem".into()),
+            ..ClientTls::default()
+        };
+        let err = endpoint("http://127.0.0.1:50051", &tls).unwrap_err();
+        assert!(matches!(err, ClientError::TlsOnPlaintext(_)), "{err}");
+        assert!(endpoint("http://127.0.0.1:50051", &ClientTls::default()).is_ok());
+    }
+
+    #[test]
+    fn an_unreadable_ca_is_named() {
+        let tls = ClientTls {
+            ca_cert: Some("/nonexistent/ca.pem".into()),
+            ..ClientTls::default()
+        };
+        let err = endpoint("https://turnstile.example:443", &tls).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/ca.pem"), "{err}");
+    }
+
+    #[test]
+    fn https_without_a_ca_uses_the_public_roots() {
+        assert!(endpoint("https://turnstile.example:443", &ClientTls::default()).is_ok());
+    }
+}
