@@ -108,6 +108,7 @@ fn read(path: &Path) -> Result<Vec<u8>, ClientError> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
