@@ -237,6 +237,14 @@ fn one<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
     }
 }
 
+/// The one document of `kind` called `name`.
+fn named<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    of_kind(docs, kind)
+        .into_iter()
+        .find(|doc| doc["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} named {name}"))
+}
+
 /// Validates every rendered document against the Kubernetes schemas, strictly (unknown fields
 /// fail). kubernetes-validate has no schema for CRDs and only warns about them, so the one kind
 /// allowed to go unchecked is the Prometheus Operator's ServiceMonitor (checked by its fields in
@@ -482,7 +490,7 @@ fn ci_values_render_every_optional_object() {
     let docs = documents(&rendered);
     assert_valid(&rendered, &docs);
 
-    let deployment = one(&docs, "Deployment");
+    let deployment = named(&docs, "Deployment", "turnstile");
     assert!(
         deployment["spec"]["replicas"].is_null(),
         "the HPA owns the replica count"
@@ -612,7 +620,7 @@ fn ci_values_render_every_optional_object() {
     assert_eq!(headless["metadata"]["name"], "turnstile-headless");
     let main = services
         .iter()
-        .find(|service| service["spec"]["clusterIP"].is_null())
+        .find(|service| service["metadata"]["name"] == "turnstile")
         .expect("the ClusterIP Service");
     assert!(
         main["spec"]["ports"]
@@ -734,6 +742,7 @@ fn values_schema_rejects_mistakes() {
         ("replicaCuont=2", "replicaCuont"),
         ("database.tls.sslMode=verify", "/database/tls/sslMode"),
         ("config.maxInFlight=-5", "/config/maxInFlight"),
+        ("gateway.turnTimeoutMs=20000", "/gateway/turnTimeoutMs"),
     ] {
         let output = helm(&[
             "template",
@@ -755,4 +764,129 @@ fn values_schema_rejects_mistakes() {
             "--set {set} failed for another reason:\n{stderr}"
         );
     }
+}
+
+#[test]
+fn the_gateway_renders_with_its_credentials_tls_towards_the_server_and_an_ingress() {
+    let docs = documents(&template(&["-f", CI_VALUES]));
+    let gateway = named(&docs, "Deployment", "turnstile-gateway");
+    assert_eq!(gateway["spec"]["replicas"], 3);
+    let pod = &gateway["spec"]["template"]["spec"];
+    let container = &pod["containers"][0];
+    assert_eq!(container["args"][0], "gateway");
+    assert_eq!(
+        container["envFrom"][0]["secretRef"]["name"], "turnstile-ci-bot",
+        "MicrosoftAppId and friends under their own names"
+    );
+    assert_eq!(
+        env_value(container, "TURNSTILE_URL"),
+        "https://turnstile.default.svc:443",
+        "the server's Service, over TLS as the server speaks it"
+    );
+    assert_eq!(env_value(container, "TURNSTILE_BOT"), "pizza");
+    assert_eq!(env_value(container, "TURNSTILE_GATEWAY_TURN_TIMEOUT_MS"), "9000");
+    assert_eq!(
+        env_value(container, "TURNSTILE_TLS_DOMAIN"),
+        "turnstile.example.internal"
+    );
+    assert_eq!(
+        env(container, "TURNSTILE_AUTH_TOKEN")["valueFrom"]["secretKeyRef"]["name"],
+        "turnstile-ci-gateway-token"
+    );
+    assert_eq!(
+        env_value(container, "TURNSTILE_CLIENT_CERT"),
+        "/etc/turnstile/client/tls.crt"
+    );
+    assert_eq!(
+        env_value(container, "ToChannelFromBotOAuthScope"),
+        "https://api.botframework.us"
+    );
+    let volumes = pod["volumes"].as_array().unwrap();
+    let server_ca = volumes.iter().find(|v| v["name"] == "server-ca").unwrap();
+    assert_eq!(
+        server_ca["secret"]["items"],
+        serde_json::json!([{"key": "ca.crt", "path": "ca.crt"}]),
+        "the gateway gets the server's CA, never its key"
+    );
+    assert!(
+        volumes
+            .iter()
+            .any(|v| v["secret"]["secretName"] == "turnstile-ci-gateway-client")
+    );
+
+    let service = named(&docs, "Service", "turnstile-gateway");
+    assert_eq!(service["spec"]["ports"][0]["port"], 8080);
+    assert_eq!(
+        service["spec"]["selector"]["app.kubernetes.io/component"],
+        "gateway"
+    );
+    let servers = of_kind(&docs, "Service")
+        .into_iter()
+        .filter(|s| s["spec"]["selector"]["app.kubernetes.io/component"] == "server")
+        .count();
+    assert!(servers >= 1, "the server Services still select the server only");
+
+    let ingress = one(&docs, "Ingress");
+    assert_eq!(ingress["spec"]["ingressClassName"], "nginx");
+    let rule = &ingress["spec"]["rules"][0];
+    assert_eq!(rule["host"], "bot.example.com");
+    assert_eq!(rule["http"]["paths"][0]["path"], "/api/messages");
+    assert_eq!(
+        rule["http"]["paths"][0]["backend"]["service"]["name"],
+        "turnstile-gateway"
+    );
+    assert_eq!(ingress["spec"]["tls"][0]["secretName"], "bot-example-com-tls");
+
+    let policy = one(&docs, "NetworkPolicy");
+    let from = policy["spec"]["ingress"][0]["from"].as_array().unwrap();
+    assert!(
+        from.iter().any(|peer| {
+            peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+        }),
+        "the server's NetworkPolicy lets the gateway in: {from:?}"
+    );
+}
+
+#[test]
+fn the_gateway_is_off_by_default_and_refuses_to_run_unauthenticated_unless_asked() {
+    let docs = documents(&template(&[]));
+    assert!(
+        of_kind(&docs, "Deployment")
+            .iter()
+            .all(|d| d["metadata"]["name"] != "turnstile-gateway")
+    );
+    assert!(of_kind(&docs, "Ingress").is_empty());
+
+    let output = helm(&[
+        "template",
+        "turnstile",
+        CHART,
+        "--kube-version",
+        KUBE_VERSION,
+        "--set",
+        "gateway.enabled=true",
+    ]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "rendered without credentials");
+    assert!(
+        stderr.contains("gateway.credentials.existingSecret is required"),
+        "{stderr}"
+    );
+
+    let rendered = template(&[
+        "--set",
+        "gateway.enabled=true",
+        "--set",
+        "gateway.allowUnauthenticated=true",
+    ]);
+    let docs = documents(&rendered);
+    assert_valid(&rendered, &docs);
+    let gateway = named(&docs, "Deployment", "turnstile-gateway");
+    let container = &gateway["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(
+        env_value(container, "TURNSTILE_URL"),
+        "http://turnstile.default.svc:50051"
+    );
+    assert!(container["envFrom"].is_null(), "no credentials");
+    assert!(!has_env(container, "TURNSTILE_CA_CERT"));
 }

@@ -200,3 +200,11 @@ How many server pods run at least: autoscaling's minimum when it is on, replicaC
 {{- .Values.replicaCount }}
 {{- end }}
 {{- end }}
+
+{{/*
+Selector labels of the gateway pods (its Deployment and Service).
+*/}}
+{{- define "turnstile.gatewaySelectorLabels" -}}
+{{ include "turnstile.selectorLabels" . }}
+app.kubernetes.io/component: gateway
+{{- end }}
