@@ -1,6 +1,6 @@
 //! The conformance bots: one per Bot Framework transcript in `tests/fixtures/transcripts/`, each
 //! the bot the Bot Framework SDKs were tested with, written on [`crate::dialogs`]. The `.chat`
-//! files say word for word what each must answer; `tests/transcripts.rs` replays them through
+//! files say word for word what each must answer; `tests/api/transcripts.rs` replays them through
 //! gRPC.
 //!
 //! Like the originals, they act on messages only: the `conversationUpdate` that opens every

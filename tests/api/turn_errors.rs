@@ -2,7 +2,7 @@
 //! change from a turn that did not commit.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::time::Duration;

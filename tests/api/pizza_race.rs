@@ -2,7 +2,7 @@
 //! user may ever be told a topping was added when that addition did not survive.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;

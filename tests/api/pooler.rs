@@ -11,7 +11,7 @@
 //! statements on, the same setup fails, so the setting is what makes it work.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

@@ -784,7 +784,10 @@ fn the_gateway_renders_with_its_credentials_tls_towards_the_server_and_an_ingres
         "the server's Service, over TLS as the server speaks it"
     );
     assert_eq!(env_value(container, "TURNSTILE_BOT"), "pizza");
-    assert_eq!(env_value(container, "TURNSTILE_GATEWAY_TURN_TIMEOUT_MS"), "9000");
+    assert_eq!(
+        env_value(container, "TURNSTILE_GATEWAY_TURN_TIMEOUT_MS"),
+        "9000"
+    );
     assert_eq!(
         env_value(container, "TURNSTILE_TLS_DOMAIN"),
         "turnstile.example.internal"
@@ -824,7 +827,10 @@ fn the_gateway_renders_with_its_credentials_tls_towards_the_server_and_an_ingres
         .into_iter()
         .filter(|s| s["spec"]["selector"]["app.kubernetes.io/component"] == "server")
         .count();
-    assert!(servers >= 1, "the server Services still select the server only");
+    assert!(
+        servers >= 1,
+        "the server Services still select the server only"
+    );
 
     let ingress = one(&docs, "Ingress");
     assert_eq!(ingress["spec"]["ingressClassName"], "nginx");
@@ -835,7 +841,10 @@ fn the_gateway_renders_with_its_credentials_tls_towards_the_server_and_an_ingres
         rule["http"]["paths"][0]["backend"]["service"]["name"],
         "turnstile-gateway"
     );
-    assert_eq!(ingress["spec"]["tls"][0]["secretName"], "bot-example-com-tls");
+    assert_eq!(
+        ingress["spec"]["tls"][0]["secretName"],
+        "bot-example-com-tls"
+    );
 
     let policy = one(&docs, "NetworkPolicy");
     let from = policy["spec"]["ingress"][0]["from"].as_array().unwrap();

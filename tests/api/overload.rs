@@ -3,7 +3,7 @@
 //! turns at a time than the limit, and every admitted turn commits exactly once.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

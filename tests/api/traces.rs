@@ -2,7 +2,7 @@
 //! caller named with a W3C `traceparent`.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! flight finish and commit exactly once, then the server stops.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

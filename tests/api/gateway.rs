@@ -4,7 +4,7 @@
 //! Turns run in a real Turnstile server over PostgreSQL, reached only through gRPC.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -2,7 +2,7 @@
 //! does, on either store and across replicas, and the pizza bot's `clear` question.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use support::{TestServer, message, postgres_config, say, texts};
 use tonic::transport::Channel;

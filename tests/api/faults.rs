@@ -11,7 +11,7 @@
 //! that the service recovered, so that no scenario can pass vacuously.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

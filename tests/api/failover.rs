@@ -10,7 +10,7 @@
 //! what failed, and every turn delivered until acknowledged once the fault is over.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

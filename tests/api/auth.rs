@@ -2,7 +2,7 @@
 //! without a valid token and serves one with; health stays reachable for probes.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::io::Write as _;
 

@@ -4,7 +4,7 @@
 //! on `type` and trimmed `text`. A missing or an extra reply fails.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 

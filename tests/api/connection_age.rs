@@ -4,7 +4,7 @@
 //! it outlives it.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! a clean stop on SIGTERM.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};

@@ -2,7 +2,7 @@
 //! up, and no state changes.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use async_trait::async_trait;
 use prost::Message as _;

@@ -2,7 +2,7 @@
 //! conflict between two replicas sharing one store.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -2,7 +2,7 @@
 //! certificate for `localhost`, a client certificate from that CA and one from another CA.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

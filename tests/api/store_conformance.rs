@@ -2,7 +2,7 @@
 //! optimistic-concurrency contract, case by case.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -6,7 +6,7 @@
 //! says why; the binary's `migrate` reads `PGSSLMODE` and `PGSSLROOTCERT` as libpq does.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -4,7 +4,7 @@
 //! `RetryInfo` only where retrying can help. Oversized messages get `RESOURCE_EXHAUSTED`.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use support::raw::send_raw;
 use support::{TestServer, message, request};

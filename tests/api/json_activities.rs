@@ -3,7 +3,7 @@
 //! JSON just as verbatim, first time and on a redelivery answered from the receipt.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use async_trait::async_trait;
 use serde_json::{Value, json};

@@ -2,7 +2,7 @@
 //! lost — gets the answer its first processing committed, and the bot runs once.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
