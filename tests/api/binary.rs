@@ -8,16 +8,8 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use support::{health_check, say, texts};
+use support::{free_port, health_check, say, texts};
 use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// `turnstile` with a clean environment apart from what the test sets.
 fn turnstile() -> Command {

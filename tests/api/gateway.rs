@@ -18,7 +18,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use serde_json::{Value, json};
-use support::{TestServer, postgres_config};
+use support::{TestServer, free_port, postgres_config};
 use tokio::sync::oneshot;
 use turnstile::activity::{Activity, types};
 use turnstile::gateway::{AppCredentials, AppType, GatewayConfig, Secret};
@@ -560,14 +560,6 @@ async fn development_mode_needs_no_token_and_the_emulator_gets_traces() {
         delivered.iter().all(|d| d.1.is_none()),
         "no token in development"
     );
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// `turnstile …` with a clean environment apart from `env`.

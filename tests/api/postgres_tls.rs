@@ -7,11 +7,11 @@
 #![allow(clippy::unwrap_used)]
 
 use crate::support;
+use crate::support::pki::{leaf, new_ca};
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use support::pg::Cluster;
 use tokio_postgres::NoTls;
 use turnstile::activity::incoming::{ChannelId, ConversationId};
@@ -30,26 +30,11 @@ struct TlsCluster {
     wrong_ca: PathBuf,
 }
 
-fn new_ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
-    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, name);
-    CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
-}
-
 impl TlsCluster {
     fn start() -> TlsCluster {
         let ca = new_ca("Turnstile test PostgreSQL CA");
         let wrong = new_ca("Somebody else's CA");
-        let key = KeyPair::generate().unwrap();
-        let mut params =
-            CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "localhost");
-        let cert = params.signed_by(&key, &ca).unwrap();
+        let server = leaf(&ca, &["localhost", "127.0.0.1"]);
 
         let cluster = Cluster::start_with(
             &[
@@ -59,8 +44,8 @@ impl TlsCluster {
             ],
             |cluster| {
                 let data = cluster.data_dir();
-                cluster.write_private(&data.join("server.crt"), cert.pem().as_bytes());
-                cluster.write_private(&data.join("server.key"), key.serialize_pem().as_bytes());
+                cluster.write_private(&data.join("server.crt"), server.cert.as_bytes());
+                cluster.write_private(&data.join("server.key"), server.key.as_bytes());
                 // TCP only with TLS; the Unix socket (the tests' own door) without.
                 cluster.write_private(
                     &data.join("pg_hba.conf"),

@@ -3,42 +3,16 @@
 #![allow(clippy::unwrap_used)]
 
 use crate::support;
+use crate::support::pki::{Pem, leaf, new_ca};
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use turnstile::config::{Config, TlsFiles};
 use turnstile::gateway::GatewayConfig;
 use turnstile::grpc::client::ClientTls;
 use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
-
-/// A certificate and its key, in PEM.
-struct Pem {
-    cert: String,
-    key: String,
-}
-
-fn new_ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
-    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, name);
-    CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
-}
-
-fn leaf(issuer: &CertifiedIssuer<'static, KeyPair>, names: &[&str]) -> Pem {
-    let key = KeyPair::generate().unwrap();
-    let params =
-        CertificateParams::new(names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>()).unwrap();
-    let cert = params.signed_by(&key, issuer).unwrap();
-    Pem {
-        cert: cert.pem(),
-        key: key.serialize_pem(),
-    }
-}
 
 struct Pki {
     dir: tempfile::TempDir,

@@ -6,6 +6,7 @@ pub mod check;
 pub mod fleet;
 pub mod load;
 pub mod pg;
+pub mod pki;
 pub mod proxy;
 pub mod raw;
 
@@ -180,4 +181,12 @@ pub fn health_check<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> (bool, String) {
         String::from_utf8_lossy(&out.stderr)
     );
     (out.status.success(), text)
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago, for a process started with a port number.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("finding a free port")
 }

@@ -12,6 +12,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tokio_postgres::NoTls;
 
+use super::free_port;
+
 const INSTALL_HINT: &str = "the tests need PostgreSQL's server binaries (initdb, pg_ctl, postgres) on \
      PATH or in /usr/lib/postgresql/<version>/bin. Install them (Debian/Ubuntu: `apt-get install \
      postgresql`), or point TEST_DATABASE_URL at a server where the tests may create databases";
@@ -339,13 +341,6 @@ fn is_root() -> bool {
         .output()
         .expect("running `id -u`");
     String::from_utf8_lossy(&out.stdout).trim() == "0"
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("finding a free port")
 }
 
 fn run(command: &mut Command) {
