@@ -85,6 +85,14 @@ struct Args {
     /// over gRPC from --target, which must be the gateway's server.
     #[arg(long)]
     gateway: Option<String>,
+    /// Names this run's conversations (eight hex digits; random by default), so that a second
+    /// run can continue the conversations of a first (a warm-up run, say).
+    #[arg(long)]
+    run_id: Option<String>,
+    /// Instead of turns, send --turns `grpc.health.v1.Health/Check` calls over the same
+    /// connections and concurrency, and print how many succeeded: the transport's own cost.
+    #[arg(long)]
+    health: bool,
 }
 
 fn parse_cpu_of(s: &str) -> Result<(String, u32), String> {
@@ -103,7 +111,7 @@ struct Tally {
     latencies: Vec<Duration>,
     statuses: BTreeMap<String, u64>,
     attempts: BTreeMap<u32, u64>,
-    replayed: u64,
+    redelivered: u64,
     retries: u64,
     /// Per conversation: acknowledged turns, and turns never acknowledged.
     acked: HashMap<u64, u64>,
@@ -119,7 +127,7 @@ impl Tally {
         for (k, v) in other.attempts {
             *self.attempts.entry(k).or_default() += v;
         }
-        self.replayed += other.replayed;
+        self.redelivered += other.redelivered;
         self.retries += other.retries;
         for (k, v) in other.acked {
             *self.acked.entry(k).or_default() += v;
@@ -148,7 +156,13 @@ async fn main() -> anyhow::Result<()> {
         bail!("--concurrency and --conversations must be at least 1");
     }
     let channels = connect(&args).await?;
-    let run = format!("{:08x}", rand::rng().random::<u32>());
+    if args.health {
+        return health_checks(&args, &channels).await;
+    }
+    let run = args
+        .run_id
+        .clone()
+        .unwrap_or_else(|| format!("{:08x}", rand::rng().random::<u32>()));
     let next_id = Arc::new(AtomicU64::new(0));
     let measuring = Arc::new(AtomicBool::new(args.warmup <= 0.0));
     let stop = Arc::new(AtomicBool::new(false));
@@ -224,6 +238,52 @@ async fn main() -> anyhow::Result<()> {
         &cpu,
         verification.as_ref(),
     )
+}
+
+/// --health: `--turns` health checks, `concurrency` at a time over the connections; fails on the
+/// first that does not answer SERVING.
+async fn health_checks(args: &Args, channels: &[Channel]) -> anyhow::Result<()> {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let budget = Arc::new(AtomicU64::new(args.turns.unwrap_or(10_000)));
+    let started = Instant::now();
+    let workers: Vec<_> = (0..args.concurrency)
+        .map(|w| {
+            let mut client = HealthClient::new(channels[w % channels.len()].clone());
+            let budget = Arc::clone(&budget);
+            tokio::spawn(async move {
+                let mut done = 0u64;
+                while budget
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |b| b.checked_sub(1))
+                    .is_ok()
+                {
+                    let status = client
+                        .check(HealthCheckRequest {
+                            service: String::new(),
+                        })
+                        .await
+                        .context("a health check failed")?
+                        .into_inner()
+                        .status;
+                    if status != ServingStatus::Serving as i32 {
+                        bail!("the server answered status {status}, not SERVING");
+                    }
+                    done += 1;
+                }
+                Ok::<_, anyhow::Error>(done)
+            })
+        })
+        .collect();
+    let mut done = 0;
+    for worker in workers {
+        done += worker.await.context("a worker failed")??;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    println!(
+        "{done} health checks in {elapsed:.1} s ({:.0}/s)",
+        done as f64 / elapsed
+    );
+    Ok(())
 }
 
 /// One turn for every conversation, `concurrency` at a time.
@@ -338,7 +398,7 @@ impl Worker {
                         match client.process_turn(call).await {
                             Ok(response) => {
                                 let response = response.into_inner();
-                                Ok((response.attempts, response.replayed))
+                                Ok((response.attempts, response.redelivered))
                             }
                             Err(status) => Err((
                                 format!("{:?}", status.code()),
@@ -353,13 +413,13 @@ impl Worker {
                     }
                 };
                 match outcome {
-                    Ok((attempts, replayed)) => {
+                    Ok((attempts, redelivered)) => {
                         if measuring {
                             tally.latencies.push(sent.elapsed());
                             *tally.statuses.entry("OK".into()).or_default() += 1;
                             *tally.attempts.entry(attempts).or_default() += 1;
                         }
-                        tally.replayed += u64::from(replayed);
+                        tally.redelivered += u64::from(redelivered);
                         acked = true;
                         break;
                     }
@@ -424,7 +484,7 @@ fn base_activity(run: &str, conversation: u64) -> pb::Activity {
     }
 }
 
-/// One turn through the gateway: `(attempts, replayed)` as far as HTTP tells (1, false), or the
+/// One turn through the gateway: `(attempts, redelivered)` as far as HTTP tells (1, false), or the
 /// status and whether retrying is pointless.
 async fn post(
     http: &reqwest::Client,
@@ -585,7 +645,7 @@ fn report(
             "statuses": tally.statuses,
             "attempts": tally.attempts,
             "retries": tally.retries,
-            "replayed": tally.replayed,
+            "redelivered": tally.redelivered,
             "cpu_us_per_turn": cpu,
             "verification": verification,
         });
@@ -611,8 +671,8 @@ fn report(
         writeln!(stdout, "attempts: {:?}", tally.attempts)?;
         writeln!(
             stdout,
-            "gateway retries: {}, replayed answers: {}",
-            tally.retries, tally.replayed
+            "gateway retries: {}, redelivered answers: {}",
+            tally.retries, tally.redelivered
         )?;
         if !cpu.is_empty() {
             let per: Vec<String> = cpu.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();

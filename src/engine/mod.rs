@@ -10,7 +10,6 @@
 //! and stop short of the caller's deadline. Within one replica, turns of the same conversation
 //! queue (see `queue`), so conflicts come only from other replicas.
 
-mod cache;
 mod queue;
 mod receipt;
 mod retry;
@@ -28,10 +27,12 @@ use crate::activity::Activity;
 use crate::activity::incoming::IncomingActivity;
 use crate::bot::{Bot, BotError, BotRegistry, TurnContext, TurnScopes, UnknownBot};
 use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
-use crate::store::{Commit, CommitOutcome, KeyChange, Snapshot, Store, StoreError, Version};
-use crate::telemetry::metrics::{
-    CONFLICTS, REPLAYS_SERVED, STORE_DURATION, TURN_ATTEMPTS, TURN_DURATION, TURNS,
+use crate::store::cached::CachedStore;
+use crate::store::timed::TimedStore;
+use crate::store::{
+    Commit, CommitOutcome, Consistency, KeyChange, Snapshot, Store, StoreError, Version,
 };
+use crate::telemetry::metrics::{CONFLICTS, REDELIVERIES, TURN_ATTEMPTS, TURN_DURATION, TURNS};
 
 /// A turn that committed (or changed nothing): what to deliver.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,7 +44,7 @@ pub struct TurnOutcome {
     /// The conversation scope's version after the turn, `None` while it has never been written.
     pub conversation_version: Option<Version>,
     /// Whether this activity had been processed before, and this is its stored answer.
-    pub replayed: bool,
+    pub redelivered: bool,
 }
 
 /// A turn that did not commit. None of these returns any activity.
@@ -79,11 +80,11 @@ pub enum TurnError {
 /// Runs turns against one store for the bots of one registry.
 #[derive(Clone)]
 pub struct Engine {
-    store: Arc<dyn Store>,
+    /// The store, timed, behind this replica's state cache (`store::cached`).
+    store: Arc<CachedStore<TimedStore>>,
     bots: BotRegistry,
     retry: RetryPolicy,
     queue: Arc<queue::KeyQueue>,
-    cache: Arc<cache::StateCache>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -99,19 +100,19 @@ impl Engine {
     /// An engine running `bots` over `store`.
     pub fn new(store: Arc<dyn Store>, bots: BotRegistry, retry: RetryPolicy) -> Self {
         Self {
-            store,
+            store: Arc::new(CachedStore::new(TimedStore::new(store), 0)),
             bots,
             retry,
             queue: Arc::new(queue::KeyQueue::new()),
-            cache: Arc::new(cache::StateCache::new(0)),
         }
     }
 
     /// The same engine, remembering the last committed state of about `entries` keys so that a
-    /// conversation's next turn on this replica skips the load (see `cache`); 0 turns it off.
+    /// conversation's next turn on this replica skips the load (see `store::cached`); 0 turns it
+    /// off.
     #[must_use]
     pub fn with_state_cache(mut self, entries: usize) -> Self {
-        self.cache = Arc::new(cache::StateCache::new(entries));
+        self.store = Arc::new(CachedStore::new(self.store.inner().clone(), entries));
         self
     }
 
@@ -145,7 +146,7 @@ impl Engine {
         metrics::counter!(TURNS, "outcome" => outcome).increment(1);
         metrics::histogram!(TURN_DURATION).record(started.elapsed());
         let attempts = match &result {
-            Ok(o) if o.replayed => None,
+            Ok(o) if o.redelivered => None,
             Ok(o) => Some(o.attempts),
             Err(TurnError::Aborted { attempts } | TurnError::DeadlineExceeded { attempts }) => {
                 Some(*attempts)
@@ -155,8 +156,8 @@ impl Engine {
         if let Some(attempts) = attempts.filter(|&a| a > 0) {
             metrics::histogram!(TURN_ATTEMPTS).record(f64::from(attempts));
         }
-        if matches!(&result, Ok(o) if o.replayed) {
-            metrics::counter!(REPLAYS_SERVED).increment(1);
+        if matches!(&result, Ok(o) if o.redelivered) {
+            metrics::counter!(REDELIVERIES).increment(1);
         }
         result
     }
@@ -198,7 +199,7 @@ impl Engine {
                 AttemptOutcome::Answered(mut outcome) => {
                     // Processed before — or, after an unknown commit outcome, most likely by this
                     // very call, which is then no redelivery.
-                    outcome.replayed = !outcome_unknown;
+                    outcome.redelivered = !outcome_unknown;
                     return Ok(outcome);
                 }
                 AttemptOutcome::NothingToCommit(outcome) => return Ok(outcome),
@@ -259,84 +260,55 @@ impl Engine {
         self.commit(plan, commit, outcome).await
     }
 
-    /// The state the attempt runs on: this replica's last committed state when it knows every
-    /// key and may rely on a guess, else a load from the store (with the receipt).
+    /// The state the attempt runs on. The first attempt of a turn that will commit may run on
+    /// this replica's last committed state (a guess its commit checks); a replay follows a guess
+    /// that was wrong, or a commit whose outcome is unknown, and reads the store.
     async fn snapshot(&self, plan: &TurnPlan<'_>, attempt: u32) -> Result<Snapshot, TurnError> {
-        // The cache may stand in for the load only when the turn will commit (it has an id,
-        // so its receipt is written), since only the commit can tell a stale guess; and only on
-        // the first attempt, since a replay follows a guess that was wrong.
-        if plan.receipt.is_some() && attempt == 1 {
-            if let Some(snapshot) = self.cache.snapshot(&plan.key_list) {
-                return Ok(snapshot);
-            }
-        }
-        let loading = std::time::Instant::now();
-        let loaded = self.store.load(&plan.key_list, plan.receipt.as_ref()).await;
-        metrics::histogram!(STORE_DURATION, "op" => "load").record(loading.elapsed());
-        let snapshot = loaded?;
-        for key in &plan.key_list {
-            self.cache.remember(key.clone(), snapshot.get(key).cloned());
-        }
-        Ok(snapshot)
+        let consistency = if attempt == 1 {
+            Consistency::Guess
+        } else {
+            Consistency::Current
+        };
+        Ok(self
+            .store
+            .load_with(&plan.key_list, plan.receipt.as_ref(), consistency)
+            .await?)
     }
 
-    /// Asks the store to apply `commit`, and keeps the cache in step with what it did.
+    /// Asks the store to apply `commit`, and checks that it wrote the versions it implied.
     async fn commit(
         &self,
         plan: &TurnPlan<'_>,
         commit: Commit,
         outcome: TurnOutcome,
     ) -> Result<AttemptOutcome, TurnError> {
-        let expected: Vec<(StateKey, Version, crate::activity::JsonMap)> = commit
+        let implied: Vec<(StateKey, Version)> = commit
             .changes()
             .iter()
-            .filter_map(|c| {
-                let version = c.version_after()?;
-                let state = if self.cache.is_enabled() {
-                    c.write.clone()?
-                } else {
-                    crate::activity::JsonMap::new()
-                };
-                Some((c.key.clone(), version, state))
-            })
+            .filter_map(|c| Some((c.key.clone(), c.version_after()?)))
             .collect();
-        let committing = std::time::Instant::now();
-        let result = self.store.commit(commit).await;
-        metrics::histogram!(STORE_DURATION, "op" => "commit").record(committing.elapsed());
-        match result {
+        match self.store.commit(commit).await {
             Ok(CommitOutcome::Committed(versions)) => {
                 // The version the receipt promised is the one the store wrote: one rule
                 // (`KeyChange::version_after`), checked here rather than trusted.
-                for (key, version, state) in expected {
+                for (key, version) in implied {
                     if versions.get(&key) != Some(&version) {
-                        self.cache.forget(&plan.key_list);
                         return Err(TurnError::Store(StoreError::Unexpected(anyhow::anyhow!(
                             "the store committed {key} at version {:?}, not the {version:?} the \
                              commit implied",
                             versions.get(&key)
                         ))));
                     }
-                    if self.cache.is_enabled() {
-                        self.cache
-                            .remember(key, Some(crate::store::Versioned { state, version }));
-                    }
                 }
                 Ok(AttemptOutcome::Committed(outcome))
             }
-            Ok(CommitOutcome::Conflict { key }) => {
-                self.cache.forget(&plan.key_list);
-                Ok(AttemptOutcome::Conflict(key))
-            }
+            Ok(CommitOutcome::Conflict { key }) => Ok(AttemptOutcome::Conflict(key)),
             // The connection failed while the commit may have been in flight. With a receipt
             // the next load tells whether it landed: replay, and the receipt answers if so.
             Err(e @ StoreError::Unavailable(_)) if plan.receipt.is_some() => {
-                self.cache.forget(&plan.key_list);
                 Ok(AttemptOutcome::OutcomeUnknown(e))
             }
-            Err(e) => {
-                self.cache.forget(&plan.key_list);
-                Err(e.into())
-            }
+            Err(e) => Err(e.into()),
         }
     }
 
@@ -420,7 +392,7 @@ impl<'a> TurnPlan<'a> {
             conversation_version: version_after(&commit, &self.keys.conversation, snapshot),
             activities,
             attempts: attempt,
-            replayed: false,
+            redelivered: false,
         };
         if let Some(key) = &self.receipt {
             commit = commit.with_receipt(key.clone(), receipt::encode(&outcome));
@@ -460,7 +432,7 @@ fn attempt_name(ended: &Result<AttemptOutcome, TurnError>) -> &'static str {
 /// A turn's outcome as the `outcome` span field and metric label name it.
 fn outcome_name(result: &Result<TurnOutcome, TurnError>) -> &'static str {
     match result {
-        Ok(o) if o.replayed => "replayed",
+        Ok(o) if o.redelivered => "redelivered",
         Ok(_) => "committed",
         Err(TurnError::UnknownBot(_)) => "invalid",
         Err(TurnError::Aborted { .. }) => "aborted",
@@ -921,12 +893,12 @@ mod tests {
             .expect("resolved");
         assert_eq!(runs.0.load(Ordering::SeqCst), 1, "the bot ran once");
         assert_eq!(outcome.activities[0].text.as_deref(), Some("count: 1"));
-        assert!(!outcome.replayed, "it is this call's own commit");
+        assert!(!outcome.redelivered, "it is this call's own commit");
         let again = engine
             .run_turn(None, &incoming("hi"), None)
             .await
             .expect("redelivery");
-        assert!(again.replayed);
+        assert!(again.redelivered);
         assert_eq!(runs.0.load(Ordering::SeqCst), 1);
     }
 
@@ -997,7 +969,7 @@ mod tests {
             .run_turn(None, &incoming_with_id("hi", "4"), None)
             .await
             .expect("ok");
-        assert!(again.replayed);
+        assert!(again.redelivered);
         assert_eq!(text(&again), "count: 4");
     }
 

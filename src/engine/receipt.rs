@@ -2,7 +2,7 @@
 //! same answer without running the bot again.
 //!
 //! The store keeps it as opaque JSON; this is its one reader and writer. Activities are kept in
-//! Bot Framework JSON, the lossless form, so a replayed answer is the original to the field.
+//! Bot Framework JSON, the lossless form, so a redelivered activity's answer is the original to the field.
 
 use anyhow::{Context as _, anyhow};
 use serde_json::{Value, json};
@@ -20,7 +20,7 @@ pub(super) fn encode(outcome: &TurnOutcome) -> Value {
     })
 }
 
-/// The outcome a receipt recorded, marked as replayed.
+/// The outcome a receipt recorded, marked as a redelivery's.
 pub(super) fn decode(receipt: &Value) -> Result<TurnOutcome, super::TurnError> {
     read(receipt)
         .context("a stored turn receipt is unreadable")
@@ -48,7 +48,7 @@ fn read(receipt: &Value) -> anyhow::Result<TurnOutcome> {
         activities,
         attempts,
         conversation_version: (version > 0).then(|| Version::new(version)),
-        replayed: true,
+        redelivered: true,
     })
 }
 
@@ -66,13 +66,13 @@ mod tests {
             activities: vec![reply, Activity::message("second")],
             attempts: 2,
             conversation_version: Some(Version::new(3)),
-            replayed: false,
+            redelivered: false,
         };
         let back = decode(&encode(&outcome)).expect("readable");
         assert_eq!(
             back,
             TurnOutcome {
-                replayed: true,
+                redelivered: true,
                 ..outcome
             }
         );

@@ -64,7 +64,7 @@ impl pb::turn_service_server::TurnService for TurnApi {
             activities_json,
             attempts: outcome.attempts,
             version: outcome.conversation_version.map_or(0, |v| v.get()),
-            replayed: outcome.replayed,
+            redelivered: outcome.redelivered,
         }))
     }
 }

@@ -597,26 +597,98 @@ fn unexpected(e: tokio_postgres::Error) -> StoreError {
     StoreError::Unexpected(e.into())
 }
 
-/// Sorts a driver error into "could not reach the database" and "something is wrong".
+/// Sorts a driver error into "could not reach the database" and "something is wrong", by what
+/// the error is (the server's SQLSTATE, a closed connection, an I/O failure underneath), never by
+/// its message text.
 fn classify(e: tokio_postgres::Error) -> StoreError {
-    let unreachable = match e.as_db_error() {
-        Some(db) => {
-            let code = db.code().code();
-            // Class 08: connection exceptions; 57P0x: the server is shutting down or starting;
-            // 53300: too many connections; 57014: a statement cancelled by statement_timeout
-            // (the database is too slow or a lock is held too long: retry later).
-            code.starts_with("08") || code.starts_with("57P") || code == "53300" || code == "57014"
-        }
-        // No answer from the server at all: a closed connection, an I/O error, a connect timeout.
-        None => {
-            e.is_closed()
-                || std::error::Error::source(&e).is_some_and(|s| s.is::<std::io::Error>())
-                || e.to_string().contains("timeout")
-        }
+    let unreachable = match e.code() {
+        Some(code) => is_unreachable_state(code),
+        // No answer from the server at all: a closed connection, or an I/O error (refused, reset,
+        // a connect or TCP user timeout) anywhere under the driver's error.
+        None => e.is_closed() || io_kind(&e).is_some(),
     };
     if unreachable {
         StoreError::Unavailable(e.into())
     } else {
         StoreError::Unexpected(e.into())
+    }
+}
+
+/// Whether the server's `code` says it cannot serve now, rather than that the request is wrong:
+/// class 08 (connection exceptions); class 57P (shutting down, starting, database dropped);
+/// 53300 (too many connections); 57014 (a statement cancelled by `statement_timeout`: the
+/// database is too slow or a lock is held too long, so retry later).
+fn is_unreachable_state(code: &SqlState) -> bool {
+    let class = code.code().get(..3).unwrap_or_default();
+    class.starts_with("08")
+        || class == "57P"
+        || *code == SqlState::TOO_MANY_CONNECTIONS
+        || *code == SqlState::QUERY_CANCELED
+}
+
+/// The kind of the I/O error under `e`, if one is in its chain of sources.
+fn io_kind(e: &tokio_postgres::Error) -> Option<std::io::ErrorKind> {
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
+            return Some(io.kind());
+        }
+        source = cause.source();
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_states_are_unavailability_and_others_are_not() {
+        for code in [
+            SqlState::CONNECTION_EXCEPTION,
+            SqlState::CONNECTION_FAILURE,
+            SqlState::SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+            SqlState::ADMIN_SHUTDOWN,
+            SqlState::CANNOT_CONNECT_NOW,
+            SqlState::TOO_MANY_CONNECTIONS,
+            SqlState::QUERY_CANCELED,
+        ] {
+            assert!(is_unreachable_state(&code), "{}", code.code());
+        }
+        for code in [
+            SqlState::UNDEFINED_TABLE,
+            SqlState::UNIQUE_VIOLATION,
+            SqlState::SYNTAX_ERROR,
+            SqlState::T_R_SERIALIZATION_FAILURE,
+            SqlState::OUT_OF_MEMORY,
+            SqlState::from_code("TS409"),
+        ] {
+            assert!(!is_unreachable_state(&code), "{}", code.code());
+        }
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_unavailable() {
+        // A port that was just free: nothing listens there.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let Err(e) = tokio_postgres::connect(
+            &format!("host=127.0.0.1 port={port} user=nobody connect_timeout=5"),
+            tokio_postgres::NoTls,
+        )
+        .await
+        else {
+            panic!("a connection where nothing listens");
+        };
+        assert_eq!(io_kind(&e), Some(std::io::ErrorKind::ConnectionRefused));
+        assert!(matches!(classify(e), StoreError::Unavailable(_)));
+    }
+
+    #[test]
+    fn a_driver_error_without_state_or_io_underneath_is_unexpected() {
+        let e = tokio_postgres::Config::from_str("port=not-a-number").expect_err("invalid");
+        assert!(matches!(classify(e), StoreError::Unexpected(_)));
     }
 }

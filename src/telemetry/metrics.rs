@@ -34,7 +34,7 @@ pub const COMMIT_BATCH_SIZE: &str = "turnstile_commit_batch_size";
 /// Database connections by `state` (`in_use` | `idle` | `waiting`).
 pub const POOL_CONNECTIONS: &str = "turnstile_pool_connections";
 /// Redelivered activities answered from their stored receipt, without running the bot.
-pub const REPLAYS_SERVED: &str = "turnstile_replays_served_total";
+pub const REDELIVERIES: &str = "turnstile_redeliveries_total";
 /// Always 1, labelled with the running `version`: joins other series to the build that made them.
 pub const BUILD_INFO: &str = "turnstile_build_info";
 
@@ -95,7 +95,7 @@ fn describe() {
     );
     describe_gauge!(POOL_CONNECTIONS, "Database connections by state");
     describe_counter!(
-        REPLAYS_SERVED,
+        REDELIVERIES,
         "Redelivered activities answered from their receipt"
     );
     describe_gauge!(BUILD_INFO, "1, labelled with the running version");

@@ -184,7 +184,7 @@ async fn a_synchronous_standby_promoted_after_the_primary_crashes_loses_no_ackno
             .await
             .expect("a redelivery after the failover");
         assert!(
-            again.replayed,
+            again.redelivered,
             "{turn:?} ran again after the failover: {again:?}"
         );
         assert_eq!(again.count, ack.count, "{turn:?} got another answer");

@@ -172,7 +172,7 @@ impl World {
                 .deliver(&turn, i, Duration::from_secs(10))
                 .await
                 .expect("a redelivery after the run");
-            assert!(again.replayed, "{turn:?} ran again: {again:?}");
+            assert!(again.redelivered, "{turn:?} ran again: {again:?}");
             assert_eq!(again.count, ack.count, "{turn:?} got another answer");
         }
         let _ = self.gateway.take_record();
@@ -227,7 +227,7 @@ impl World {
 
 fn summary(name: &str, m: &Measured, fault: &Fault, elapsed: Duration) -> String {
     let r = &m.record;
-    let replays = r.acks.iter().filter(|a| a.replayed).count();
+    let replays = r.acks.iter().filter(|a| a.redelivered).count();
     let by_kind: BTreeMap<String, usize> = r
         .failures_by_kind()
         .into_iter()

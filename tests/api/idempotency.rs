@@ -44,9 +44,9 @@ async fn the_same_activity_twice_in_a_row_runs_once() {
 
     let first = send(&mut client, with_id("a1")).await;
     assert_eq!(texts(&first), ["count: 1"]);
-    assert!(!first.replayed);
+    assert!(!first.redelivered);
     let again = send(&mut client, with_id("a1")).await;
-    assert!(again.replayed, "recognized as a redelivery");
+    assert!(again.redelivered, "recognized as a redelivery");
     assert_eq!(
         again.activities, first.activities,
         "the same answer, to the field"
@@ -76,7 +76,7 @@ async fn ten_copies_at_once_across_replicas_run_once() {
     for call in calls {
         responses.push(call.await.unwrap());
     }
-    let originals = responses.iter().filter(|r| !r.replayed).count();
+    let originals = responses.iter().filter(|r| !r.redelivered).count();
     assert_eq!(
         originals, 1,
         "one delivery ran the bot, nine got its receipt"
@@ -122,7 +122,10 @@ async fn a_lost_response_is_answered_from_the_receipt() {
     // The turn still finished and committed; the gateway's retry gets its answer.
     tokio::time::sleep(Duration::from_millis(600)).await;
     let retried = send(&mut client, with_id("slow")).await;
-    assert!(retried.replayed, "answered from the receipt, not run again");
+    assert!(
+        retried.redelivered,
+        "answered from the receipt, not run again"
+    );
     assert_eq!(texts(&retried), ["count: 1"]);
     let next = send(&mut client, with_id("slow-2")).await;
     assert_eq!(texts(&next), ["count: 2"], "the bot ran once for `slow`");
@@ -139,7 +142,7 @@ async fn activities_without_an_id_are_not_deduplicated() {
     assert_eq!(texts(&send(&mut client, no_id()).await), ["count: 1"]);
     let second = send(&mut client, no_id()).await;
     assert_eq!(texts(&second), ["count: 2"]);
-    assert!(!second.replayed);
+    assert!(!second.redelivered);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

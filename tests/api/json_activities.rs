@@ -116,7 +116,7 @@ async fn unnamed_members_reach_the_bot_and_come_back_verbatim() {
     assert_eq!(replies[1]["conversation"], sent["conversation"]);
 
     let again = turn(&mut client, &text).await;
-    assert!(again.replayed, "answered from the receipt");
+    assert!(again.redelivered, "answered from the receipt");
     assert_eq!(
         parsed(&again.activities_json),
         replies,

@@ -111,7 +111,7 @@ async fn scrapes_show_turns_replays_and_conflicts() {
     let (status, before) = get(metrics_a, "/metrics").await;
     assert_eq!(status, "HTTP/1.1 200 OK");
     let committed = r#"turnstile_turns_total{outcome="committed"}"#;
-    let replayed = r#"turnstile_turns_total{outcome="replayed"}"#;
+    let redelivered = r#"turnstile_turns_total{outcome="redelivered"}"#;
 
     // A turn on each replica, then one on A whose remembered state B has made stale: its first
     // commit conflicts and it replays.
@@ -125,13 +125,13 @@ async fn scrapes_show_turns_replays_and_conflicts() {
         .await
         .unwrap();
     let again = a.process_turn(support::request(activity)).await.unwrap();
-    assert!(again.into_inner().replayed);
+    assert!(again.into_inner().redelivered);
 
     let (_, after) = get(metrics_a, "/metrics").await;
     let moved = |name: &str| value(&after, name) - value(&before, name);
     assert!(moved(committed) >= 4.0, "{after}");
-    assert!(moved(replayed) >= 1.0, "{after}");
-    assert!(moved("turnstile_replays_served_total") >= 1.0, "{after}");
+    assert!(moved(redelivered) >= 1.0, "{after}");
+    assert!(moved("turnstile_redeliveries_total") >= 1.0, "{after}");
     assert!(moved("turnstile_conflicts_total") >= 1.0, "{after}");
     assert!(moved("turnstile_turn_attempts_count") >= 4.0, "{after}");
     assert!(

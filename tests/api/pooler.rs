@@ -332,7 +332,7 @@ async fn two_replicas_through_pgbouncer_in_transaction_mode_are_exact_without_pr
     for call in calls {
         responses.push(call.await.unwrap());
     }
-    assert_eq!(responses.iter().filter(|r| !r.replayed).count(), 1);
+    assert_eq!(responses.iter().filter(|r| !r.redelivered).count(), 1);
     for r in &responses {
         assert_eq!(texts(r), ["count: 1"]);
         assert_eq!(r.version, responses[0].version);
@@ -344,7 +344,10 @@ async fn two_replicas_through_pgbouncer_in_transaction_mode_are_exact_without_pr
         .await
         .unwrap()
         .into_inner();
-    assert!(again.replayed && texts(&again) == ["count: 1"], "{again:?}");
+    assert!(
+        again.redelivered && texts(&again) == ["count: 1"],
+        "{again:?}"
+    );
     let next = other
         .process_turn(counted("after-burst", "pooled-counter"))
         .await

@@ -114,12 +114,12 @@ async fn in_flight_turns_finish_once_and_new_ones_are_refused() {
         let mut again = turn(&format!("t{i}"));
         again.bot = "counter".into();
         let response = client.process_turn(again).await.unwrap().into_inner();
-        assert!(response.replayed, "t{i} committed before the stop");
+        assert!(response.redelivered, "t{i} committed before the stop");
         assert_eq!(texts(&response), ["count: 1"]);
     }
     let mut late = turn("late");
     late.bot = "counter".into();
     let response = client.process_turn(late).await.unwrap().into_inner();
-    assert!(!response.replayed, "the refused turn had not run");
+    assert!(!response.redelivered, "the refused turn had not run");
     assert_eq!(texts(&response), ["count: 1"]);
 }

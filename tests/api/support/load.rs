@@ -68,7 +68,7 @@ pub struct Ack {
     /// N of the reply `count: N`.
     pub count: u64,
     /// Whether the server said it answered from the turn's receipt.
-    pub replayed: bool,
+    pub redelivered: bool,
     /// Which server answered.
     pub server: usize,
     /// When the answer arrived.
@@ -196,7 +196,7 @@ impl Gateway {
                         count: count_of(&response).unwrap_or_else(|| {
                             panic!("{turn:?}: not a counter reply: {response:?}")
                         }),
-                        replayed: response.replayed,
+                        redelivered: response.redelivered,
                         server,
                         at,
                     };

@@ -1,11 +1,18 @@
 //! What this replica last committed, so that the next turn of the same conversation can skip the
 //! load and go straight to the conditional commit: one database round trip instead of two.
 //!
+//! A wrapper around any [`Store`], as IOx wraps its catalog in a caching one, rather than a cache
+//! the engine consults and updates at every step: the engine reads load → run → commit and says
+//! only, through [`Consistency`], when a guess will do. It sits in `store` because it speaks the
+//! store's contract (snapshots, commits, versions) and nothing of turns or bots.
+//!
 //! The cache is only a guess about the current version. A guess that is wrong — another replica
 //! committed meanwhile — costs a conflict, a real load and a replay, never a wrong answer: the
-//! commit checks every version the turn relied on. That is also why the engine uses it only for
-//! turns that will commit (activities with an id always do, their receipt is written): a turn that
-//! commits nothing would never find out that its cached state was stale.
+//! commit checks every version the turn relied on. That is also why a guess is given only for a
+//! load that asks for a receipt (activities with an id always commit, their receipt is written):
+//! a turn that commits nothing would never find out that its cached state was stale. And only
+//! when the caller allows it ([`Consistency::Guess`]): the engine's replay follows a guess that
+//! was wrong, and reads the store.
 //!
 //! Bounded with two generations: entries go into the young map; when it fills, it becomes the old
 //! map and the previous old map is dropped. A hit in the old map moves the entry back. That is a
@@ -15,8 +22,13 @@ use std::collections::HashMap;
 use std::mem;
 use std::sync::{Mutex, MutexGuard};
 
+use async_trait::async_trait;
+
+use super::{
+    Commit, CommitOutcome, Consistency, PoolStatus, Snapshot, Store, StoreError, Version, Versioned,
+};
+use crate::activity::JsonMap;
 use crate::state::StateKey;
-use crate::store::{Snapshot, Versioned};
 
 /// A key's last known row: `None` for a key known not to exist.
 type Entry = Option<Versioned>;
@@ -115,11 +127,103 @@ impl StateCache {
     }
 }
 
+/// A store in front of which this replica remembers what it last read and committed.
+#[derive(Debug)]
+pub struct CachedStore<S> {
+    inner: S,
+    cache: StateCache,
+}
+
+impl<S: Store> CachedStore<S> {
+    /// `inner`, remembering the last committed state of about `capacity` keys; 0 turns the cache
+    /// off, and every call goes to `inner`.
+    pub fn new(inner: S, capacity: usize) -> Self {
+        Self {
+            inner,
+            cache: StateCache::new(capacity),
+        }
+    }
+
+    /// The store behind the cache.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+}
+
+#[async_trait]
+impl<S: Store> Store for CachedStore<S> {
+    async fn load(
+        &self,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+    ) -> Result<Snapshot, StoreError> {
+        self.load_with(keys, receipt, Consistency::Current).await
+    }
+
+    async fn load_with(
+        &self,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+        consistency: Consistency,
+    ) -> Result<Snapshot, StoreError> {
+        // A guess only for a load whose turn will commit (it asks for a receipt, which its
+        // commit creates), since only the commit can tell a stale guess.
+        if consistency == Consistency::Guess && receipt.is_some() {
+            if let Some(snapshot) = self.cache.snapshot(keys) {
+                return Ok(snapshot);
+            }
+        }
+        let snapshot = self.inner.load(keys, receipt).await?;
+        if self.cache.is_enabled() {
+            for key in keys {
+                self.cache.remember(key.clone(), snapshot.get(key).cloned());
+            }
+        }
+        Ok(snapshot)
+    }
+
+    async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
+        if !self.cache.is_enabled() {
+            return self.inner.commit(commit).await;
+        }
+        let keys: Vec<StateKey> = commit.changes().iter().map(|c| c.key.clone()).collect();
+        let written: Vec<(StateKey, Version, JsonMap)> = commit
+            .changes()
+            .iter()
+            .filter_map(|c| Some((c.key.clone(), c.version_after()?, c.write.clone()?)))
+            .collect();
+        let result = self.inner.commit(commit).await;
+        match &result {
+            // Remembered only when the store wrote the version the commit implied; a store that
+            // says otherwise fails the turn (the engine checks), and its rows are not guessed at.
+            Ok(CommitOutcome::Committed(versions))
+                if written
+                    .iter()
+                    .all(|(key, version, _)| versions.get(key) == Some(version)) =>
+            {
+                for (key, version, state) in written {
+                    self.cache.remember(key, Some(Versioned { state, version }));
+                }
+            }
+            // A conflict proves the guess stale; an error leaves the rows uncertain.
+            _ => self.cache.forget(&keys),
+        }
+        result
+    }
+
+    async fn prune_receipts(&self, age: std::time::Duration) -> Result<u64, StoreError> {
+        self.inner.prune_receipts(age).await
+    }
+
+    fn pool_status(&self) -> Option<PoolStatus> {
+        self.inner.pool_status()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::activity::incoming::{ChannelId, ConversationId};
-    use crate::store::Version;
 
     fn key(n: usize) -> StateKey {
         StateKey::conversation(

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The server's instructions per turn, counted by valgrind's callgrind: a figure that the machine's
+# speed and its neighbours do not move, unlike the throughput bench/run.sh measures.
+#
+#   bench/instructions.sh            3,000 measured turns and 3,000 measured health checks
+#   TURNS=N CHECKS=M bench/instructions.sh
+#   KEEP=1 bench/instructions.sh     keeps the callgrind files (for callgrind_annotate) and says where
+#
+# The workload: the release server, PostgreSQL in a throwaway cluster, the metrics endpoint on (as
+# deployed), the counter bot with ~1 KB of conversation state, 32 concurrent calls over 4 HTTP/2
+# connections from turnstile-bench (tonic), over 1,000 conversations. A warm-up run first creates
+# every conversation and then continues them, so that the measured turns are the steady state of a
+# running service (state cached, prepared statements and pooled connections in place); callgrind's
+# counters are zeroed after it (`callgrind_control -z`) and dumped after the measured turns
+# (`callgrind_control -d`), so the server's start and the warm-up are not counted. The measured run
+# opens its own 4 connections (a few hundred instructions per turn at most).
+#
+# Then the same for `grpc.health.v1.Health/Check` calls on the same server, the transport's floor:
+# what a call costs through tonic, h2 and the server's own layers with no turn behind it.
+#
+# The last line is `instructions per turn: N (health check: H)`. Both count every thread of the
+# server, the runtime's and the connection pool's included; the kernel's work is not counted.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TURNS=${TURNS:-3000}
+CHECKS=${CHECKS:-3000}
+WARMUP_TURNS=${WARMUP_TURNS:-1000}
+CONVERSATIONS=1000
+PAD=1024
+
+command -v valgrind >/dev/null || { echo "valgrind not found (apt-get install valgrind)" >&2; exit 1; }
+cargo build --release --bins -q
+BIN=$PWD/target/release
+
+# --- a throwaway PostgreSQL cluster (as bench/run.sh starts one) ---------------------------------
+PGBIN=$(dirname "$(command -v initdb 2>/dev/null || ls /usr/lib/postgresql/*/bin/initdb | sort -V | tail -n 1)")
+[ -x "$PGBIN/pg_ctl" ] || { echo "PostgreSQL server binaries not found (apt-get install postgresql)" >&2; exit 1; }
+WORK=$(mktemp -d /tmp/turnstile-instructions.XXXXXX)
+chmod 755 "$WORK"
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+PORT=$(free_port)
+AS=()
+if [ "$(id -u)" = 0 ]; then mkdir "$WORK/pg"; chown postgres: "$WORK/pg"; AS=(runuser -u postgres --); else mkdir "$WORK/pg"; fi
+SERVER=
+cleanup() {
+    [ -n "$SERVER" ] && kill "$SERVER" 2>/dev/null && wait "$SERVER" 2>/dev/null || true
+    "${AS[@]}" "$PGBIN/pg_ctl" -D "$WORK/pg/data" -m immediate stop >/dev/null 2>&1 || true
+    if [ -n "${KEEP:-}" ]; then echo "kept $WORK (callgrind files: $WORK/callgrind.out.*)"; else rm -rf "$WORK"; fi
+}
+trap cleanup EXIT
+"${AS[@]}" "$PGBIN/initdb" -D "$WORK/pg/data" -U postgres -A trust -E UTF8 --no-locale >/dev/null
+"${AS[@]}" "$PGBIN/pg_ctl" -D "$WORK/pg/data" -l "$WORK/pg/log" -w \
+    -o "-p $PORT -k $WORK/pg -c listen_addresses=127.0.0.1" start >/dev/null
+
+# --- the server under callgrind ------------------------------------------------------------------
+LISTEN=$(free_port)
+METRICS=$(free_port)
+RUST_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$WORK/callgrind.out.%p" \
+    "$BIN/turnstile" serve --listen "127.0.0.1:$LISTEN" --metrics-listen "127.0.0.1:$METRICS" \
+    --database-url "postgres://postgres@127.0.0.1:$PORT/postgres" >"$WORK/server.log" 2>&1 &
+SERVER=$!
+for _ in $(seq 1 600); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$LISTEN") 2>/dev/null && break
+    kill -0 "$SERVER" 2>/dev/null || { cat "$WORK/server.log" >&2; exit 1; }
+    sleep 0.2
+done
+
+RUN=$(printf '%08x' $((RANDOM * 32768 + RANDOM)))
+bench() {
+    "$BIN/turnstile-bench" --target "127.0.0.1:$LISTEN" --concurrency 32 --connections 4 \
+        --conversations "$CONVERSATIONS" --state-bytes "$PAD" --run-id "$RUN" --no-verify \
+        --call-timeout 120 "$@"
+}
+# Zeroes the counters (START) or dumps them and prints the instructions counted since (STOP).
+counted() {
+    if [ "$1" = start ]; then
+        callgrind_control -z "$SERVER" >/dev/null
+        return
+    fi
+    local before after
+    before=$(ls "$WORK" | grep -c '^callgrind.out' || true)
+    callgrind_control -d "$SERVER" >/dev/null
+    for _ in $(seq 1 300); do
+        after=$(ls "$WORK" | grep -c '^callgrind.out' || true)
+        [ "$after" -gt "$before" ] && break
+        sleep 0.1
+    done
+    local dump
+    dump=$(ls -t "$WORK"/callgrind.out.* | head -n 1)
+    # `totals:` (or, in older files, `summary:`) is the dump's instruction count (event Ir).
+    for _ in $(seq 1 100); do
+        grep -qE '^(totals|summary):' "$dump" && break
+        sleep 0.1
+    done
+    grep -E '^(totals|summary):' "$dump" | tail -n 1 | awk '{print $2}'
+}
+
+echo "warm-up: every conversation once, then $WARMUP_TURNS turns" >&2
+bench --prefill --turns "$WARMUP_TURNS" >/dev/null
+counted start
+bench --turns "$TURNS" >"$WORK/turns.txt"
+TURN_IR=$(counted stop)
+grep -E 'turns/s|OK' "$WORK/turns.txt" | head -n 3 >&2 || true
+
+bench --health --turns 1000 >/dev/null
+counted start
+bench --health --turns "$CHECKS" >&2
+CHECK_IR=$(counted stop)
+
+echo "turns: $TURN_IR instructions for $TURNS; health checks: $CHECK_IR for $CHECKS" >&2
+python3 -c "import sys; t, n, h, m = map(int, sys.argv[1:]); print(f'instructions per turn: {round(t / n, -2):,.0f} (health check: {round(h / m, -2):,.0f})')" \
+    "$TURN_IR" "$TURNS" "$CHECK_IR" "$CHECKS"
