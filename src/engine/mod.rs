@@ -9,8 +9,15 @@
 //! bot runs again on the state the winner left. Replays are bounded, spaced by jittered backoff
 //! and stop short of the caller's deadline. Within one replica, turns of the same conversation
 //! queue (see `queue`), so conflicts come only from other replicas.
+//!
+//! Across replicas they queue in the store once they have met: after a conflict, the turn's next
+//! attempt holds the conversation lock (`Store::lock_conversation`) across load → run → commit, so
+//! it runs the bot on state nobody else's serialized turn is about to move, and the conversation
+//! stays serialized on this replica for a few seconds (see `hot`). A bot whose policy is
+//! `Serialized` takes the lock from its first attempt. The conditional commit stays the backstop.
 
 mod cache;
+mod hot;
 mod queue;
 mod receipt;
 mod retry;
@@ -26,12 +33,19 @@ use tracing::Instrument as _;
 
 use crate::activity::Activity;
 use crate::activity::incoming::IncomingActivity;
-use crate::bot::{Bot, BotError, BotRegistry, TurnContext, TurnScopes, UnknownBot};
-use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
-use crate::store::{Commit, CommitOutcome, KeyChange, Snapshot, Store, StoreError, Version};
-use crate::telemetry::metrics::{
-    CONFLICTS, REPLAYS_SERVED, STORE_DURATION, TURN_ATTEMPTS, TURN_DURATION, TURNS,
+use crate::bot::{
+    Bot, BotError, BotRegistry, ConcurrencyPolicy, TurnContext, TurnScopes, UnknownBot,
 };
+use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
+use crate::store::{
+    Commit, CommitOutcome, ConversationLock, KeyChange, Snapshot, Store, StoreError, Version,
+};
+use crate::telemetry::metrics::{
+    CONFLICTS, LOCK_WAITS, REPLAYS_SERVED, STORE_DURATION, TURN_ATTEMPTS, TURN_DURATION, TURNS,
+};
+
+/// How long a serialized attempt of a call without deadline waits for its conversation's lock.
+const LOCK_WAIT_WITHOUT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A turn that committed (or changed nothing): what to deliver.
 #[derive(Debug, Clone, PartialEq)]
@@ -84,6 +98,7 @@ pub struct Engine {
     retry: RetryPolicy,
     queue: Arc<queue::KeyQueue>,
     cache: Arc<cache::StateCache>,
+    hot: Arc<hot::HotConversations>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -104,6 +119,7 @@ impl Engine {
             retry,
             queue: Arc::new(queue::KeyQueue::new()),
             cache: Arc::new(cache::StateCache::new(0)),
+            hot: Arc::new(hot::HotConversations::default()),
         }
     }
 
@@ -175,6 +191,8 @@ impl Engine {
         span.record("bot", bot_name);
         let plan = TurnPlan::new(bot_name, handler.as_ref(), incoming);
         let _turn = self.queue_up(&plan.keys.conversation, deadline).await?;
+        let mut serialized = self.bots.policy(bot_name) == ConcurrencyPolicy::Serialized
+            || self.hot.is_hot(&plan.keys.conversation);
 
         let mut attempt = 0;
         let mut outcome_unknown = false;
@@ -186,13 +204,19 @@ impl Engine {
             let attempt_span = tracing::info_span!(
                 "attempt",
                 attempt,
+                serialized,
                 outcome = tracing::field::Empty,
                 version = tracing::field::Empty
             );
-            let ended = self
-                .attempt(&plan, attempt)
-                .instrument(attempt_span.clone())
-                .await;
+            let ended = if serialized {
+                self.attempt_serialized(&plan, attempt, deadline)
+                    .instrument(attempt_span.clone())
+                    .await
+            } else {
+                self.attempt(&plan, attempt)
+                    .instrument(attempt_span.clone())
+                    .await
+            };
             attempt_span.record("outcome", attempt_name(&ended));
             let lost = match ended? {
                 AttemptOutcome::Answered(mut outcome) => {
@@ -210,7 +234,14 @@ impl Engine {
                 }
                 AttemptOutcome::Conflict(key) => {
                     metrics::counter!(CONFLICTS).increment(1);
-                    tracing::debug!(attempt, %key, "conflict; replaying the turn");
+                    tracing::debug!(attempt, %key, "conflict; replaying the turn under the lock");
+                    self.hot.conflicted(&plan.keys.conversation);
+                    if !serialized {
+                        // The lock is the queue now: no blind wait before it.
+                        serialized = true;
+                        self.give_up_if_spent(attempt, None)?;
+                        continue;
+                    }
                     None
                 }
                 AttemptOutcome::OutcomeUnknown(e) => {
@@ -349,18 +380,109 @@ impl Engine {
         deadline: Option<Instant>,
         lost: Option<StoreError>,
     ) -> Result<(), TurnError> {
-        if attempt >= self.retry.max_attempts.max(1) {
-            return Err(match lost {
-                Some(e) => TurnError::Store(e),
-                None => TurnError::Aborted { attempts: attempt },
-            });
-        }
+        self.give_up_if_spent(attempt, lost)?;
         let delay = self.retry.delay(attempt, &mut rand::rng());
         if deadline.is_some_and(|d| Instant::now() + delay >= d) {
             return Err(TurnError::DeadlineExceeded { attempts: attempt });
         }
         tokio::time::sleep(delay).await;
         Ok(())
+    }
+
+    /// Fails the turn when `attempt` was its last (with `lost`, the error of an attempt whose
+    /// commit outcome is unknown, if any).
+    fn give_up_if_spent(&self, attempt: u32, lost: Option<StoreError>) -> Result<(), TurnError> {
+        if attempt >= self.retry.max_attempts.max(1) {
+            return Err(match lost {
+                Some(e) => TurnError::Store(e),
+                None => TurnError::Aborted { attempts: attempt },
+            });
+        }
+        Ok(())
+    }
+
+    /// One attempt holding the conversation lock: nobody else's serialized turn of this
+    /// conversation loads, runs or commits until this one has committed or given up. A store
+    /// that serves one replica needs no lock, and the attempt is an ordinary one.
+    async fn attempt_serialized(
+        &self,
+        plan: &TurnPlan<'_>,
+        attempt: u32,
+        deadline: Option<Instant>,
+    ) -> Result<AttemptOutcome, TurnError> {
+        let wait = deadline.map_or(LOCK_WAIT_WITHOUT_DEADLINE, |d| {
+            d.saturating_duration_since(Instant::now())
+        });
+        let locking = std::time::Instant::now();
+        let lock = self
+            .store
+            .lock_conversation(&plan.keys.conversation, wait)
+            .await;
+        metrics::histogram!(STORE_DURATION, "op" => "lock").record(locking.elapsed());
+        let mut locked = match lock? {
+            ConversationLock::Held(locked) => {
+                metrics::counter!(LOCK_WAITS, "outcome" => "granted").increment(1);
+                locked
+            }
+            ConversationLock::NotNeeded => return self.attempt(plan, attempt).await,
+            ConversationLock::NotGranted => {
+                metrics::counter!(LOCK_WAITS, "outcome" => "not_granted").increment(1);
+                // The bot did not run on this attempt.
+                let attempts = attempt - 1;
+                return Err(match deadline {
+                    Some(_) => TurnError::DeadlineExceeded { attempts },
+                    None => TurnError::Aborted { attempts },
+                });
+            }
+        };
+        // What this replica remembers of these keys is about to be out of date.
+        self.cache.forget(&plan.key_list);
+        let snapshot = locked.load(&plan.key_list, plan.receipt.as_ref()).await?;
+        if let Some(receipt) = snapshot.receipt() {
+            locked.release().await;
+            return receipt::decode(receipt).map(AttemptOutcome::Answered);
+        }
+        let ran = run_bot(plan.bot, plan.context(attempt, &snapshot)).await;
+        let (scopes, activities) = match ran {
+            Ok(ran) => ran,
+            Err(e) => {
+                locked.release().await;
+                return Err(e);
+            }
+        };
+        let (commit, outcome) = plan.commit(scopes, activities, attempt, &snapshot);
+        if !commit.writes_anything() {
+            locked.release().await;
+            return Ok(AttemptOutcome::NothingToCommit(outcome));
+        }
+        let expected: Vec<(StateKey, Version)> = commit
+            .changes()
+            .iter()
+            .filter_map(|c| Some((c.key.clone(), c.version_after()?)))
+            .collect();
+        let committing = std::time::Instant::now();
+        let result = locked.commit(commit).await;
+        metrics::histogram!(STORE_DURATION, "op" => "commit").record(committing.elapsed());
+        match result {
+            Ok(CommitOutcome::Committed(versions)) => {
+                if let Some((key, version)) = expected
+                    .into_iter()
+                    .find(|(key, version)| versions.get(key) != Some(version))
+                {
+                    return Err(TurnError::Store(StoreError::Unexpected(anyhow::anyhow!(
+                        "the store committed {key} at version {:?}, not the {version:?} the \
+                         commit implied",
+                        versions.get(&key)
+                    ))));
+                }
+                Ok(AttemptOutcome::Committed(outcome))
+            }
+            Ok(CommitOutcome::Conflict { key }) => Ok(AttemptOutcome::Conflict(key)),
+            Err(e @ StoreError::Unavailable(_)) if plan.receipt.is_some() => {
+                Ok(AttemptOutcome::OutcomeUnknown(e))
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 }
 
@@ -452,6 +574,7 @@ fn attempt_name(ended: &Result<AttemptOutcome, TurnError>) -> &'static str {
         Ok(AttemptOutcome::Committed(_)) => "committed",
         Ok(AttemptOutcome::Conflict(_)) => "conflict",
         Ok(AttemptOutcome::OutcomeUnknown(_)) => "commit_unknown",
+        Err(TurnError::DeadlineExceeded { .. } | TurnError::Aborted { .. }) => "lock_not_granted",
         Err(TurnError::Bot(_)) => "bot_failed",
         Err(_) => "store_failed",
     }
@@ -566,6 +689,13 @@ mod tests {
         async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
             self.0.prune_receipts(age).await
         }
+        async fn lock_conversation(
+            &self,
+            conversation: &StateKey,
+            wait: Duration,
+        ) -> Result<ConversationLock, StoreError> {
+            self.0.lock_conversation(conversation, wait).await
+        }
         async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
             Ok(CommitOutcome::Conflict {
                 key: commit.changes()[0].key.clone(),
@@ -600,6 +730,13 @@ mod tests {
         }
         async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
             self.inner.prune_receipts(age).await
+        }
+        async fn lock_conversation(
+            &self,
+            conversation: &StateKey,
+            wait: Duration,
+        ) -> Result<ConversationLock, StoreError> {
+            self.inner.lock_conversation(conversation, wait).await
         }
     }
 
@@ -695,6 +832,13 @@ mod tests {
         }
         async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
             self.0.prune_receipts(age).await
+        }
+        async fn lock_conversation(
+            &self,
+            conversation: &StateKey,
+            wait: Duration,
+        ) -> Result<ConversationLock, StoreError> {
+            self.0.lock_conversation(conversation, wait).await
         }
         async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
             Ok(match self.0.commit(commit).await? {
