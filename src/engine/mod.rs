@@ -46,6 +46,10 @@ use crate::telemetry::metrics::{
 
 /// How long a serialized attempt of a call without deadline waits for its conversation's lock.
 const LOCK_WAIT_WITHOUT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long before the caller's deadline a lock wait gives up (at most a quarter of the time
+/// left), so that the caller hears why (`DEADLINE_EXCEEDED`, nothing committed) rather than
+/// seeing its own timer fire.
+const LOCK_ANSWER_MARGIN: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// A turn that committed (or changed nothing): what to deliver.
 #[derive(Debug, Clone, PartialEq)]
@@ -411,7 +415,8 @@ impl Engine {
         deadline: Option<Instant>,
     ) -> Result<AttemptOutcome, TurnError> {
         let wait = deadline.map_or(LOCK_WAIT_WITHOUT_DEADLINE, |d| {
-            d.saturating_duration_since(Instant::now())
+            let left = d.saturating_duration_since(Instant::now());
+            left.saturating_sub(LOCK_ANSWER_MARGIN.min(left / 4))
         });
         let locking = std::time::Instant::now();
         let lock = self

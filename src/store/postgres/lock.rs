@@ -54,7 +54,10 @@ pub(super) async fn lock_conversation(
     conversation: &StateKey,
     wait: Duration,
 ) -> Result<ConversationLock, StoreError> {
+    let asked = std::time::Instant::now();
     let client = store.client().await?;
+    // The wait for a pooled connection counts against the wait allowed.
+    let wait = wait.saturating_sub(asked.elapsed());
     // Whole milliseconds, at least one: 0 would mean "wait forever".
     let wait_ms = wait.as_millis().clamp(1, u128::from(u32::MAX));
     let hold_ms = (wait + HOLD_GRACE).as_millis().min(u128::from(u32::MAX));
