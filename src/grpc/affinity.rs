@@ -35,6 +35,7 @@ fn encode_into(part: &str, out: &mut String) {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
