@@ -132,7 +132,7 @@ async fn optimistic_turns_that_conflict_queue_for_the_lock_and_run_at_most_twice
         "the bot ran once per reported attempt (and once for `show`)"
     );
     assert!(
-        attempts.iter().any(|&a| a == 2),
+        attempts.contains(&2),
         "no turn conflicted: the race never happened"
     );
     assert!(
