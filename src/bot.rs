@@ -12,7 +12,7 @@
 //! (no calls that change another system, unless they are idempotent and keyed by the activity id),
 //! no dependence on wall-clock time or randomness that the state does not record.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::Arc;
 
@@ -228,6 +228,22 @@ fn address_reply(mut reply: Activity, to: &Activity) -> Activity {
 pub struct BotRegistry {
     bots: BTreeMap<String, Arc<dyn Bot>>,
     default: String,
+    /// The bots whose turns take the conversation lock from their first attempt.
+    serialized: BTreeSet<String>,
+}
+
+/// How the turns of one bot meet concurrent turns of the same conversation on other replicas.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ConcurrencyPolicy {
+    /// Run on the state as loaded (or cached) and commit if nobody else did meanwhile: one round
+    /// trip when uncontended. After a conflict the turn's next attempt holds the conversation
+    /// lock, so a turn runs its bot at most twice whenever the lock comes in time.
+    #[default]
+    Optimistic,
+    /// Hold the conversation lock from the first attempt: no run of the bot is ever thrown away
+    /// for a conflict, at the price of a pooled connection held while the bot runs. For bots
+    /// whose turns are slow or cost money (a language model, a payment).
+    Serialized,
 }
 
 /// A lookup for a bot the registry does not host.
@@ -254,6 +270,35 @@ impl BotRegistry {
         Self {
             bots,
             default: name,
+            serialized: BTreeSet::new(),
+        }
+    }
+
+    /// Sets the concurrency policy of the bot named `name` (every bot starts
+    /// [`ConcurrencyPolicy::Optimistic`]).
+    ///
+    /// # Errors
+    /// When no bot of that name is registered.
+    pub fn with_policy(
+        mut self,
+        name: &str,
+        policy: ConcurrencyPolicy,
+    ) -> Result<Self, UnknownBot> {
+        let (name, _) = self.get(Some(name))?;
+        let name = name.to_owned();
+        match policy {
+            ConcurrencyPolicy::Optimistic => self.serialized.remove(&name),
+            ConcurrencyPolicy::Serialized => self.serialized.insert(name),
+        };
+        Ok(self)
+    }
+
+    /// The concurrency policy of the bot named `name` (as returned by [`BotRegistry::get`]).
+    pub fn policy(&self, name: &str) -> ConcurrencyPolicy {
+        if self.serialized.contains(name) {
+            ConcurrencyPolicy::Serialized
+        } else {
+            ConcurrencyPolicy::Optimistic
         }
     }
 
@@ -308,6 +353,7 @@ impl fmt::Debug for BotRegistry {
         f.debug_struct("BotRegistry")
             .field("bots", &self.bots.keys().collect::<Vec<_>>())
             .field("default", &self.default)
+            .field("serialized", &self.serialized)
             .finish()
     }
 }

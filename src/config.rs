@@ -306,6 +306,14 @@ pub struct ServeArgs {
     #[arg(long, env = "TURNSTILE_HTTP2_KEEPALIVE_TIMEOUT_SECS", default_value_t = 20,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub http2_keepalive_timeout_secs: u64,
+    /// Bots whose turns hold the conversation lock from their first attempt (comma-separated
+    /// names): no run of theirs is wasted on a conflict, but each holds a pooled connection while
+    /// it runs. The others lock only after a conflict.
+    #[arg(long, env = "TURNSTILE_SERIALIZED_BOTS", value_delimiter = ',')]
+    pub serialized_bots: Vec<String>,
+    /// How long every run of the `slow` sample bot takes, in milliseconds.
+    #[arg(long, env = "TURNSTILE_SLOW_BOT_DELAY_MS", default_value_t = 200)]
+    pub slow_bot_delay_ms: u64,
 }
 
 impl ServeArgs {
@@ -365,6 +373,26 @@ impl ServeArgs {
                 keepalive_timeout: Duration::from_secs(self.http2_keepalive_timeout_secs),
             },
         }
+    }
+}
+
+impl ServeArgs {
+    /// The sample bots (see [`crate::bots::samples`]) as these arguments configure them.
+    ///
+    /// # Errors
+    /// When `--serialized-bots` names a bot that is not hosted.
+    pub fn bots(&self) -> Result<crate::bot::BotRegistry, crate::bot::UnknownBot> {
+        let slow = crate::bots::SlowBot::new(Duration::from_millis(self.slow_bot_delay_ms));
+        let mut bots = crate::bots::samples().with("slow", slow);
+        for name in self
+            .serialized_bots
+            .iter()
+            .map(|n| n.trim())
+            .filter(|n| !n.is_empty())
+        {
+            bots = bots.with_policy(name, crate::bot::ConcurrencyPolicy::Serialized)?;
+        }
+        Ok(bots)
     }
 }
 
@@ -487,6 +515,23 @@ mod server_flags {
         assert_eq!(off.connections.max_age_grace, None);
         assert_eq!(off.connections.keepalive_interval, None);
         assert!(Cli::try_parse_from(["turnstile", "--http2-keepalive-timeout-secs", "0"]).is_err());
+    }
+
+    #[test]
+    fn serialized_bots_are_named_and_checked() {
+        let cli = Cli::try_parse_from(["turnstile", "--serialized-bots", "slow,pizza"])
+            .expect("valid arguments");
+        let bots = cli.serve.bots().expect("hosted bots");
+        for name in ["slow", "pizza"] {
+            assert_eq!(bots.policy(name), crate::bot::ConcurrencyPolicy::Serialized);
+        }
+        assert_eq!(
+            bots.policy("counter"),
+            crate::bot::ConcurrencyPolicy::Optimistic
+        );
+        let cli = Cli::try_parse_from(["turnstile", "--serialized-bots", "nobody"])
+            .expect("valid arguments");
+        assert!(cli.serve.bots().is_err(), "an unknown bot is refused");
     }
 
     #[test]

@@ -37,6 +37,6 @@ pub mod state;
 pub mod store;
 pub mod telemetry;
 
-pub use bot::{Bot, BotError, BotRegistry, TurnContext};
+pub use bot::{Bot, BotError, BotRegistry, ConcurrencyPolicy, TurnContext};
 pub use config::Config;
 pub use server::serve;

@@ -73,9 +73,10 @@ async fn serve(args: turnstile::config::ServeArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
+    let bots = args.bots()?;
     turnstile::serve(
         args.config(),
-        turnstile::bots::samples(),
+        bots,
         turnstile::server::Listeners {
             grpc: listener,
             metrics,

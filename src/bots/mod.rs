@@ -3,6 +3,8 @@
 //! - `pizza` (the default) — the pizza order bot, see [`PizzaBot`].
 //! - `counter` — counts messages per conversation, see [`CounterBot`]; the fault tests and the
 //!   load generator use it.
+//! - `slow` — the counter bot taking a set time per run (200 ms unless told), like a bot that
+//!   calls a language model, see [`SlowBot`].
 //! - `subtract` — the seed sample's dialog (Bot Framework's `42.scaleout`), see [`SubtractBot`].
 //! - `waterfall`, `waterfall-nested`, `waterfall-prompt`, `text-prompt`, `number-prompt`,
 //!   `confirm-prompt`, `choice-prompt`, `conversation-state`, `user-state` — the conformance
@@ -11,10 +13,12 @@
 pub mod conformance;
 mod counter;
 mod pizza;
+pub mod slow;
 mod subtract;
 
 pub use counter::CounterBot;
 pub use pizza::PizzaBot;
+pub use slow::SlowBot;
 pub use subtract::SubtractBot;
 
 use crate::bot::BotRegistry;
@@ -36,11 +40,12 @@ pub const CONFORMANCE: [(&str, &str); 9] = [
     ("user-state", "UserStateTest"),
 ];
 
-/// The bots `turnstile serve` hosts: `pizza` (the default), `counter`, `subtract` and the
-/// conformance bots.
+/// The bots `turnstile serve` hosts: `pizza` (the default), `counter`, `slow`, `subtract` and
+/// the conformance bots.
 pub fn samples() -> BotRegistry {
     BotRegistry::new("pizza", PizzaBot)
         .with("counter", CounterBot)
+        .with("slow", SlowBot::default())
         .with("subtract", SubtractBot::default())
         .with("waterfall", WaterfallBot::default())
         .with("waterfall-nested", WaterfallNestedBot::default())
@@ -69,5 +74,6 @@ mod tests {
         }
         assert!(bots.get(Some("subtract")).is_ok());
         assert!(bots.get(Some("counter")).is_ok());
+        assert!(bots.get(Some("slow")).is_ok());
     }
 }

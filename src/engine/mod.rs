@@ -9,7 +9,14 @@
 //! bot runs again on the state the winner left. Replays are bounded, spaced by jittered backoff
 //! and stop short of the caller's deadline. Within one replica, turns of the same conversation
 //! queue (see `queue`), so conflicts come only from other replicas.
+//!
+//! Across replicas they queue in the store once they have met: after a conflict, the turn's next
+//! attempt holds the conversation lock (`Store::lock_conversation`) across load → run → commit, so
+//! it runs the bot on state nobody else's serialized turn is about to move, and the conversation
+//! stays serialized on this replica for a few seconds (see `hot`). A bot whose policy is
+//! `Serialized` takes the lock from its first attempt. The conditional commit stays the backstop.
 
+mod hot;
 mod queue;
 mod receipt;
 mod retry;
@@ -25,14 +32,26 @@ use tracing::Instrument as _;
 
 use crate::activity::Activity;
 use crate::activity::incoming::IncomingActivity;
-use crate::bot::{Bot, BotError, BotRegistry, TurnContext, TurnScopes, UnknownBot};
+use crate::bot::{
+    Bot, BotError, BotRegistry, ConcurrencyPolicy, TurnContext, TurnScopes, UnknownBot,
+};
 use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
 use crate::store::cached::CachedStore;
 use crate::store::timed::TimedStore;
 use crate::store::{
-    Commit, CommitOutcome, Consistency, KeyChange, Snapshot, Store, StoreError, Version,
+    Commit, CommitOutcome, Consistency, ConversationLock, KeyChange, Snapshot, Store, StoreError,
+    Version,
 };
-use crate::telemetry::metrics::{CONFLICTS, REDELIVERIES, TURN_ATTEMPTS, TURN_DURATION, TURNS};
+use crate::telemetry::metrics::{
+    CONFLICTS, LOCK_WAITS, REDELIVERIES, TURN_ATTEMPTS, TURN_DURATION, TURNS,
+};
+
+/// How long a serialized attempt of a call without deadline waits for its conversation's lock.
+const LOCK_WAIT_WITHOUT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long before the caller's deadline a lock wait gives up (at most a quarter of the time
+/// left), so that the caller hears why (`DEADLINE_EXCEEDED`, nothing committed) rather than
+/// seeing its own timer fire.
+const LOCK_ANSWER_MARGIN: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// A turn that committed (or changed nothing): what to deliver.
 #[derive(Debug, Clone, PartialEq)]
@@ -85,6 +104,7 @@ pub struct Engine {
     bots: BotRegistry,
     retry: RetryPolicy,
     queue: Arc<queue::KeyQueue>,
+    hot: Arc<hot::HotConversations>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -104,6 +124,7 @@ impl Engine {
             bots,
             retry,
             queue: Arc::new(queue::KeyQueue::new()),
+            hot: Arc::new(hot::HotConversations::default()),
         }
     }
 
@@ -176,6 +197,8 @@ impl Engine {
         span.record("bot", bot_name);
         let plan = TurnPlan::new(bot_name, handler.as_ref(), incoming);
         let _turn = self.queue_up(&plan.keys.conversation, deadline).await?;
+        let mut serialized = self.bots.policy(bot_name) == ConcurrencyPolicy::Serialized
+            || self.hot.is_hot(&plan.keys.conversation);
 
         let mut attempt = 0;
         let mut outcome_unknown = false;
@@ -187,13 +210,19 @@ impl Engine {
             let attempt_span = tracing::info_span!(
                 "attempt",
                 attempt,
+                serialized,
                 outcome = tracing::field::Empty,
                 version = tracing::field::Empty
             );
-            let ended = self
-                .attempt(&plan, attempt)
-                .instrument(attempt_span.clone())
-                .await;
+            let ended = if serialized {
+                self.attempt_serialized(&plan, attempt, deadline)
+                    .instrument(attempt_span.clone())
+                    .await
+            } else {
+                self.attempt(&plan, attempt)
+                    .instrument(attempt_span.clone())
+                    .await
+            };
             attempt_span.record("outcome", attempt_name(&ended));
             let lost = match ended? {
                 AttemptOutcome::Answered(mut outcome) => {
@@ -211,7 +240,14 @@ impl Engine {
                 }
                 AttemptOutcome::Conflict(key) => {
                     metrics::counter!(CONFLICTS).increment(1);
-                    tracing::debug!(attempt, %key, "conflict; replaying the turn");
+                    tracing::debug!(attempt, %key, "conflict; replaying the turn under the lock");
+                    self.hot.conflicted(&plan.keys.conversation);
+                    if !serialized {
+                        // The lock is the queue now: no blind wait before it.
+                        serialized = true;
+                        self.give_up_if_spent(attempt, None)?;
+                        continue;
+                    }
                     None
                 }
                 AttemptOutcome::OutcomeUnknown(e) => {
@@ -282,34 +318,9 @@ impl Engine {
         commit: Commit,
         outcome: TurnOutcome,
     ) -> Result<AttemptOutcome, TurnError> {
-        let implied: Vec<(StateKey, Version)> = commit
-            .changes()
-            .iter()
-            .filter_map(|c| Some((c.key.clone(), c.version_after()?)))
-            .collect();
-        match self.store.commit(commit).await {
-            Ok(CommitOutcome::Committed(versions)) => {
-                // The version the receipt promised is the one the store wrote: one rule
-                // (`KeyChange::version_after`), checked here rather than trusted.
-                for (key, version) in implied {
-                    if versions.get(&key) != Some(&version) {
-                        return Err(TurnError::Store(StoreError::Unexpected(anyhow::anyhow!(
-                            "the store committed {key} at version {:?}, not the {version:?} the \
-                             commit implied",
-                            versions.get(&key)
-                        ))));
-                    }
-                }
-                Ok(AttemptOutcome::Committed(outcome))
-            }
-            Ok(CommitOutcome::Conflict { key }) => Ok(AttemptOutcome::Conflict(key)),
-            // The connection failed while the commit may have been in flight. With a receipt
-            // the next load tells whether it landed: replay, and the receipt answers if so.
-            Err(e @ StoreError::Unavailable(_)) if plan.receipt.is_some() => {
-                Ok(AttemptOutcome::OutcomeUnknown(e))
-            }
-            Err(e) => Err(e.into()),
-        }
+        let implied = commit.implied_versions();
+        let result = self.store.commit(commit).await;
+        settle(plan, implied, result, outcome)
     }
 
     /// Between two attempts: fails the turn when its attempts are spent or the wait would pass
@@ -321,18 +332,113 @@ impl Engine {
         deadline: Option<Instant>,
         lost: Option<StoreError>,
     ) -> Result<(), TurnError> {
-        if attempt >= self.retry.max_attempts.max(1) {
-            return Err(match lost {
-                Some(e) => TurnError::Store(e),
-                None => TurnError::Aborted { attempts: attempt },
-            });
-        }
+        self.give_up_if_spent(attempt, lost)?;
         let delay = self.retry.delay(attempt, &mut rand::rng());
         if deadline.is_some_and(|d| Instant::now() + delay >= d) {
             return Err(TurnError::DeadlineExceeded { attempts: attempt });
         }
         tokio::time::sleep(delay).await;
         Ok(())
+    }
+
+    /// Fails the turn when `attempt` was its last (with `lost`, the error of an attempt whose
+    /// commit outcome is unknown, if any).
+    fn give_up_if_spent(&self, attempt: u32, lost: Option<StoreError>) -> Result<(), TurnError> {
+        if attempt >= self.retry.max_attempts.max(1) {
+            return Err(match lost {
+                Some(e) => TurnError::Store(e),
+                None => TurnError::Aborted { attempts: attempt },
+            });
+        }
+        Ok(())
+    }
+
+    /// One attempt holding the conversation lock: nobody else's serialized turn of this
+    /// conversation loads, runs or commits until this one has committed or given up. A store
+    /// that serves one replica needs no lock, and the attempt is an ordinary one.
+    async fn attempt_serialized(
+        &self,
+        plan: &TurnPlan<'_>,
+        attempt: u32,
+        deadline: Option<Instant>,
+    ) -> Result<AttemptOutcome, TurnError> {
+        let wait = deadline.map_or(LOCK_WAIT_WITHOUT_DEADLINE, |d| {
+            let left = d.saturating_duration_since(Instant::now());
+            left.saturating_sub(LOCK_ANSWER_MARGIN.min(left / 4))
+        });
+        let mut locked = match self
+            .store
+            .lock_conversation(&plan.keys.conversation, wait)
+            .await?
+        {
+            ConversationLock::Held(locked) => {
+                metrics::counter!(LOCK_WAITS, "outcome" => "granted").increment(1);
+                locked
+            }
+            ConversationLock::NotNeeded => return self.attempt(plan, attempt).await,
+            ConversationLock::NotGranted => {
+                metrics::counter!(LOCK_WAITS, "outcome" => "not_granted").increment(1);
+                // The bot did not run on this attempt.
+                let attempts = attempt - 1;
+                return Err(match deadline {
+                    Some(_) => TurnError::DeadlineExceeded { attempts },
+                    None => TurnError::Aborted { attempts },
+                });
+            }
+        };
+        let snapshot = locked.load(&plan.key_list, plan.receipt.as_ref()).await?;
+        if let Some(receipt) = snapshot.receipt() {
+            locked.release().await;
+            return receipt::decode(receipt).map(AttemptOutcome::Answered);
+        }
+        let (scopes, activities) = match run_bot(plan.bot, plan.context(attempt, &snapshot)).await {
+            Ok(ran) => ran,
+            Err(e) => {
+                locked.release().await;
+                return Err(e);
+            }
+        };
+        let (commit, outcome) = plan.commit(scopes, activities, attempt, &snapshot);
+        if !commit.writes_anything() {
+            locked.release().await;
+            return Ok(AttemptOutcome::NothingToCommit(outcome));
+        }
+        let implied = commit.implied_versions();
+        let result = locked.commit(commit).await;
+        settle(plan, implied, result, outcome)
+    }
+}
+
+/// What the store's answer to an attempt's commit means for the turn, after checking that it
+/// wrote the versions the commit implied.
+fn settle(
+    plan: &TurnPlan<'_>,
+    implied: Vec<(StateKey, Version)>,
+    result: Result<CommitOutcome, StoreError>,
+    outcome: TurnOutcome,
+) -> Result<AttemptOutcome, TurnError> {
+    match result {
+        Ok(CommitOutcome::Committed(versions)) => {
+            // The version the receipt promised is the one the store wrote: one rule
+            // (`KeyChange::version_after`), checked here rather than trusted.
+            for (key, version) in implied {
+                if versions.get(&key) != Some(&version) {
+                    return Err(TurnError::Store(StoreError::Unexpected(anyhow::anyhow!(
+                        "the store committed {key} at version {:?}, not the {version:?} the \
+                             commit implied",
+                        versions.get(&key)
+                    ))));
+                }
+            }
+            Ok(AttemptOutcome::Committed(outcome))
+        }
+        Ok(CommitOutcome::Conflict { key }) => Ok(AttemptOutcome::Conflict(key)),
+        // The connection failed while the commit may have been in flight. With a receipt
+        // the next load tells whether it landed: replay, and the receipt answers if so.
+        Err(e @ StoreError::Unavailable(_)) if plan.receipt.is_some() => {
+            Ok(AttemptOutcome::OutcomeUnknown(e))
+        }
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -424,6 +530,7 @@ fn attempt_name(ended: &Result<AttemptOutcome, TurnError>) -> &'static str {
         Ok(AttemptOutcome::Committed(_)) => "committed",
         Ok(AttemptOutcome::Conflict(_)) => "conflict",
         Ok(AttemptOutcome::OutcomeUnknown(_)) => "commit_unknown",
+        Err(TurnError::DeadlineExceeded { .. } | TurnError::Aborted { .. }) => "lock_not_granted",
         Err(TurnError::Bot(_)) => "bot_failed",
         Err(_) => "store_failed",
     }
@@ -538,6 +645,13 @@ mod tests {
         async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
             self.0.prune_receipts(age).await
         }
+        async fn lock_conversation(
+            &self,
+            conversation: &StateKey,
+            wait: Duration,
+        ) -> Result<ConversationLock, StoreError> {
+            self.0.lock_conversation(conversation, wait).await
+        }
         async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
             Ok(CommitOutcome::Conflict {
                 key: commit.changes()[0].key.clone(),
@@ -572,6 +686,13 @@ mod tests {
         }
         async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
             self.inner.prune_receipts(age).await
+        }
+        async fn lock_conversation(
+            &self,
+            conversation: &StateKey,
+            wait: Duration,
+        ) -> Result<ConversationLock, StoreError> {
+            self.inner.lock_conversation(conversation, wait).await
         }
     }
 
@@ -667,6 +788,13 @@ mod tests {
         }
         async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
             self.0.prune_receipts(age).await
+        }
+        async fn lock_conversation(
+            &self,
+            conversation: &StateKey,
+            wait: Duration,
+        ) -> Result<ConversationLock, StoreError> {
+            self.0.lock_conversation(conversation, wait).await
         }
         async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
             Ok(match self.0.commit(commit).await? {

@@ -190,7 +190,12 @@ impl Gateway {
         let span = tracing::Span::current();
         span.record("channel", channel_id);
         span.record("activity_id", inbound.id.as_deref().unwrap_or_default());
-        let response = self.turns.process(text).await.map_err(Refusal::Turn)?;
+        let conversation = inbound.conversation_id().map(|id| (channel_id, id));
+        let response = self
+            .turns
+            .process(text, conversation)
+            .await
+            .map_err(Refusal::Turn)?;
         let mut replies = Vec::with_capacity(response.activities_json.len());
         for json in response.activities_json {
             let value: Value =

@@ -12,6 +12,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
 
 use super::config::{GatewayConfig, Secret};
+use crate::grpc::affinity::{CONVERSATION_METADATA, conversation_value};
 use crate::grpc::client::{self, ClientError};
 use crate::grpc::pb;
 use crate::grpc::pb::turn_service_client::TurnServiceClient;
@@ -70,10 +71,18 @@ impl Turns {
     }
 
     /// Runs the turn for `activity_json`, the channel's text, and returns its replies as JSON.
+    /// `conversation` (channel and conversation id) goes along as
+    /// [`CONVERSATION_METADATA`], so that a mesh can keep a conversation on one replica.
     ///
     /// # Errors
     /// The last [`Status`] when the server refused the turn or the deadline ran out.
-    pub async fn process(&self, activity_json: &str) -> Result<pb::ProcessTurnResponse, Status> {
+    pub async fn process(
+        &self,
+        activity_json: &str,
+        conversation: Option<(&str, &str)>,
+    ) -> Result<pb::ProcessTurnResponse, Status> {
+        let affinity = conversation
+            .and_then(|(channel, conversation)| conversation_value(channel, conversation));
         let deadline = Instant::now() + self.timeout;
         let mut backoff = FIRST_BACKOFF;
         loop {
@@ -86,6 +95,11 @@ impl Turns {
                 request
                     .metadata_mut()
                     .insert("authorization", authorization.clone());
+            }
+            if let Some(affinity) = &affinity {
+                request
+                    .metadata_mut()
+                    .insert(CONVERSATION_METADATA, affinity.clone());
             }
             match self.client.clone().process_turn(request).await {
                 Ok(response) => return Ok(response.into_inner()),

@@ -25,7 +25,8 @@ use std::sync::{Mutex, MutexGuard};
 use async_trait::async_trait;
 
 use super::{
-    Commit, CommitOutcome, Consistency, PoolStatus, Snapshot, Store, StoreError, Version, Versioned,
+    Commit, CommitOutcome, Consistency, ConversationLock, PoolStatus, Snapshot, Store, StoreError,
+    Version, Versioned,
 };
 use crate::activity::JsonMap;
 use crate::state::StateKey;
@@ -213,6 +214,19 @@ impl<S: Store> Store for CachedStore<S> {
 
     async fn prune_receipts(&self, age: std::time::Duration) -> Result<u64, StoreError> {
         self.inner.prune_receipts(age).await
+    }
+
+    /// A locked turn loads and commits past the cache, so the conversation is forgotten: its
+    /// next turn here loads rather than guessing from a version the locked commit moves on. (A
+    /// user-scope key the locked turn changes may stay cached for other conversations; a guess
+    /// from it costs a conflict and a replay, as any stale guess does.)
+    async fn lock_conversation(
+        &self,
+        conversation: &StateKey,
+        wait: std::time::Duration,
+    ) -> Result<ConversationLock, StoreError> {
+        self.cache.forget([conversation]);
+        self.inner.lock_conversation(conversation, wait).await
     }
 
     fn pool_status(&self) -> Option<PoolStatus> {

@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
-use super::{Commit, CommitOutcome, Expected, Snapshot, Store, StoreError, Versioned};
+use super::{
+    Commit, CommitOutcome, ConversationLock, Expected, Snapshot, Store, StoreError, Versioned,
+};
 use crate::state::StateKey;
 
 /// Turn state in this process's memory.
@@ -104,6 +106,16 @@ impl Store for MemoryStore {
             receipts.insert(key.clone(), (payload.clone(), Instant::now()));
         }
         Ok(CommitOutcome::Committed(versions))
+    }
+
+    /// One process, one replica: its engine's queue already runs a conversation's turns one at
+    /// a time, so there is nothing to lock.
+    async fn lock_conversation(
+        &self,
+        _conversation: &StateKey,
+        _wait: Duration,
+    ) -> Result<ConversationLock, StoreError> {
+        Ok(ConversationLock::NotNeeded)
     }
 
     async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {

@@ -11,6 +11,12 @@
 //! A commit may also carry a receipt: the turn's answer, stored under the activity's key in the
 //! same transaction, and read back by the next load of a redelivered activity. A receipt that
 //! exists already is a conflict too. Receipts are opaque JSON to the store and pruned by age.
+//!
+//! For a conversation whose turns keep conflicting, or a bot whose runs are too costly to repeat,
+//! a store shared by replicas also offers a queue: [`Store::lock_conversation`] holds the
+//! conversation for one turn's load → run → commit, so that the replicas' turns of it wait in
+//! the database instead of running the bot on state that is about to move. The conditional commit
+//! stays the backstop: a turn that did not take the lock can still change the state meanwhile.
 
 pub mod cached;
 pub mod memory;
@@ -170,6 +176,15 @@ impl Commit {
         (self.changes, self.receipt)
     }
 
+    /// The version each changed key will have once this commit applies
+    /// ([`KeyChange::version_after`]), for checking the store's answer against.
+    pub fn implied_versions(&self) -> Vec<(StateKey, Version)> {
+        self.changes
+            .iter()
+            .filter_map(|c| Some((c.key.clone(), c.version_after()?)))
+            .collect()
+    }
+
     /// Whether the commit writes anything at all (state or a receipt).
     pub fn writes_anything(&self) -> bool {
         self.receipt.is_some() || self.changes.iter().any(|c| c.write.is_some())
@@ -254,6 +269,20 @@ pub trait Store: Send + Sync + 'static {
     /// [`StoreError`] when the store cannot answer.
     async fn prune_receipts(&self, age: std::time::Duration) -> Result<u64, StoreError>;
 
+    /// Holds `conversation` against the serialized turns of every replica until the returned
+    /// [`ConversationLock::Held`] is committed or released, waiting at most `wait` for it; the
+    /// held turn loads and commits through the lock. A store that serves one replica answers
+    /// [`ConversationLock::NotNeeded`]: the engine's per-replica queue serializes already.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot answer; a lock not granted in time is
+    /// [`ConversationLock::NotGranted`], not an error.
+    async fn lock_conversation(
+        &self,
+        conversation: &StateKey,
+        wait: std::time::Duration,
+    ) -> Result<ConversationLock, StoreError>;
+
     /// The connection pool's occupancy, for stores that pool connections.
     fn pool_status(&self) -> Option<PoolStatus> {
         None
@@ -269,4 +298,50 @@ pub struct PoolStatus {
     pub idle: usize,
     /// Calls waiting for a connection.
     pub waiting: usize,
+}
+
+/// What [`Store::lock_conversation`] got.
+pub enum ConversationLock {
+    /// The store serves one replica, whose queue serializes a conversation's turns already: the
+    /// turn runs as an ordinary one.
+    NotNeeded,
+    /// The conversation is held for this turn until it commits or releases.
+    Held(Box<dyn LockedTurn>),
+    /// Another turn held the conversation for all of the wait allowed; nothing was done.
+    NotGranted,
+}
+
+impl fmt::Debug for ConversationLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::NotNeeded => "NotNeeded",
+            Self::Held(_) => "Held",
+            Self::NotGranted => "NotGranted",
+        })
+    }
+}
+
+/// One turn holding its conversation: a load and at most one commit, both under the lock, which
+/// ends with the commit, with [`LockedTurn::release`], or when this is dropped (a replica that
+/// dies releases it with its connection).
+#[async_trait]
+pub trait LockedTurn: Send {
+    /// [`Store::load`], under the lock.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot answer.
+    async fn load(
+        &mut self,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+    ) -> Result<Snapshot, StoreError>;
+
+    /// [`Store::commit`], under the lock, which it then releases.
+    ///
+    /// # Errors
+    /// As [`Store::commit`].
+    async fn commit(self: Box<Self>, commit: Commit) -> Result<CommitOutcome, StoreError>;
+
+    /// Releases the lock without writing anything.
+    async fn release(self: Box<Self>);
 }

@@ -9,6 +9,7 @@
 //! ([`group_commit`]). Statements are prepared once per pooled connection, or, behind a pooler
 //! in transaction mode, sent unnamed with their parameters so that none outlives its transaction
 //! ([`Statements`]). Connections use TLS as libpq's `sslmode` and `sslrootcert` say ([`tls`]).
+//! A serialized turn holds its conversation in a transaction of its own ([`lock`]).
 
 use std::collections::HashMap;
 use std::str::FromStr;
@@ -23,11 +24,15 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{Json, ToSql, Type};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::{Commit, CommitOutcome, Expected, Snapshot, Store, StoreError, Version, Versioned};
+use super::{
+    Commit, CommitOutcome, ConversationLock, Expected, Snapshot, Store, StoreError, Version,
+    Versioned,
+};
 use crate::activity::JsonMap;
 use crate::state::StateKey;
 
 mod group_commit;
+mod lock;
 pub mod tls;
 
 pub use group_commit::GroupCommitStats;
@@ -43,6 +48,20 @@ const LOAD: Sql = Sql {
            UNION ALL \
            SELECT true, key, payload, 0 FROM turnstile_receipt WHERE key = $2",
     types: &[Type::TEXT_ARRAY, Type::TEXT],
+};
+/// [`LOAD`] for a turn holding its conversation lock, which also locks the conversation's row
+/// (`$3`) against writes until the turn's transaction ends: another replica's optimistic commit
+/// of that conversation waits, and then finds the version moved. So a turn holding the lock is
+/// not beaten by one that did not take it.
+const LOAD_HOLDING: Sql = Sql {
+    text: "SELECT false, key, state, version FROM turnstile_state \
+            WHERE key = ANY($1) AND key <> $3 \
+           UNION ALL \
+           SELECT false, key, state, version FROM ( \
+             SELECT key, state, version FROM turnstile_state WHERE key = $3 FOR UPDATE) held \
+           UNION ALL \
+           SELECT true, key, payload, 0 FROM turnstile_receipt WHERE key = $2",
+    types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
 };
 const COMMIT: Sql = Sql {
     text: "SELECT conflict_key, versions FROM turnstile_commit($1, $2, $3, $4, $5)",
@@ -416,6 +435,15 @@ impl Store for PostgresStore {
     }
 
     #[tracing::instrument(skip_all)]
+    async fn lock_conversation(
+        &self,
+        conversation: &StateKey,
+        wait: Duration,
+    ) -> Result<ConversationLock, StoreError> {
+        lock::lock_conversation(self, conversation, wait).await
+    }
+
+    #[tracing::instrument(skip_all)]
     async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
         let client = self.client().await?;
         let mut pruned = 0;
@@ -461,12 +489,36 @@ impl PostgresStore {
         receipt: Option<&StateKey>,
     ) -> Result<Snapshot, StoreError> {
         let client = self.client().await?;
+        Self::load_on(&client, self.statements, keys, receipt, None).await
+    }
+
+    async fn commit_now(&self, commit: &Commit) -> Result<CommitOutcome, StoreError> {
+        let client = self.client().await?;
+        Self::commit_on(&client, self.statements, commit).await
+    }
+
+    /// [`Store::load`] on `client`; with `held`, a conversation key whose row it also locks
+    /// until the transaction ends.
+    async fn load_on(
+        client: &deadpool_postgres::ClientWrapper,
+        statements: Statements,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+        held: Option<&StateKey>,
+    ) -> Result<Snapshot, StoreError> {
         let names: Vec<&str> = keys.iter().map(StateKey::as_str).collect();
         let receipt_key = receipt.map(StateKey::as_str);
-        let rows = LOAD
-            .query(&client, self.statements, &[&names, &receipt_key])
-            .await
-            .map_err(classify)?;
+        let rows = match held {
+            None => {
+                LOAD.query(client, statements, &[&names, &receipt_key])
+                    .await
+            }
+            Some(held) => {
+                let params: [&(dyn ToSql + Sync); 3] = [&names, &receipt_key, &held.as_str()];
+                LOAD_HOLDING.query(client, statements, &params).await
+            }
+        }
+        .map_err(classify)?;
         let mut states = HashMap::with_capacity(rows.len());
         let mut found_receipt = None;
         for row in &rows {
@@ -482,7 +534,12 @@ impl PostgresStore {
         Ok(Snapshot::new(states, found_receipt))
     }
 
-    async fn commit_now(&self, commit: &Commit) -> Result<CommitOutcome, StoreError> {
+    /// [`Store::commit`] by `turnstile_commit` on `client`.
+    async fn commit_on(
+        client: &deadpool_postgres::ClientWrapper,
+        statements: Statements,
+        commit: &Commit,
+    ) -> Result<CommitOutcome, StoreError> {
         let changes = commit.changes();
         let keys: Vec<&str> = changes.iter().map(|c| c.key.as_str()).collect();
         let expected = changes
@@ -499,9 +556,8 @@ impl PostgresStore {
         let receipt_key = commit.receipt().map(|(k, _)| k.as_str());
         let receipt = commit.receipt().map(|(_, payload)| Json(payload));
 
-        let client = self.client().await?;
         let params: [&(dyn ToSql + Sync); 5] = [&keys, &expected, &states, &receipt_key, &receipt];
-        let rows = match COMMIT.query(&client, self.statements, &params).await {
+        let rows = match COMMIT.query(client, statements, &params).await {
             Ok(rows) => rows,
             Err(e) if is_conflict(&e) => return Ok(conflict_from(&e, commit)),
             Err(e) => return Err(classify(e)),

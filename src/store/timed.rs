@@ -1,5 +1,5 @@
 //! The store's latency as the `turnstile_store_duration_seconds` histogram, by `op` (`load` |
-//! `commit`): a wrapper around any [`Store`], as IOx times its catalog with a metrics decorator,
+//! `commit` | `lock`): a wrapper around any [`Store`], as IOx times its catalog with a metrics decorator,
 //! so that neither the engine nor each store implementation has to remember to time its calls.
 //!
 //! It sits behind the state cache (see `cached`), so that it times the calls that reach the store
@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
-use super::{Commit, CommitOutcome, Consistency, PoolStatus, Snapshot, Store, StoreError};
+use super::{
+    Commit, CommitOutcome, Consistency, ConversationLock, PoolStatus, Snapshot, Store, StoreError,
+};
 use crate::state::StateKey;
 use crate::telemetry::metrics::STORE_DURATION;
 
@@ -20,6 +22,7 @@ pub struct TimedStore {
     inner: Arc<dyn Store>,
     load: metrics::Histogram,
     commit: metrics::Histogram,
+    lock: metrics::Histogram,
 }
 
 impl std::fmt::Debug for TimedStore {
@@ -36,6 +39,7 @@ impl TimedStore {
             inner,
             load: metrics::histogram!(STORE_DURATION, "op" => "load"),
             commit: metrics::histogram!(STORE_DURATION, "op" => "commit"),
+            lock: metrics::histogram!(STORE_DURATION, "op" => "lock"),
         }
     }
 }
@@ -74,6 +78,18 @@ impl Store for TimedStore {
 
     async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
         self.inner.prune_receipts(age).await
+    }
+
+    /// Times the wait for the lock; the locked turn's load and commit are not timed.
+    async fn lock_conversation(
+        &self,
+        conversation: &StateKey,
+        wait: Duration,
+    ) -> Result<ConversationLock, StoreError> {
+        let started = Instant::now();
+        let locked = self.inner.lock_conversation(conversation, wait).await;
+        self.lock.record(started.elapsed());
+        locked
     }
 
     fn pool_status(&self) -> Option<PoolStatus> {

@@ -27,7 +27,8 @@ pub const TURN_ATTEMPTS: &str = "turnstile_turn_attempts";
 pub const CONFLICTS: &str = "turnstile_conflicts_total";
 /// Wall time of one turn, queueing included.
 pub const TURN_DURATION: &str = "turnstile_turn_duration_seconds";
-/// Wall time of one store call (`op` = `load` | `commit`).
+/// Wall time of one store call (`op` = `load` | `commit` | `lock`, the wait for a conversation
+/// lock).
 pub const STORE_DURATION: &str = "turnstile_store_duration_seconds";
 /// Single-scope commits per statement of the PostgreSQL store's group commit.
 pub const COMMIT_BATCH_SIZE: &str = "turnstile_commit_batch_size";
@@ -35,6 +36,9 @@ pub const COMMIT_BATCH_SIZE: &str = "turnstile_commit_batch_size";
 pub const POOL_CONNECTIONS: &str = "turnstile_pool_connections";
 /// Redelivered activities answered from their stored receipt, without running the bot.
 pub const REDELIVERIES: &str = "turnstile_redeliveries_total";
+/// Conversation locks asked for by serialized attempts, by `outcome` (`granted` |
+/// `not_granted`).
+pub const LOCK_WAITS: &str = "turnstile_lock_waits_total";
 /// Always 1, labelled with the running `version`: joins other series to the build that made them.
 pub const BUILD_INFO: &str = "turnstile_build_info";
 
@@ -97,6 +101,10 @@ fn describe() {
     describe_counter!(
         REDELIVERIES,
         "Redelivered activities answered from their receipt"
+    );
+    describe_counter!(
+        LOCK_WAITS,
+        "Conversation locks asked for by serialized attempts, by outcome"
     );
     describe_gauge!(BUILD_INFO, "1, labelled with the running version");
     describe_histogram!(

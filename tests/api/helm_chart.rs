@@ -246,9 +246,13 @@ fn named<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
 }
 
 /// Validates every rendered document against the Kubernetes schemas, strictly (unknown fields
-/// fail). kubernetes-validate has no schema for CRDs and only warns about them, so the one kind
-/// allowed to go unchecked is the Prometheus Operator's ServiceMonitor (checked by its fields in
-/// `ci_values_render_every_optional_object`).
+/// fail). kubernetes-validate has no schema for CRDs and only warns about them, so the kinds
+/// allowed to go unchecked are the Prometheus Operator's ServiceMonitor and Istio's
+/// DestinationRule (checked by their fields in `ci_values_render_every_optional_object` and
+/// `conversation_affinity_renders_an_istio_destination_rule`).
+/// Kinds defined by CRDs, which kubernetes-validate cannot check.
+const CUSTOM_KINDS: [&str; 2] = ["ServiceMonitor", "DestinationRule"];
+
 fn assert_valid(rendered: &str, docs: &[Value]) {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("rendered.yaml");
@@ -271,11 +275,15 @@ fn assert_valid(rendered: &str, docs: &[Value]) {
     assert!(output.status.success(), "invalid manifests:\n{report}");
     for line in report.lines().filter(|line| !line.contains(" passed ")) {
         assert!(
-            line.contains("Couldn't find schema for kind ServiceMonitor"),
+            CUSTOM_KINDS
+                .iter()
+                .any(|kind| line.contains(&format!("Couldn't find schema for kind {kind}"))),
             "unexpected kubernetes-validate output: {line}\n{report}"
         );
     }
-    let known = docs.iter().filter(|doc| doc["kind"] != "ServiceMonitor");
+    let known = docs
+        .iter()
+        .filter(|doc| !CUSTOM_KINDS.iter().any(|kind| doc["kind"] == *kind));
     assert_eq!(
         report.matches(" passed ").count(),
         known.count(),
@@ -476,6 +484,7 @@ fn default_values_render_a_valid_single_replica_server_and_migration_hook() {
         "HorizontalPodAutoscaler",
         "ServiceMonitor",
         "NetworkPolicy",
+        "DestinationRule",
     ] {
         assert!(
             of_kind(&docs, absent).is_empty(),
@@ -743,6 +752,8 @@ fn values_schema_rejects_mistakes() {
         ("database.tls.sslMode=verify", "/database/tls/sslMode"),
         ("config.maxInFlight=-5", "/config/maxInFlight"),
         ("gateway.turnTimeoutMs=20000", "/gateway/turnTimeoutMs"),
+        ("config.serializedBots={a b}", "/config/serializedBots"),
+        ("conversationAffinity.istio.enabld=true", "enabld"),
     ] {
         let output = helm(&[
             "template",
@@ -898,4 +909,45 @@ fn the_gateway_is_off_by_default_and_refuses_to_run_unauthenticated_unless_asked
     );
     assert!(container["envFrom"].is_null(), "no credentials");
     assert!(!has_env(container, "TURNSTILE_CA_CERT"));
+}
+
+#[test]
+fn conversation_affinity_renders_an_istio_destination_rule_and_serialized_bots_an_env() {
+    let rendered = template(&[
+        "--namespace",
+        "bots",
+        "--set",
+        "conversationAffinity.istio.enabled=true",
+        "--set",
+        "config.serializedBots={slow,pizza}",
+    ]);
+    let docs = documents(&rendered);
+    assert_valid(&rendered, &docs);
+
+    // Not in the Kubernetes schemas, so its shape is checked here.
+    let rule = one(&docs, "DestinationRule");
+    assert_eq!(rule["apiVersion"], "networking.istio.io/v1");
+    let service = one(&docs, "Service");
+    assert_eq!(
+        rule["spec"]["host"],
+        format!(
+            "{}.bots.svc.cluster.local",
+            service["metadata"]["name"].as_str().unwrap()
+        ),
+        "the rule applies to the gRPC Service"
+    );
+    assert_eq!(
+        rule["spec"]["trafficPolicy"],
+        serde_json::json!({"loadBalancer": {"consistentHash": {
+            "httpHeaderName": turnstile::grpc::affinity::CONVERSATION_METADATA
+        }}}),
+        "calls hash by the header the gateway sends"
+    );
+
+    let deployment = one(&docs, "Deployment");
+    let server = &deployment["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(env_value(server, "TURNSTILE_SERIALIZED_BOTS"), "slow,pizza");
+    let plain = documents(&template(&[]));
+    let server = &one(&plain, "Deployment")["spec"]["template"]["spec"]["containers"][0];
+    assert!(!has_env(server, "TURNSTILE_SERIALIZED_BOTS"));
 }

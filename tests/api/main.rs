@@ -20,6 +20,7 @@ mod failover;
 mod faults;
 mod gateway;
 mod helm_chart;
+mod hot_conversations;
 mod idempotency;
 mod json_activities;
 mod metrics;

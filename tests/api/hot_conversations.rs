@@ -1,0 +1,353 @@
+//! Hot conversations across replicas: many concurrent turns of one conversation on several
+//! replicas queue in PostgreSQL (the conversation lock) instead of racing. What a user would
+//! notice: no acknowledged update is lost under either concurrency policy; a bot under
+//! `serialized` runs exactly once per turn; a lock that cannot be had in time ends the call with
+//! nothing committed; and a replica that dies holding a lock stalls nobody.
+#![allow(clippy::unwrap_used)]
+
+use crate::support;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use support::fleet::Fleet;
+use support::{TestServer, message, postgres_config, request, say, texts, toppings};
+use tokio::time::Instant;
+use tokio_postgres::NoTls;
+use tonic::Code;
+use tonic::transport::Channel;
+use turnstile::activity::incoming::{ChannelId, ConversationId};
+use turnstile::bots::PizzaBot;
+use turnstile::grpc::pb;
+use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
+use turnstile::state::StateKey;
+use turnstile::{Bot, BotError, BotRegistry, ConcurrencyPolicy, TurnContext};
+
+const TURNS: usize = 40;
+
+/// The pizza bot, counting its runs across every replica of the test.
+struct Counted(Arc<AtomicU32>);
+
+#[async_trait]
+impl Bot for Counted {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        PizzaBot.on_turn(turn).await
+    }
+}
+
+/// Three replicas over one fresh database, each with its own pool, hosting the counted pizza bot
+/// under `policy`; and the shared run counter.
+async fn replicas(policy: ConcurrencyPolicy) -> (Vec<TestServer>, Arc<AtomicU32>) {
+    let url = support::pg::fresh_database().await;
+    let runs = Arc::new(AtomicU32::new(0));
+    let bots = || {
+        BotRegistry::new("pizza", Counted(Arc::clone(&runs)))
+            .with_policy("pizza", policy)
+            .unwrap()
+    };
+    let (a, b, c) = tokio::join!(
+        TestServer::start(postgres_config(&url), bots()),
+        TestServer::start(postgres_config(&url), bots()),
+        TestServer::start(postgres_config(&url), bots()),
+    );
+    (vec![a, b, c], runs)
+}
+
+/// Sends `add t00` … `add t39` at once, turn i through replica i % 3; returns each turn's
+/// topping, reply and attempts.
+async fn race(servers: &[TestServer], conversation: &str) -> Vec<(String, String, u32)> {
+    let mut clients = Vec::new();
+    for server in servers {
+        clients.push(server.client().await);
+    }
+    let calls: Vec<_> = (0..TURNS)
+        .map(|i| {
+            let mut client = clients[i % clients.len()].clone();
+            let activity = message(conversation, &format!("user{i}"), &format!("add t{i:02}"));
+            tokio::spawn(async move {
+                let response = client
+                    .process_turn(request(activity))
+                    .await
+                    .unwrap_or_else(|s| panic!("add t{i:02} failed: {s:?}"))
+                    .into_inner();
+                (
+                    format!("t{i:02}"),
+                    texts(&response).join("\n"),
+                    response.attempts,
+                )
+            })
+        })
+        .collect();
+    let mut added = Vec::new();
+    for call in calls {
+        added.push(call.await.unwrap());
+    }
+    added
+}
+
+/// Every reply names its topping, the acknowledged orders form one chain of sizes 1..=40, and
+/// the final order holds every topping.
+async fn assert_exact(added: &[(String, String, u32)], client: &mut TurnServiceClient<Channel>) {
+    let mut orders: Vec<BTreeSet<String>> = Vec::new();
+    for (topping, reply, _) in added {
+        let order: BTreeSet<String> = toppings(reply).into_iter().collect();
+        assert!(
+            reply.starts_with(&format!("Added {topping}.")) && order.contains(topping),
+            "the reply to `add {topping}` does not name it: {reply:?}"
+        );
+        orders.push(order);
+    }
+    orders.sort_by_key(BTreeSet::len);
+    let sizes: Vec<usize> = orders.iter().map(BTreeSet::len).collect();
+    assert_eq!(sizes, (1..=TURNS).collect::<Vec<_>>());
+    for pair in orders.windows(2) {
+        assert!(
+            pair[0].is_subset(&pair[1]),
+            "an acknowledged order was lost"
+        );
+    }
+    let shown = say(client, "hot", "show").await;
+    let final_order: BTreeSet<String> = toppings(&texts(&shown)[0]).into_iter().collect();
+    let all: BTreeSet<String> = added.iter().map(|(t, _, _)| t.clone()).collect();
+    assert_eq!(final_order, all, "`show` lists every acknowledged topping");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn optimistic_turns_that_conflict_queue_for_the_lock_and_run_at_most_twice() {
+    let (servers, runs) = replicas(ConcurrencyPolicy::Optimistic).await;
+    let added = race(&servers, "hot").await;
+    let mut client = servers[0].client().await;
+    assert_exact(&added, &mut client).await;
+
+    let attempts: Vec<u32> = added.iter().map(|(_, _, a)| *a).collect();
+    let ran: u32 = attempts.iter().sum();
+    eprintln!("attempts per turn: {attempts:?}");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        ran + 1,
+        "the bot ran once per reported attempt (and once for `show`)"
+    );
+    assert!(
+        attempts.contains(&2),
+        "no turn conflicted: the race never happened"
+    );
+    assert!(
+        attempts.iter().all(|&a| a <= 2),
+        "a turn holding the conversation lock lost again: {attempts:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_serialized_bot_runs_exactly_once_per_turn() {
+    let (servers, runs) = replicas(ConcurrencyPolicy::Serialized).await;
+    let added = race(&servers, "hot").await;
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        TURNS as u32,
+        "one run per turn, none thrown away"
+    );
+    assert!(added.iter().all(|(_, _, a)| *a == 1), "{added:?}");
+    let mut client = servers[0].client().await;
+    assert_exact(&added, &mut client).await;
+}
+
+/// The conversation scope's key of `conversation` for `bot` on the `test` channel, as the lock
+/// is taken on it.
+fn conversation_key(bot: &str, conversation: &str) -> String {
+    StateKey::conversation(
+        bot,
+        &ChannelId::parse("test", "channelId").unwrap(),
+        &ConversationId::parse(conversation, "conversation.id").unwrap(),
+    )
+    .as_str()
+    .to_owned()
+}
+
+/// A session of the test's own on `url`.
+async fn session(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, NoTls).await.unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+/// How many sessions wait for an advisory lock right now.
+async fn lock_waiters(db: &tokio_postgres::Client) -> i64 {
+    db.query_one(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lock_not_granted_in_time_ends_the_turn_with_nothing_committed() {
+    let url = support::pg::fresh_database().await;
+    let runs = Arc::new(AtomicU32::new(0));
+    let bots = BotRegistry::new("pizza", Counted(Arc::clone(&runs)))
+        .with_policy("pizza", ConcurrencyPolicy::Serialized)
+        .unwrap();
+    let server = TestServer::start(postgres_config(&url), bots).await;
+    let mut client = server.client().await;
+
+    // Another party holds the conversation, as a replica with a slow turn would.
+    let holder = session(&url).await;
+    holder.batch_execute("BEGIN").await.unwrap();
+    holder
+        .execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+            &[&conversation_key("pizza", "held")],
+        )
+        .await
+        .unwrap();
+    let observer = session(&url).await;
+
+    // With a deadline: DEADLINE_EXCEEDED, and the server's wait in PostgreSQL ends with it.
+    let mut call = tonic::Request::new(request(message("held", "alice", "add ham")));
+    call.set_timeout(Duration::from_secs(2));
+    let status = client.process_turn(call).await.unwrap_err();
+    // The server gives up a little before the deadline to say so; on a loaded machine tonic's
+    // client may still see its own timer first, which it reports as CANCELLED.
+    assert!(
+        matches!(
+            status.code(),
+            Code::DeadlineExceeded | Code::Aborted | Code::Cancelled
+        ),
+        "{status:?}"
+    );
+    // It gave up at the deadline; PostgreSQL's own statement timeout (8 s) would be later.
+    let gave_up = Instant::now() + Duration::from_secs(4);
+    while lock_waiters(&observer).await > 0 {
+        assert!(
+            Instant::now() < gave_up,
+            "the server still waits for the lock after the call's deadline"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // Without a deadline the server bounds the wait itself and says so: the status is its own.
+    let started = Instant::now();
+    let status = client
+        .process_turn(request(message("held", "alice", "add olives")))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Aborted, "{status:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the bot never ran");
+    let rows: i64 = observer
+        .query_one(
+            "SELECT (SELECT count(*) FROM turnstile_state) + (SELECT count(*) FROM turnstile_receipt)",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 0, "nothing was committed");
+
+    // Once the holder is done, the conversation serves again.
+    holder.batch_execute("COMMIT").await.unwrap();
+    let added = say(&mut client, "held", "add ham").await;
+    assert_eq!(toppings(&texts(&added)[0]), ["ham"]);
+}
+
+/// A `slow` turn on the given conversation, through `addr`, with a deadline of `timeout`.
+async fn slow_turn(
+    addr: std::net::SocketAddr,
+    conversation: &str,
+    timeout: Duration,
+) -> Result<pb::ProcessTurnResponse, tonic::Status> {
+    let mut client = TurnServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let mut call = tonic::Request::new(pb::ProcessTurnRequest::typed(
+        message(conversation, "alice", "hi"),
+        "slow",
+    ));
+    call.set_timeout(timeout);
+    client
+        .process_turn(call)
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_killed_while_holding_the_lock_stalls_nobody() {
+    const BOT_DELAY: Duration = Duration::from_secs(2);
+    let url = support::pg::fresh_database().await;
+    let mut fleet = Fleet::start_with_env(
+        3,
+        &url,
+        &[
+            ("TURNSTILE_SERIALIZED_BOTS", "slow"),
+            ("TURNSTILE_SLOW_BOT_DELAY_MS", "2000"),
+        ],
+    )
+    .await;
+    let addrs = fleet.addrs();
+    let observer = session(&url).await;
+
+    // Replica 0 takes the conversation and runs its slow bot…
+    let doomed = tokio::spawn(slow_turn(addrs[0], "kill", Duration::from_secs(30)));
+    let until = Instant::now() + Duration::from_secs(15);
+    loop {
+        let held: i64 = observer
+            .query_one(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if held > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "replica 0 never held the lock in PostgreSQL"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // …and dies holding it, long before its bot is done.
+    fleet.kill(0);
+    assert!(
+        doomed.await.unwrap().is_err(),
+        "the killed replica answered"
+    );
+
+    // The other replicas get the conversation as soon as PostgreSQL sees the session gone: each
+    // turn waits for its own bot (and the other's), not for a dead replica's.
+    let started = Instant::now();
+    let (one, two) = tokio::join!(
+        slow_turn(addrs[1], "kill", Duration::from_secs(30)),
+        slow_turn(addrs[2], "kill", Duration::from_secs(30)),
+    );
+    let elapsed = started.elapsed();
+    let mut counts: Vec<String> = [one, two]
+        .into_iter()
+        .map(|r| texts(&r.unwrap()).join(""))
+        .collect();
+    counts.sort();
+    assert_eq!(
+        counts,
+        ["count: 1", "count: 2"],
+        "the killed turn committed nothing; the two others one each, in turn"
+    );
+    assert!(
+        elapsed < 2 * BOT_DELAY + Duration::from_secs(8),
+        "the survivors were stalled: {elapsed:?}"
+    );
+    eprintln!("two serialized slow turns after the kill took {elapsed:?}");
+    for (status, log) in fleet.stop() {
+        assert!(status.success(), "{status}: {log}");
+    }
+}
