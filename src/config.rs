@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::{ArgAction, Args, Parser, Subcommand};
 
+use crate::bots::remote::{RemoteBotSpec, RemoteBots, WorkerToken};
 use crate::engine::RetryPolicy;
 use crate::grpc::auth::{self, Token};
 use crate::grpc::limits::Limits;
@@ -73,6 +74,8 @@ pub struct Config {
     pub max_in_flight: Option<usize>,
     /// gRPC connection lifetime and liveness (see [`Connections`]).
     pub connections: Connections,
+    /// Bots served by bot workers over gRPC, added to the bots `serve` is given.
+    pub remote_bots: RemoteBots,
 }
 
 /// How long a client's HTTP/2 connection lives, and how a dead one is noticed.
@@ -168,6 +171,7 @@ impl Default for Config {
             tls: None,
             max_in_flight: None,
             connections: Connections::default(),
+            remote_bots: RemoteBots::default(),
         }
     }
 }
@@ -306,6 +310,21 @@ pub struct ServeArgs {
     #[arg(long, env = "TURNSTILE_HTTP2_KEEPALIVE_TIMEOUT_SECS", default_value_t = 20,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub http2_keepalive_timeout_secs: u64,
+    /// A bot served by a bot worker, as `NAME=URL` (`pizza-py=http://pizza-worker:50061`);
+    /// repeatable, comma-separated in the environment. It replaces a built-in bot of that name.
+    #[arg(
+        long = "remote-bot",
+        env = "TURNSTILE_REMOTE_BOTS",
+        value_delimiter = ',',
+        value_name = "NAME=URL"
+    )]
+    pub remote_bots: Vec<RemoteBotSpec>,
+    /// Bearer token sent to every bot worker (`authorization: Bearer <token>`).
+    #[arg(long, env = "TURNSTILE_REMOTE_BOT_TOKEN", hide_env_values = true)]
+    pub remote_bot_token: Option<String>,
+    /// PEM CA certificate(s) that `https` bot workers' certificates must chain to.
+    #[arg(long, env = "TURNSTILE_REMOTE_BOT_CA")]
+    pub remote_bot_ca: Option<PathBuf>,
 }
 
 impl ServeArgs {
@@ -363,6 +382,11 @@ impl ServeArgs {
                 max_age_grace: seconds_or_off(self.max_connection_age_grace_secs),
                 keepalive_interval: seconds_or_off(self.http2_keepalive_interval_secs),
                 keepalive_timeout: Duration::from_secs(self.http2_keepalive_timeout_secs),
+            },
+            remote_bots: RemoteBots {
+                bots: self.remote_bots.clone(),
+                token: self.remote_bot_token.clone().map(WorkerToken::new),
+                ca: self.remote_bot_ca.clone(),
             },
         }
     }

@@ -64,6 +64,9 @@ pub enum ServeError {
         #[source]
         source: std::io::Error,
     },
+    /// The remote bots could not be set up.
+    #[error("setting up the remote bots failed")]
+    RemoteBots(#[from] crate::bots::remote::RemoteBotsError),
     /// The metrics recorder could not be installed.
     #[error(transparent)]
     Metrics(#[from] crate::telemetry::metrics::MetricsError),
@@ -135,6 +138,7 @@ pub async fn serve(
     listeners: impl Into<Listeners>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    let bots = config.remote_bots.register(bots)?;
     let store = open_store(&config).await?;
     let listeners: Listeners = listeners.into();
     let Listeners {

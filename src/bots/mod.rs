@@ -4,6 +4,8 @@
 //! - `counter` — counts messages per conversation, see [`CounterBot`]; the fault tests and the
 //!   load generator use it.
 //! - `subtract` — the seed sample's dialog (Bot Framework's `42.scaleout`), see [`SubtractBot`].
+//! - remote bots, one per `--remote-bot NAME=URL`: bots in any language, run by a bot worker
+//!   over gRPC, see [`remote`].
 //! - `waterfall`, `waterfall-nested`, `waterfall-prompt`, `text-prompt`, `number-prompt`,
 //!   `confirm-prompt`, `choice-prompt`, `conversation-state`, `user-state` — the conformance
 //!   bots, one per Bot Framework transcript, see [`conformance`].
@@ -11,6 +13,7 @@
 pub mod conformance;
 mod counter;
 mod pizza;
+pub mod remote;
 mod subtract;
 
 pub use counter::CounterBot;
