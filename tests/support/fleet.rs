@@ -28,6 +28,8 @@ const STOP_WITHIN: Duration = Duration::from_secs(20);
 pub struct Fleet {
     servers: Vec<Server>,
     database_url: String,
+    /// Further environment variables of every server.
+    env: Vec<(String, String)>,
     logs: Option<tempfile::TempDir>,
 }
 
@@ -42,6 +44,12 @@ impl Fleet {
     /// Starts `n` servers of the `counter` and sample bots on free ports with state in
     /// `database_url`, and waits until each serves.
     pub async fn start(n: usize, database_url: &str) -> Fleet {
+        Fleet::start_with_env(n, database_url, &[]).await
+    }
+
+    /// Like [`Fleet::start`], with further environment variables for every server (such as
+    /// `TURNSTILE_REMOTE_BOTS`).
+    pub async fn start_with_env(n: usize, database_url: &str, env: &[(&str, &str)]) -> Fleet {
         let logs = tempfile::Builder::new()
             .prefix("turnstile-fleet-")
             .tempdir()
@@ -49,6 +57,10 @@ impl Fleet {
         let mut fleet = Fleet {
             servers: Vec::with_capacity(n),
             database_url: database_url.to_owned(),
+            env: env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
             logs: Some(logs),
         };
         for _ in 0..n {
@@ -163,6 +175,7 @@ impl Fleet {
             .env("DATABASE_URL", &self.database_url)
             .env("RUST_LOG", "warn")
             .env("TURNSTILE_SHUTDOWN_GRACE_SECS", "5")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::from(log.try_clone().expect("log file handle")))
             .stderr(Stdio::from(log))
