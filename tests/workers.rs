@@ -628,13 +628,24 @@ impl pb::bot_worker_server::BotWorker for FakeService {
             .lock()
             .unwrap()
             .push((id, request.attempt, state_json.clone()));
-        if text == "wait" && request.attempt == 1 {
+        if text.starts_with("wait") && request.attempt == 1 {
             self.0.gate.notified().await;
         }
         let state: serde_json::Value = serde_json::from_str(&state_json).unwrap();
         let count = state["count"].as_u64().unwrap_or(0) + 1;
         let mut reply = serde_json::json!({"text": format!("count: {count}")}).to_string();
         let mut new_state = serde_json::json!({"count": count}).to_string();
+        let conversation = match text.as_str() {
+            // Reads the state, changes nothing.
+            "wait-peek" => pb::ScopeOutcome {
+                read: true,
+                replaced_json: None,
+            },
+            _ => pb::ScopeOutcome {
+                read: true,
+                replaced_json: Some(new_state.clone()),
+            },
+        };
         match text.as_str() {
             "error" => return Err(Status::internal("the model provider refused")),
             "garbage-state" => new_state = "[1, 2]".into(),
@@ -644,12 +655,16 @@ impl pb::bot_worker_server::BotWorker for FakeService {
             }
             _ => {}
         }
-        Ok(tonic::Response::new(pb::RunTurnResponse {
-            replies_json: vec![reply],
-            conversation: Some(pb::ScopeOutcome {
+        let conversation = match conversation.replaced_json {
+            Some(_) => pb::ScopeOutcome {
                 read: true,
                 replaced_json: Some(new_state),
-            }),
+            },
+            None => conversation,
+        };
+        Ok(tonic::Response::new(pb::RunTurnResponse {
+            replies_json: vec![reply],
+            conversation: Some(conversation),
             user: None,
             private_conversation: None,
         }))
@@ -787,4 +802,28 @@ async fn a_conflict_calls_the_worker_again_with_the_fresh_state() {
         [(1, "{}".to_owned()), (2, r#"{"count":1}"#.to_owned())],
         "attempt 2 got the state replica B committed"
     );
+
+    // A turn that only read the state is version-checked too: the worker said it read it.
+    let peeking = {
+        let mut client = client_a.clone();
+        tokio::spawn(async move {
+            client
+                .process_turn(to_bot("fake", "race", "peek-turn", "wait-peek"))
+                .await
+                .unwrap()
+                .into_inner()
+        })
+    };
+    while worker.attempts("peek-turn").is_empty() {
+        assert!(Instant::now() < until, "the worker was never called");
+        sleep(Duration::from_millis(10)).await;
+    }
+    client_b
+        .process_turn(to_bot("fake", "race", "fast-turn-2", "hi"))
+        .await
+        .unwrap();
+    worker.gate.notify_one();
+    let peeked = peeking.await.unwrap();
+    assert_eq!(peeked.attempts, 2, "the read was checked at commit");
+    assert_eq!(texts(&peeked), ["count: 4"], "it answered from the fresh state");
 }
