@@ -522,4 +522,22 @@ mod server_flags {
         assert_eq!(set.max_in_flight(), 8);
         assert!(Cli::try_parse_from(["turnstile", "--max-in-flight", "0"]).is_err());
     }
+
+    #[test]
+    fn remote_bots_are_parsed_at_startup_naming_the_flag() {
+        let config = serve_config(&[
+            "--remote-bot",
+            "pizza-py=http://pizza-worker:50061",
+            "--remote-bot",
+            "a=http://h:1,b=https://h:2",
+        ]);
+        let names: Vec<&str> = config.remote_bots.bots.iter().map(|b| b.name()).collect();
+        assert_eq!(names, ["pizza-py", "a", "b"]);
+        assert!(config.remote_bots.token.is_none());
+        let err = Cli::try_parse_from(["turnstile", "--remote-bot", "pizza=pizza-worker:50061"])
+            .expect_err("no scheme")
+            .to_string();
+        assert!(err.contains("--remote-bot"), "{err}");
+        assert!(err.contains("http://host:port"), "{err}");
+    }
 }

@@ -825,5 +825,9 @@ async fn a_conflict_calls_the_worker_again_with_the_fresh_state() {
     worker.gate.notify_one();
     let peeked = peeking.await.unwrap();
     assert_eq!(peeked.attempts, 2, "the read was checked at commit");
-    assert_eq!(texts(&peeked), ["count: 4"], "it answered from the fresh state");
+    assert_eq!(
+        texts(&peeked),
+        ["count: 4"],
+        "it answered from the fresh state"
+    );
 }
