@@ -121,7 +121,7 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServeError> {
 }
 
 /// Serves `TurnService` (with `grpc.health.v1.Health` and server reflection v1 and v1alpha) for
-/// `bots` over the store `config` names, on `listeners` (a gRPC listener, and a metrics one if
+/// `bots` and the remote bots of `config.remote_bots` over the store `config` names, on `listeners` (a gRPC listener, and a metrics one if
 /// wanted), until `shutdown` completes. Then health turns `NOT_SERVING`, new turns get
 /// `UNAVAILABLE`, turns in flight get up to `config.shutdown_grace` to finish, and the server
 /// stops. Until then, calls beyond `config.max_in_flight()` turns in flight get
