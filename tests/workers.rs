@@ -210,6 +210,19 @@ impl WorkerProcess {
             .collect()
     }
 
+    /// [`WorkerProcess::calls`] once there are `n` of them (the worker's stderr is read by a
+    /// thread of its own, so a line may trail the answer it was printed before), or after 30 s.
+    async fn calls_settled(&self, id: &str, n: usize) -> Vec<u32> {
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            let calls = self.calls(id);
+            if calls.len() >= n || Instant::now() > until {
+                return calls;
+            }
+            sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// How many calls the worker got in all.
     fn all_calls(&self) -> usize {
         self.stderr
@@ -330,7 +343,9 @@ async fn the_python_pizza_bot_never_acknowledges_a_lost_topping_over_three_repli
     let replayed: Vec<_> = added.iter().filter(|(_, _, a)| *a > 1).collect();
     assert!(!replayed.is_empty(), "no turn needed a second attempt");
     let i = added.iter().position(|(_, _, a)| *a > 1).unwrap();
-    let attempts = worker.calls(&format!("add-{i}"));
+    let attempts = worker
+        .calls_settled(&format!("add-{i}"), added[i].2 as usize)
+        .await;
     assert_eq!(
         attempts,
         (1..=added[i].2).collect::<Vec<_>>(),
@@ -372,7 +387,9 @@ async fn deliver_four_times(server: &TestServer, worker: &WorkerProcess, id: &st
         assert!(again.replayed, "{again:?}");
         assert_eq!(texts(&again), [format!("count: {n}")], "the same answer");
     }
-    assert!(!worker.calls(id).is_empty());
+    assert!(!worker.calls_settled(id, 1).await.is_empty());
+    // Time for any stray call's trace line to be read.
+    sleep(Duration::from_millis(200)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -505,6 +522,12 @@ worker = Worker()
 
 @worker.bot("moody")
 async def moody(turn):
+    if turn.text == "peek":
+        seen = turn.conversation.get("count", 0)
+        if turn.attempt == 1:
+            await asyncio.sleep(3)
+        turn.send(f"seen: {seen}")
+        return
     count = turn.conversation.get("count", 0) + 1
     turn.conversation["count"] = count
     turn.send(f"count: {count}")
@@ -552,7 +575,11 @@ async fn a_worker_raising_slow_or_down_fails_the_turn_with_its_status_and_commit
         // The server's answer (not the client's own timer, which may fire first).
         assert_eq!(reason(&late), "DEADLINE_EXCEEDED", "{late:?}");
     }
-    assert_eq!(worker.calls("slow-1"), [1], "the slow worker was called");
+    assert_eq!(
+        worker.calls_settled("slow-1", 1).await,
+        [1],
+        "the slow worker was called"
+    );
 
     let ok = client
         .process_turn(to_bot("moody", "m", "ok-1", "hi"))
@@ -597,6 +624,50 @@ async fn a_worker_raising_slow_or_down_fails_the_turn_with_its_status_and_commit
         !after.replayed,
         "the turn was not committed while the worker was down"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_turn_that_only_read_a_scope_is_replayed_when_it_moved() {
+    let worker = WorkerProcess::python(&["-c", MOODY]);
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let start = || {
+        TestServer::start_with_store(
+            remote(Config::default(), "moody", &worker.url()),
+            Arc::clone(&store),
+            turnstile::bots::samples(),
+        )
+    };
+    let (a, b) = tokio::join!(start(), start());
+    let mut client_b = b.client().await;
+    let peeking = {
+        let mut client = a.client().await;
+        tokio::spawn(async move {
+            client
+                .process_turn(to_bot("moody", "p", "peek-1", "peek"))
+                .await
+                .unwrap()
+                .into_inner()
+        })
+    };
+    let until = Instant::now() + Duration::from_secs(60);
+    while worker.calls("peek-1").is_empty() {
+        assert!(Instant::now() < until, "the worker was never called");
+        sleep(Duration::from_millis(10)).await;
+    }
+    // While the peek sleeps in the worker, another replica changes what it read.
+    let changed = client_b
+        .process_turn(to_bot("moody", "p", "count-1", "hi"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(texts(&changed), ["count: 1"]);
+    let peeked = peeking.await.unwrap();
+    assert_eq!(
+        (texts(&peeked), peeked.attempts),
+        (vec!["seen: 1".to_owned()], 2),
+        "the SDK reported the read, so the stale answer was replayed"
+    );
+    assert_eq!(worker.calls_settled("peek-1", 2).await, [1, 2]);
 }
 
 // --- failures: garbage and oversized answers; replays on conflict (a worker in Rust) ---------
