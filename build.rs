@@ -11,6 +11,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         out_dir.join("turnstile_descriptor.bin"),
         fds.encode_to_vec(),
     )?;
+    // The bot worker contract is generated with the rest (the same package), but left out of
+    // the reflection descriptors: Turnstile calls `BotWorker`, it does not serve it.
+    let fds = protox::compile(
+        ["turnstile/v1/turn.proto", "turnstile/v1/worker.proto"],
+        ["proto"],
+    )?;
     // Undecodable requests are the caller's mistake: see src/grpc/codec.rs.
     tonic_prost_build::configure()
         .codec_path("crate::grpc::codec::StrictCodec")

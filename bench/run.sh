@@ -6,6 +6,9 @@
 #   bench/run.sh --soak    10 minutes of the 32-call workload, the server's memory sampled every 30 s
 #   bench/run.sh --unprepared  the --quick workload with --prepared-statements true, then false,
 #                          back to back in each round (about 90 s after the build)
+#   bench/run.sh --workers the --quick workload on the counter bot in process, then on the same bot
+#                          as a Python bot worker (sdk/python/examples/counter.py) through the same
+#                          server, back to back in each round (about 90 s after the build)
 #
 # Two layouts of the machine's cores. "split": PostgreSQL on one half, the clients (pgbench, or the
 # service and its load generator) on the other, as in a deployment where the database has its own
@@ -20,11 +23,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-QUICK=0; SOAK=0; UNPREPARED=0
+QUICK=0; SOAK=0; UNPREPARED=0; WORKERS=0
 [ "${1:-}" = "--quick" ] && QUICK=1
 [ "${1:-}" = "--soak" ] && SOAK=1
 [ "${1:-}" = "--unprepared" ] && UNPREPARED=1
-if [ "$QUICK" = 1 ] || [ "$UNPREPARED" = 1 ]; then SECS=8; WARMUP=2; ROUNDS=3; else SECS=10; WARMUP=2; ROUNDS=3; fi
+[ "${1:-}" = "--workers" ] && WORKERS=1
+if [ "$QUICK" = 1 ] || [ "$UNPREPARED" = 1 ] || [ "$WORKERS" = 1 ]; then SECS=8; WARMUP=2; ROUNDS=3; else SECS=10; WARMUP=2; ROUNDS=3; fi
 [ "$SOAK" = 1 ] && SECS=${SOAK_SECONDS:-600}
 KEYS=10000
 PAD=1024
@@ -293,6 +297,51 @@ if [ "$UNPREPARED" = 1 ]; then
         echo "  round $r:$line unprepared/prepared $ratio"
     done
     echo "median unprepared/prepared throughput: $(printf '%s\n' "${ratios[@]}" | sort -n | sed -n "$(( (ROUNDS + 1) / 2 ))p")"
+    exit 0
+fi
+if [ "$WORKERS" = 1 ]; then
+    # The same counter bot in process (`counter`) and as a Python bot worker (`counter-py`), both
+    # hosted by one server, driven back to back in each round: the difference is the worker hop
+    # (a gRPC call, JSON both ways, the Python SDK). The worker runs on the clients' cores.
+    PYDEPS=$PWD/target/tools/python-worker-grpcio-1.76.0  # what tests/workers.rs installs
+    if [ ! -d "$PYDEPS" ]; then
+        python3 -m pip install --quiet --disable-pip-version-check --target "$PYDEPS.partial" \
+            grpcio==1.76.0 grpcio-tools==1.76.0 && mv "$PYDEPS.partial" "$PYDEPS"
+    fi
+    layout split
+    echo "$KEYS conversations, 32 concurrent, $LAYOUT cores: counter in process, then as a Python worker:"
+    ratios=()
+    for r in $(seq 1 "$ROUNDS"); do
+        wport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+        PYTHONPATH="$PYDEPS:$PWD/sdk/python" "${CLIENT[@]}" python3 sdk/python/examples/counter.py \
+            "127.0.0.1:$wport" >>"$WORK/worker.log" 2>&1 &
+        wpid=$!
+        for _ in $(seq 1 300); do
+            (exec 3<>"/dev/tcp/127.0.0.1/$wport") 2>/dev/null && break
+            sleep 0.1
+        done
+        SERVE_ARGS=(--remote-bot "counter-py=http://127.0.0.1:$wport")
+        start_servers 1
+        PIDS+=("$wpid")
+        CPU_OF+=(--cpu-of "worker=$wpid")
+        line=""
+        for bot in counter counter-py; do
+            JSON=$(bench --conversations "$KEYS" --concurrency 32 --prefill --bot "$bot")
+            tps=$(echo "$JSON" | field 'round(d["turns_per_second"])')
+            p50=$(echo "$JSON" | field 'round(d["latency_ms"]["p50"], 3)')
+            p99=$(echo "$JSON" | field 'round(d["latency_ms"]["p99"], 2)')
+            line="$line $bot $tps turns/s p50 $p50 ms p99 $p99 ms ($(cpu_of "$JSON") µs CPU/turn), check $(echo "$JSON" | field 'd["verification"]');"
+            [ "$bot" = counter ] && { itps=$tps; ip50=$p50; ip99=$p99; } || { wtps=$tps; wp50=$p50; wp99=$p99; }
+        done
+        stop_servers
+        echo "  round $r:$line"
+        ratios+=("$(python3 -c "print(f'{$wtps/$itps:.3f} $itps $wtps $ip50 $wp50 $ip99 $wp99')")")
+    done
+    printf '%s\n' "${ratios[@]}" | sort -n | sed -n "$(( (ROUNDS + 1) / 2 ))p" | python3 -c '
+import sys
+r, itps, wtps, ip50, wp50, ip99, wp99 = map(float, sys.stdin.read().split())
+print(f"median round: worker/in-process throughput {r:.2f} ({wtps:.0f} vs {itps:.0f} turns/s); "
+      f"p99 {wp99} vs {ip99} ms; the hop at p50: {wp50 - ip50:.3f} ms ({wp50} vs {ip50} ms)")'
     exit 0
 fi
 layout shared

@@ -17,6 +17,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use tokio::time::Instant;
 
 use crate::activity::incoming::IncomingActivity;
 use crate::activity::{Activity, types};
@@ -35,37 +36,96 @@ pub trait Bot: Send + Sync + 'static {
     async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError>;
 }
 
-/// A bot's failure: any error, with its cause chain kept for the log (never sent to the caller).
-pub struct BotError(anyhow::Error);
+/// A bot's failure: any error, with its cause chain kept for the log, and what kind of failure
+/// it is, which decides the status the caller gets.
+pub struct BotError {
+    kind: BotErrorKind,
+    error: anyhow::Error,
+}
+
+/// What kind of failure a [`BotError`] is. In-process bots fail with [`BotErrorKind::Failed`];
+/// the other kinds exist for bots that are a call to another process (a bot worker, see
+/// [`crate::bots::remote`]), whose failures the caller can act on differently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BotErrorKind {
+    /// The bot failed. The caller gets `INTERNAL` with a generic message; the cause is logged.
+    Failed,
+    /// The bot's worker could not be reached. The caller gets `UNAVAILABLE`, to retry later.
+    Unavailable,
+    /// The bot's worker did not answer before the call's deadline: `DEADLINE_EXCEEDED`.
+    DeadlineExceeded,
+    /// The bot's worker failed or answered something Turnstile cannot use. The caller gets
+    /// `INTERNAL` with this error's message, which names the worker and the problem (and is
+    /// written to be shown: it holds no state or message text).
+    WorkerFailed,
+}
 
 impl BotError {
     /// A failure described by `message`.
     pub fn msg(message: impl fmt::Display + fmt::Debug + Send + Sync + 'static) -> Self {
-        Self(anyhow::Error::msg(message))
+        Self::new(BotErrorKind::Failed, message)
+    }
+
+    /// A failure of kind `kind` described by `message`.
+    pub fn new(
+        kind: BotErrorKind,
+        message: impl fmt::Display + fmt::Debug + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            kind,
+            error: anyhow::Error::msg(message),
+        }
+    }
+
+    /// The same error, of kind `kind`, with `context` as its outermost message (the cause chain
+    /// kept beneath it).
+    #[must_use]
+    pub fn with_kind(
+        self,
+        kind: BotErrorKind,
+        context: impl fmt::Display + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            kind,
+            error: self.error.context(context),
+        }
+    }
+
+    /// What kind of failure this is.
+    pub fn kind(&self) -> BotErrorKind {
+        self.kind
+    }
+
+    /// The outermost message, without the causes beneath it.
+    pub fn message(&self) -> String {
+        self.error.to_string()
     }
 
     /// The underlying error, with its cause chain.
     pub fn into_inner(self) -> anyhow::Error {
-        self.0
+        self.error
     }
 }
 
 impl<E: std::error::Error + Send + Sync + 'static> From<E> for BotError {
     fn from(e: E) -> Self {
-        Self(anyhow::Error::new(e))
+        Self {
+            kind: BotErrorKind::Failed,
+            error: anyhow::Error::new(e),
+        }
     }
 }
 
 impl fmt::Debug for BotError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&self.0, f)
+        fmt::Debug::fmt(&self.error, f)
     }
 }
 
 impl fmt::Display for BotError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // `{:#}` prints the whole cause chain on one line.
-        write!(f, "{:#}", self.0)
+        write!(f, "{:#}", self.error)
     }
 }
 
@@ -82,6 +142,7 @@ pub struct TurnContext<'a> {
     user: Option<ScopeState>,
     private_conversation: Option<ScopeState>,
     outbox: Vec<Activity>,
+    deadline: Option<Instant>,
 }
 
 impl<'a> TurnContext<'a> {
@@ -100,7 +161,21 @@ impl<'a> TurnContext<'a> {
             user,
             private_conversation,
             outbox: Vec::new(),
+            deadline: None,
         }
+    }
+
+    /// The same context, for a call that must be answered by `deadline` (`None`: no deadline).
+    #[must_use]
+    pub fn with_deadline(mut self, deadline: Option<Instant>) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// When the caller stops waiting for this turn, if it said. A bot that calls another
+    /// process (a bot worker) gives that call no longer than this.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline
     }
 
     /// The inbound activity.

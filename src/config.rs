@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::{ArgAction, Args, Parser, Subcommand};
 
+use crate::bots::remote::{RemoteBotSpec, RemoteBots, WorkerToken};
 use crate::engine::RetryPolicy;
 use crate::grpc::auth::{self, Token};
 use crate::grpc::limits::Limits;
@@ -73,6 +74,12 @@ pub struct Config {
     pub max_in_flight: Option<usize>,
     /// gRPC connection lifetime and liveness (see [`Connections`]).
     pub connections: Connections,
+    /// Bots served by bot workers over gRPC, added to the bots `serve` is given.
+    pub remote_bots: RemoteBots,
+    /// Bots, in-process or remote, whose turns hold the conversation lock from their first
+    /// attempt ([`crate::bot::ConcurrencyPolicy::Serialized`]); `serve` applies this after
+    /// registering the remote bots, and refuses to start when a name is not hosted.
+    pub serialized_bots: Vec<String>,
 }
 
 /// How long a client's HTTP/2 connection lives, and how a dead one is noticed.
@@ -168,6 +175,8 @@ impl Default for Config {
             tls: None,
             max_in_flight: None,
             connections: Connections::default(),
+            remote_bots: RemoteBots::default(),
+            serialized_bots: Vec::new(),
         }
     }
 }
@@ -314,6 +323,21 @@ pub struct ServeArgs {
     /// How long every run of the `slow` sample bot takes, in milliseconds.
     #[arg(long, env = "TURNSTILE_SLOW_BOT_DELAY_MS", default_value_t = 200)]
     pub slow_bot_delay_ms: u64,
+    /// A bot served by a bot worker, as `NAME=URL` (`pizza-py=http://pizza-worker:50061`);
+    /// repeatable, comma-separated in the environment. It replaces a built-in bot of that name.
+    #[arg(
+        long = "remote-bot",
+        env = "TURNSTILE_REMOTE_BOTS",
+        value_delimiter = ',',
+        value_name = "NAME=URL"
+    )]
+    pub remote_bots: Vec<RemoteBotSpec>,
+    /// Bearer token sent to every bot worker (`authorization: Bearer <token>`).
+    #[arg(long, env = "TURNSTILE_REMOTE_BOT_TOKEN", hide_env_values = true)]
+    pub remote_bot_token: Option<String>,
+    /// PEM CA certificate(s) that `https` bot workers' certificates must chain to.
+    #[arg(long, env = "TURNSTILE_REMOTE_BOT_CA")]
+    pub remote_bot_ca: Option<PathBuf>,
 }
 
 impl ServeArgs {
@@ -372,27 +396,26 @@ impl ServeArgs {
                 keepalive_interval: seconds_or_off(self.http2_keepalive_interval_secs),
                 keepalive_timeout: Duration::from_secs(self.http2_keepalive_timeout_secs),
             },
+            remote_bots: RemoteBots {
+                bots: self.remote_bots.clone(),
+                token: self.remote_bot_token.clone().map(WorkerToken::new),
+                ca: self.remote_bot_ca.clone(),
+            },
+            serialized_bots: self
+                .serialized_bots
+                .iter()
+                .map(|n| n.trim().to_owned())
+                .filter(|n| !n.is_empty())
+                .collect(),
         }
     }
 }
 
 impl ServeArgs {
     /// The sample bots (see [`crate::bots::samples`]) as these arguments configure them.
-    ///
-    /// # Errors
-    /// When `--serialized-bots` names a bot that is not hosted.
-    pub fn bots(&self) -> Result<crate::bot::BotRegistry, crate::bot::UnknownBot> {
+    pub fn bots(&self) -> crate::bot::BotRegistry {
         let slow = crate::bots::SlowBot::new(Duration::from_millis(self.slow_bot_delay_ms));
-        let mut bots = crate::bots::samples().with("slow", slow);
-        for name in self
-            .serialized_bots
-            .iter()
-            .map(|n| n.trim())
-            .filter(|n| !n.is_empty())
-        {
-            bots = bots.with_policy(name, crate::bot::ConcurrencyPolicy::Serialized)?;
-        }
-        Ok(bots)
+        crate::bots::samples().with("slow", slow)
     }
 }
 
@@ -521,7 +544,8 @@ mod server_flags {
     fn serialized_bots_are_named_and_checked() {
         let cli = Cli::try_parse_from(["turnstile", "--serialized-bots", "slow,pizza"])
             .expect("valid arguments");
-        let bots = cli.serve.bots().expect("hosted bots");
+        let bots = crate::server::with_policies(cli.serve.bots(), &cli.serve.config())
+            .expect("hosted bots");
         for name in ["slow", "pizza"] {
             assert_eq!(bots.policy(name), crate::bot::ConcurrencyPolicy::Serialized);
         }
@@ -531,7 +555,32 @@ mod server_flags {
         );
         let cli = Cli::try_parse_from(["turnstile", "--serialized-bots", "nobody"])
             .expect("valid arguments");
-        assert!(cli.serve.bots().is_err(), "an unknown bot is refused");
+        assert!(
+            crate::server::with_policies(cli.serve.bots(), &cli.serve.config()).is_err(),
+            "an unknown bot is refused"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_remote_bot_can_be_serialized() {
+        let cli = Cli::try_parse_from([
+            "turnstile",
+            "--remote-bot",
+            "pizza-py=http://127.0.0.1:50061",
+            "--serialized-bots",
+            "pizza-py",
+        ])
+        .expect("valid arguments");
+        let config = cli.serve.config();
+        let bots = config
+            .remote_bots
+            .register(cli.serve.bots())
+            .expect("remote bots");
+        let bots = crate::server::with_policies(bots, &config).expect("a hosted bot");
+        assert_eq!(
+            bots.policy("pizza-py"),
+            crate::bot::ConcurrencyPolicy::Serialized
+        );
     }
 
     #[test]
@@ -542,5 +591,23 @@ mod server_flags {
         let set = serve_config(&["--database-url", "postgres://x/y", "--max-in-flight", "8"]);
         assert_eq!(set.max_in_flight(), 8);
         assert!(Cli::try_parse_from(["turnstile", "--max-in-flight", "0"]).is_err());
+    }
+
+    #[test]
+    fn remote_bots_are_parsed_at_startup_naming_the_flag() {
+        let config = serve_config(&[
+            "--remote-bot",
+            "pizza-py=http://pizza-worker:50061",
+            "--remote-bot",
+            "a=http://h:1,b=https://h:2",
+        ]);
+        let names: Vec<&str> = config.remote_bots.bots.iter().map(|b| b.name()).collect();
+        assert_eq!(names, ["pizza-py", "a", "b"]);
+        assert!(config.remote_bots.token.is_none());
+        let err = Cli::try_parse_from(["turnstile", "--remote-bot", "pizza=pizza-worker:50061"])
+            .expect_err("no scheme")
+            .to_string();
+        assert!(err.contains("--remote-bot"), "{err}");
+        assert!(err.contains("http://host:port"), "{err}");
     }
 }

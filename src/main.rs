@@ -73,7 +73,7 @@ async fn serve(args: turnstile::config::ServeArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let bots = args.bots()?;
+    let bots = args.bots();
     turnstile::serve(
         args.config(),
         bots,

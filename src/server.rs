@@ -64,6 +64,12 @@ pub enum ServeError {
         #[source]
         source: std::io::Error,
     },
+    /// The remote bots could not be set up.
+    #[error("setting up the remote bots failed")]
+    RemoteBots(#[from] crate::bots::remote::RemoteBotsError),
+    /// A serialized bot is not hosted.
+    #[error("a bot to serialize is not hosted")]
+    SerializedBot(#[source] crate::bot::UnknownBot),
     /// The metrics recorder could not be installed.
     #[error(transparent)]
     Metrics(#[from] crate::telemetry::metrics::MetricsError),
@@ -117,8 +123,22 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServeError> {
     })
 }
 
+/// `bots` with the concurrency policies `config` sets, once every bot (remote ones included) is
+/// registered.
+///
+/// # Errors
+/// [`ServeError::SerializedBot`] when `config.serialized_bots` names a bot that is not hosted.
+pub fn with_policies(mut bots: BotRegistry, config: &Config) -> Result<BotRegistry, ServeError> {
+    for name in &config.serialized_bots {
+        bots = bots
+            .with_policy(name, crate::bot::ConcurrencyPolicy::Serialized)
+            .map_err(ServeError::SerializedBot)?;
+    }
+    Ok(bots)
+}
+
 /// Serves `TurnService` (with `grpc.health.v1.Health` and server reflection v1 and v1alpha) for
-/// `bots` over the store `config` names, on `listeners` (a gRPC listener, and a metrics one if
+/// `bots` and the remote bots of `config.remote_bots` over the store `config` names, on `listeners` (a gRPC listener, and a metrics one if
 /// wanted), until `shutdown` completes. Then health turns `NOT_SERVING`, new turns get
 /// `UNAVAILABLE`, turns in flight get up to `config.shutdown_grace` to finish, and the server
 /// stops. Until then, calls beyond `config.max_in_flight()` turns in flight get
@@ -135,6 +155,7 @@ pub async fn serve(
     listeners: impl Into<Listeners>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    let bots = with_policies(config.remote_bots.register(bots)?, &config)?;
     let store = open_store(&config).await?;
     let listeners: Listeners = listeners.into();
     let Listeners {

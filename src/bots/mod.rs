@@ -6,6 +6,8 @@
 //! - `slow` — the counter bot taking a set time per run (200 ms unless told), like a bot that
 //!   calls a language model, see [`SlowBot`].
 //! - `subtract` — the seed sample's dialog (Bot Framework's `42.scaleout`), see [`SubtractBot`].
+//! - remote bots, one per `--remote-bot NAME=URL`: bots in any language, run by a bot worker
+//!   over gRPC, see [`remote`].
 //! - `waterfall`, `waterfall-nested`, `waterfall-prompt`, `text-prompt`, `number-prompt`,
 //!   `confirm-prompt`, `choice-prompt`, `conversation-state`, `user-state` — the conformance
 //!   bots, one per Bot Framework transcript, see [`conformance`].
@@ -13,6 +15,7 @@
 pub mod conformance;
 mod counter;
 mod pizza;
+pub mod remote;
 pub mod slow;
 mod subtract;
 

@@ -33,7 +33,8 @@ use tracing::Instrument as _;
 use crate::activity::Activity;
 use crate::activity::incoming::IncomingActivity;
 use crate::bot::{
-    Bot, BotError, BotRegistry, ConcurrencyPolicy, TurnContext, TurnScopes, UnknownBot,
+    Bot, BotError, BotErrorKind, BotRegistry, ConcurrencyPolicy, TurnContext, TurnScopes,
+    UnknownBot,
 };
 use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
 use crate::store::cached::CachedStore;
@@ -195,7 +196,7 @@ impl Engine {
         let span = tracing::Span::current();
         span.record("channel", incoming.address().channel.as_str());
         span.record("bot", bot_name);
-        let plan = TurnPlan::new(bot_name, handler.as_ref(), incoming);
+        let plan = TurnPlan::new(bot_name, handler.as_ref(), incoming, deadline);
         let _turn = self.queue_up(&plan.keys.conversation, deadline).await?;
         let mut serialized = self.bots.policy(bot_name) == ConcurrencyPolicy::Serialized
             || self.hot.is_hot(&plan.keys.conversation);
@@ -451,10 +452,17 @@ struct TurnPlan<'a> {
     key_list: Vec<StateKey>,
     /// The activity's receipt; `None` for an activity without id, which is not deduplicated.
     receipt: Option<StateKey>,
+    /// The caller's deadline, which the bot sees (a bot worker's call gets no longer).
+    deadline: Option<Instant>,
 }
 
 impl<'a> TurnPlan<'a> {
-    fn new(bot_name: &str, bot: &'a dyn Bot, incoming: &'a IncomingActivity) -> Self {
+    fn new(
+        bot_name: &str,
+        bot: &'a dyn Bot,
+        incoming: &'a IncomingActivity,
+        deadline: Option<Instant>,
+    ) -> Self {
         let address = incoming.address();
         let keys = TurnKeys::new(bot_name, address);
         Self {
@@ -465,6 +473,7 @@ impl<'a> TurnPlan<'a> {
                 .id()
                 .map(|id| StateKey::receipt(bot_name, &address.channel, &address.conversation, id)),
             keys,
+            deadline,
         }
     }
 
@@ -482,6 +491,7 @@ impl<'a> TurnPlan<'a> {
                 .as_ref()
                 .map(|k| scope_state(Scope::PrivateConversation, k, snapshot)),
         )
+        .with_deadline(self.deadline)
     }
 
     /// What the attempt asks the store to apply, with the receipt that answers a redelivery,
@@ -544,7 +554,9 @@ fn outcome_name(result: &Result<TurnOutcome, TurnError>) -> &'static str {
         Err(TurnError::UnknownBot(_)) => "invalid",
         Err(TurnError::Aborted { .. }) => "aborted",
         Err(TurnError::DeadlineExceeded { .. }) => "deadline_exceeded",
+        Err(TurnError::Bot(e)) if e.kind() == BotErrorKind::DeadlineExceeded => "deadline_exceeded",
         Err(TurnError::Store(StoreError::Unavailable(_))) => "unavailable",
+        Err(TurnError::Bot(e)) if e.kind() == BotErrorKind::Unavailable => "unavailable",
         Err(_) => "failed",
     }
 }
@@ -560,11 +572,9 @@ fn version_after(commit: &Commit, conversation: &StateKey, snapshot: &Snapshot) 
 }
 
 fn scope_state(scope: Scope, key: &StateKey, snapshot: &Snapshot) -> ScopeState {
-    let loaded = snapshot
-        .get(key)
-        .map(|row| row.state.clone())
-        .unwrap_or_default();
-    ScopeState::new(scope, loaded)
+    let row = snapshot.get(key);
+    let loaded = row.map(|row| row.state.clone()).unwrap_or_default();
+    ScopeState::new(scope, loaded).stored(row.is_some())
 }
 
 /// Runs the bot on one attempt's context. A panicking bot is a failed turn, not a dead

@@ -22,6 +22,7 @@ use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt as _};
 
 use crate::activity::incoming::InvalidActivity;
+use crate::bot::BotErrorKind;
 use crate::engine::TurnError;
 use crate::store::StoreError;
 
@@ -34,6 +35,9 @@ const RETRY_ABORTED: Duration = Duration::from_millis(250);
 /// Before retrying when the store is unavailable: a pool wait or a database restart is over in
 /// seconds, and hammering a recovering database slows it down.
 const RETRY_STORE_UNAVAILABLE: Duration = Duration::from_secs(1);
+/// Before retrying a turn whose bot worker could not be reached: a worker restarting or being
+/// rescheduled is back within seconds.
+const RETRY_BOT_UNAVAILABLE: Duration = Duration::from_secs(1);
 /// Before retrying a turn refused by a replica that is shutting down: at once, since a fresh
 /// connection reaches another replica.
 const RETRY_SHUTTING_DOWN: Duration = Duration::ZERO;
@@ -56,15 +60,18 @@ pub enum Reason {
     StoreUnavailable,
     /// `UNAVAILABLE`: this replica is draining before it stops.
     ShuttingDown,
+    /// `UNAVAILABLE`: the bot is a bot worker that cannot be reached.
+    BotUnavailable,
     /// `RESOURCE_EXHAUSTED`: too many turns are in flight on this replica.
     Overloaded,
     /// `RESOURCE_EXHAUSTED`: the request is larger than the server decodes at all.
     MessageTooLarge,
     /// `UNAUTHENTICATED`: no valid bearer token.
     Unauthenticated,
-    /// `DEADLINE_EXCEEDED`: the caller's deadline passed before the turn could commit.
+    /// `DEADLINE_EXCEEDED`: the caller's deadline passed before the turn could commit (or before
+    /// the bot worker answered).
     DeadlineExceeded,
-    /// `INTERNAL`: the bot failed; nothing was committed.
+    /// `INTERNAL`: the bot (or its bot worker) failed; nothing was committed.
     BotFailed,
     /// `INTERNAL`: the state store answered something it never should.
     StoreFailed,
@@ -82,6 +89,7 @@ impl Reason {
             Self::ConflictRetriesExhausted => "CONFLICT_RETRIES_EXHAUSTED",
             Self::StoreUnavailable => "STORE_UNAVAILABLE",
             Self::ShuttingDown => "SHUTTING_DOWN",
+            Self::BotUnavailable => "BOT_UNAVAILABLE",
             Self::Overloaded => "OVERLOADED",
             Self::MessageTooLarge => "MESSAGE_TOO_LARGE",
             Self::Unauthenticated => "UNAUTHENTICATED",
@@ -207,6 +215,36 @@ impl From<TurnError> for Status {
                 None,
                 HashMap::new(),
             ),
+            TurnError::Bot(e) if e.kind() == BotErrorKind::Unavailable => {
+                tracing::warn!(error = %e, "bot worker unavailable; nothing was committed");
+                with_details(
+                    Code::Unavailable,
+                    format!("{}; the turn was not committed, retry later", e.message()),
+                    Reason::BotUnavailable,
+                    Some(RETRY_BOT_UNAVAILABLE),
+                    HashMap::new(),
+                )
+            }
+            TurnError::Bot(e) if e.kind() == BotErrorKind::DeadlineExceeded => {
+                tracing::warn!(error = %e, "bot worker missed the deadline; nothing was committed");
+                with_details(
+                    Code::DeadlineExceeded,
+                    format!("{}; nothing was committed", e.message()),
+                    Reason::DeadlineExceeded,
+                    None,
+                    HashMap::new(),
+                )
+            }
+            TurnError::Bot(e) if e.kind() == BotErrorKind::WorkerFailed => {
+                tracing::error!(error = %e, "bot worker failed; nothing was committed");
+                with_details(
+                    Code::Internal,
+                    format!("{}; state is untouched", e.message()),
+                    Reason::BotFailed,
+                    None,
+                    HashMap::new(),
+                )
+            }
             TurnError::Bot(e) => {
                 tracing::error!(error = %e, "bot failed; nothing was committed");
                 with_details(

@@ -36,6 +36,7 @@ pub struct ScopeState {
     properties: JsonMap,
     loaded: JsonMap,
     used: Cell<bool>,
+    stored: bool,
 }
 
 impl ScopeState {
@@ -46,7 +47,22 @@ impl ScopeState {
             properties: loaded.clone(),
             loaded,
             used: Cell::new(false),
+            stored: false,
         }
+    }
+
+    /// The same state, saying whether it had been written before this turn (a bot worker is told;
+    /// see `proto/turnstile/v1/worker.proto`).
+    #[must_use]
+    pub fn stored(mut self, stored: bool) -> Self {
+        self.stored = stored;
+        self
+    }
+
+    /// Whether this scope's state had ever been written before this turn (an empty object that
+    /// was written is stored; a key never written is not).
+    pub fn was_stored(&self) -> bool {
+        self.stored
     }
 
     /// Which scope this is.
@@ -108,6 +124,18 @@ impl ScopeState {
     pub fn properties(&self) -> &JsonMap {
         self.used.set(true);
         &self.properties
+    }
+
+    /// Replaces every property with `properties`, as one write.
+    pub fn replace(&mut self, properties: JsonMap) {
+        self.used.set(true);
+        self.properties = properties;
+    }
+
+    /// The properties as they were loaded, without counting as a read (for handing them to a
+    /// bot worker, whose answer says whether it read them).
+    pub fn loaded(&self) -> &JsonMap {
+        &self.loaded
     }
 
     /// Whether the turn read or wrote this scope at all.

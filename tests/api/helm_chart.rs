@@ -951,3 +951,49 @@ fn conversation_affinity_renders_an_istio_destination_rule_and_serialized_bots_a
     let server = &one(&plain, "Deployment")["spec"]["template"]["spec"]["containers"][0];
     assert!(!has_env(server, "TURNSTILE_SERIALIZED_BOTS"));
 }
+
+#[test]
+fn remote_bots_become_the_servers_worker_settings() {
+    let rendered = template(&[
+        "--set",
+        "remoteBots.bots.pizza-py=http://pizza-worker:50061",
+        "--set",
+        "remoteBots.bots.counter=https://counter-worker:50062",
+        "--set",
+        "remoteBots.tokenSecret=worker-token",
+        "--set",
+        "remoteBots.caFile=/etc/worker-ca/ca.crt",
+    ]);
+    let docs = documents(&rendered);
+    assert_valid(&rendered, &docs);
+    let container = &one(&docs, "Deployment")["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(
+        env_value(container, "TURNSTILE_REMOTE_BOTS"),
+        "counter=https://counter-worker:50062,pizza-py=http://pizza-worker:50061"
+    );
+    assert_eq!(
+        env(container, "TURNSTILE_REMOTE_BOT_TOKEN")["valueFrom"]["secretKeyRef"],
+        serde_json::json!({"name": "worker-token", "key": "token"})
+    );
+    assert_eq!(
+        env_value(container, "TURNSTILE_REMOTE_BOT_CA"),
+        "/etc/worker-ca/ca.crt"
+    );
+
+    let plain = documents(&template(&["-s", "templates/deployment.yaml"]));
+    let container = &one(&plain, "Deployment")["spec"]["template"]["spec"]["containers"][0];
+    assert!(!has_env(container, "TURNSTILE_REMOTE_BOTS"));
+    assert!(!has_env(container, "TURNSTILE_REMOTE_BOT_TOKEN"));
+
+    let output = helm(&[
+        "template",
+        "turnstile",
+        CHART,
+        "--kube-version",
+        KUBE_VERSION,
+        "--set",
+        "remoteBots.bots.pizza=pizza-worker:50061",
+    ]);
+    assert!(!output.status.success(), "a worker URL without a scheme");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("/remoteBots/bots/pizza"));
+}

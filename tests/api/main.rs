@@ -36,3 +36,4 @@ mod tls;
 mod traces;
 mod transcripts;
 mod turn_errors;
+mod workers;

@@ -4,10 +4,13 @@
 
 use crate::support;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use support::{TestServer, message, postgres_config, texts};
+use tokio::sync::watch;
 use tonic::Code;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -17,14 +20,29 @@ use turnstile::bots::CounterBot;
 use turnstile::grpc::pb;
 use turnstile::{Bot, BotError, BotRegistry, TurnContext};
 
-/// The counter bot, slow enough to be caught by a shutdown.
-struct SlowCounter;
+/// The counter bot, held inside its turn until the test opens the gate, so that the shutdown
+/// certainly catches it in flight, however slow the machine.
+struct GatedCounter {
+    started: Arc<AtomicUsize>,
+    gate: watch::Receiver<bool>,
+}
 
 #[async_trait]
-impl Bot for SlowCounter {
+impl Bot for GatedCounter {
     async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
-        tokio::time::sleep(Duration::from_millis(600)).await;
+        self.started.fetch_add(1, Ordering::SeqCst);
+        let mut gate = self.gate.clone();
+        gate.wait_for(|open| *open).await.map_err(BotError::from)?;
         CounterBot.on_turn(turn).await
+    }
+}
+
+/// Waits (generously) until `check` holds.
+async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !check().await {
+        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -41,11 +59,13 @@ fn turn(id: &str) -> pb::ProcessTurnRequest {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn in_flight_turns_finish_once_and_new_ones_are_refused() {
     let url = support::pg::fresh_database().await;
-    let server = TestServer::start(
-        postgres_config(&url),
-        BotRegistry::new("counter", SlowCounter),
-    )
-    .await;
+    let started = Arc::new(AtomicUsize::new(0));
+    let (open, gate) = watch::channel(false);
+    let bot = GatedCounter {
+        started: started.clone(),
+        gate,
+    };
+    let server = TestServer::start(postgres_config(&url), BotRegistry::new("counter", bot)).await;
     let client = server.client().await;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
         .unwrap()
@@ -59,25 +79,26 @@ async fn in_flight_turns_finish_once_and_new_ones_are_refused() {
             tokio::spawn(async move { client.process_turn(turn(&format!("t{i}"))).await })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    eventually("8 turns in flight", async || {
+        started.load(Ordering::SeqCst) == 8
+    })
+    .await;
 
     let stopped = tokio::spawn(server.stop());
-    tokio::time::sleep(Duration::from_millis(100)).await;
-
-    let mut health = HealthClient::new(channel);
-    let status = health
-        .check(HealthCheckRequest {
-            service: "turnstile.v1.TurnService".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status;
-    assert_eq!(
-        status,
-        ServingStatus::NotServing as i32,
-        "probes see the drain"
-    );
+    let health = HealthClient::new(channel);
+    eventually("probes see the drain", async || {
+        let status = health
+            .clone()
+            .check(HealthCheckRequest {
+                service: "turnstile.v1.TurnService".into(),
+            })
+            .await
+            .expect("health answers during the drain")
+            .into_inner()
+            .status;
+        status == ServingStatus::NotServing as i32
+    })
+    .await;
     let refused = client
         .clone()
         .process_turn(turn("late"))
@@ -92,6 +113,7 @@ async fn in_flight_turns_finish_once_and_new_ones_are_refused() {
         "retry elsewhere: {refused:?}"
     );
 
+    open.send(true).unwrap();
     for call in in_flight {
         let response = call
             .await

@@ -1,0 +1,275 @@
+"""Bot workers for Turnstile, in Python.
+
+A bot worker runs your bot's logic; Turnstile runs the turn around it: it queues a
+conversation's turns, loads the state, calls your handler, commits the state only if nobody
+changed it meanwhile, and otherwise calls your handler again on the fresh state. Your replies
+leave only after the commit. So a handler must follow the replay rule: it may run more than once
+for one turn, and only the run that commits counts. Keep side effects out of it, or make them
+idempotent, keyed by ``turn.activity["id"]``.
+
+    from turnstile_worker import Worker
+
+    worker = Worker()
+
+    @worker.bot("echo")
+    def echo(turn):
+        turn.conversation["seen"] = turn.conversation.get("seen", 0) + 1
+        turn.send(f"you said {turn.text}")
+
+    asyncio.run(worker.serve("0.0.0.0:50061"))
+
+The gRPC stubs are generated when this package is imported, from the ``worker.proto`` it
+carries, by grpcio-tools (``grpc.protos_and_services``): nothing generated is committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import json
+import os
+import signal
+import sys
+from typing import Any, Awaitable, Callable, Optional, Union
+
+import grpc
+
+__all__ = ["Scope", "Turn", "Worker"]
+
+_PROTOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "protos")
+
+
+def _load_protos():
+    # protos_and_services looks the file up on sys.path.
+    sys.path.insert(0, _PROTOS)
+    try:
+        return grpc.protos_and_services("turnstile/v1/worker.proto")
+    finally:
+        sys.path.remove(_PROTOS)
+
+
+pb, _services = _load_protos()
+
+_TRACE = bool(os.environ.get("TURNSTILE_WORKER_TRACE"))
+
+
+class Scope(dict):
+    """One state scope: a dict of JSON values, saved with the turn if the turn commits.
+
+    Turnstile checks at commit time that a scope your handler read has not changed meanwhile
+    (and replays the turn if it has), so the scope records whether you read it. Writes need no
+    care: any change, nested ones included, is found by comparing with the state as loaded.
+    ``exists`` says whether this scope had ever been written before this turn.
+    """
+
+    def __init__(self, state: dict, exists: bool):
+        super().__init__(state)
+        self.exists = exists
+        self.read = False
+
+    def _reading(self):
+        self.read = True
+
+    def __getitem__(self, key):
+        self._reading()
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self._reading()
+        return super().__contains__(key)
+
+    def __iter__(self):
+        self._reading()
+        return super().__iter__()
+
+    def __len__(self):
+        self._reading()
+        return super().__len__()
+
+    def __eq__(self, other):
+        self._reading()
+        return super().__eq__(other)
+
+    __hash__ = None
+
+    def __repr__(self):
+        self._reading()
+        return f"Scope({super().__repr__()})"
+
+    def get(self, key, default=None):
+        self._reading()
+        return super().get(key, default)
+
+    def keys(self):
+        self._reading()
+        return super().keys()
+
+    def values(self):
+        self._reading()
+        return super().values()
+
+    def items(self):
+        self._reading()
+        return super().items()
+
+    def pop(self, key, *default):
+        self._reading()
+        return super().pop(key, *default)
+
+    def popitem(self):
+        self._reading()
+        return super().popitem()
+
+    def setdefault(self, key, default=None):
+        self._reading()
+        return super().setdefault(key, default)
+
+    def copy(self):
+        self._reading()
+        return dict(super().items())
+
+
+class Turn:
+    """One attempt of one turn: the activity, the three state scopes, and ``send``."""
+
+    def __init__(self, request):
+        self.bot: str = request.bot
+        #: The inbound activity, a Bot Framework JSON object (camelCase keys).
+        self.activity: dict = json.loads(request.activity_json)
+        #: 1, or more when a conflict made Turnstile replay the turn on fresh state.
+        self.attempt: int = request.attempt
+        self._loaded = {}
+        #: Shared by everyone in the conversation.
+        self.conversation: Scope = self._scope(request, "conversation")
+        #: This user across conversations; None when the activity names no user.
+        self.user: Optional[Scope] = self._scope(request, "user")
+        #: This user within this conversation; None when the activity names no user.
+        self.private_conversation: Optional[Scope] = self._scope(request, "private_conversation")
+        self.replies: list = []
+
+    def _scope(self, request, name):
+        if not request.HasField(name):
+            return None
+        state = getattr(request, name)
+        loaded = json.loads(state.state_json)
+        self._loaded[name] = loaded
+        return Scope(copy.deepcopy(loaded), state.exists)
+
+    @property
+    def text(self) -> str:
+        """The activity's text, trimmed; empty when it has none."""
+        return (self.activity.get("text") or "").strip()
+
+    def send(self, reply: Union[str, dict], **fields: Any) -> None:
+        """Buffers a reply: a text, or an activity dict (camelCase keys) with ``fields`` added.
+
+        It is delivered only if this attempt commits. Addressing left out (type, conversation,
+        from, recipient, replyToId) is filled in by Turnstile as a reply to the inbound activity.
+        """
+        activity = {"type": "message", "text": reply} if isinstance(reply, str) else dict(reply)
+        activity.update(fields)
+        self.replies.append(activity)
+
+    def _answer(self):
+        answer = pb.RunTurnResponse(replies_json=[json.dumps(r) for r in self.replies])
+        for name, loaded in self._loaded.items():
+            scope = getattr(self, name)
+            read = scope.read  # before anything below reads the scope
+            outcome = getattr(answer, name)
+            outcome.read = read
+            if not dict.__eq__(scope, loaded):
+                outcome.replaced_json = json.dumps(dict(dict.items(scope)))
+            elif not read:
+                answer.ClearField(name)
+        return answer
+
+
+Handler = Callable[[Turn], Union[None, Awaitable[None]]]
+
+
+class _Servicer(_services.BotWorkerServicer):
+    def __init__(self, bots: dict, token: Optional[str]):
+        self._bots = bots
+        self._authorization = f"Bearer {token}" if token else None
+
+    async def RunTurn(self, request, context):
+        if self._authorization is not None:
+            sent = dict(context.invocation_metadata()).get("authorization")
+            if sent != self._authorization:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no valid bearer token")
+        handler = self._bots.get(request.bot)
+        if handler is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"this worker serves no bot named {request.bot!r} (it serves: {', '.join(self._bots)})",
+            )
+        turn = Turn(request)
+        if _TRACE:
+            print(
+                f"turnstile-worker: RunTurn bot={request.bot} activity={turn.activity.get('id')} "
+                f"attempt={request.attempt}",
+                file=sys.stderr,
+                flush=True,
+            )
+        try:
+            result = handler(turn)
+            if inspect.isawaitable(result):
+                await result
+        except Exception as e:  # the bot's bug, reported to Turnstile, which commits nothing
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"the bot raised {type(e).__name__}: {e}"
+            )
+        return turn._answer()
+
+
+class Worker:
+    """Serves one or more bots to Turnstile as ``turnstile.v1.BotWorker``."""
+
+    def __init__(self) -> None:
+        self._bots: dict = {}
+
+    def bot(self, name: str) -> Callable[[Handler], Handler]:
+        """Registers the decorated function (sync or async, taking a :class:`Turn`) as bot
+        ``name``: the NAME of ``--remote-bot NAME=URL`` on the Turnstile side."""
+
+        def register(handler: Handler) -> Handler:
+            self._bots[name] = handler
+            return handler
+
+        return register
+
+    async def start(
+        self,
+        address: str = "[::]:50061",
+        *,
+        token: Optional[str] = None,
+        tls: Optional[tuple] = None,
+    ):
+        """Starts serving on ``address``; returns ``(server, port)``. ``token``: the bearer token
+        Turnstile must send (``--remote-bot-token``). ``tls``: ``(cert_pem, key_pem)`` bytes."""
+        if not self._bots:
+            raise ValueError("no bots registered: decorate a handler with @worker.bot(name)")
+        server = grpc.aio.server()
+        _services.add_BotWorkerServicer_to_server(_Servicer(dict(self._bots), token), server)
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            credentials = grpc.ssl_server_credentials([(tls[1], tls[0])])
+            port = server.add_secure_port(address, credentials)
+        await server.start()
+        return server, port
+
+    async def serve(self, address: str = "[::]:50061", **options) -> None:
+        """Serves until SIGTERM or SIGINT, then finishes the calls in flight (5 s at most)."""
+        server, port = await self.start(address, **options)
+        print(
+            f"turnstile-worker: serving {', '.join(self._bots)} on port {port}",
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop(5)

@@ -1,0 +1,487 @@
+//! Remote bots: a bot that is a call to a bot worker, a process of its own in any language that
+//! serves `turnstile.v1.BotWorker` (`proto/turnstile/v1/worker.proto`).
+//!
+//! The engine cannot tell a remote bot from an in-process one: [`RemoteBot`] implements [`Bot`],
+//! so a worker's turns are queued, cached, committed conditionally, replayed on conflict (calling
+//! the worker again with the fresh state) and answered from receipts on redelivery exactly like a
+//! Rust bot's. What differs is how it fails, and each failure commits nothing:
+//! - a worker that cannot be reached (refused, reset, no route) is [`BotErrorKind::Unavailable`]:
+//!   the caller gets `UNAVAILABLE` and retries later;
+//! - a worker that has not answered when the caller's deadline comes is
+//!   [`BotErrorKind::DeadlineExceeded`];
+//! - a worker that answers an error status, or an answer that is malformed or over
+//!   [`MAX_ANSWER_BYTES`], is [`BotErrorKind::WorkerFailed`]: `INTERNAL`, with a message naming
+//!   the worker and the problem, since that is a bug in the worker its author must see.
+//!
+//! Only this module speaks gRPC among the bots; state and replies cross the wire as JSON text,
+//! so that nothing of a state object or an activity is lost on the way (no protobuf `Struct`,
+//! whose numbers are doubles).
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::time::Instant;
+use tonic::Code;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+
+use crate::activity::{Activity, JsonMap};
+use crate::bot::{Bot, BotError, BotErrorKind, BotRegistry, TurnContext};
+use crate::grpc::pb;
+use crate::grpc::pb::bot_worker_client::BotWorkerClient;
+use crate::state::ScopeState;
+
+/// The largest answer read from a worker, in encoded bytes: the replies and the whole new state
+/// of every scope. Beyond it the turn fails (`INTERNAL`) rather than store or send what no
+/// channel would accept anyway.
+pub const MAX_ANSWER_BYTES: usize = 4 << 20;
+
+/// How long a worker may take when the caller set no deadline.
+pub const DEFAULT_WORKER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long connecting to a worker may take before the turn fails with `UNAVAILABLE`.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The part of the caller's remaining time kept back from the worker for the commit, at most
+/// [`COMMIT_RESERVE_MAX`]: a worker that uses its whole deadline then still fails the turn here,
+/// with `DEADLINE_EXCEEDED`, instead of committing after the caller stopped waiting.
+const COMMIT_RESERVE_DIVISOR: u32 = 10;
+const COMMIT_RESERVE_MAX: Duration = Duration::from_millis(50);
+
+/// `NAME=URL`: a remote bot's name in the registry and its worker's address, parsed from
+/// `--remote-bot`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteBotSpec {
+    name: String,
+    url: http::Uri,
+}
+
+/// A `--remote-bot` value that is not `NAME=URL` with an `http` or `https` URL.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{value}` is not NAME=URL (like pizza-py=http://pizza-worker:50061): {problem}")]
+pub struct InvalidRemoteBot {
+    value: String,
+    problem: String,
+}
+
+impl FromStr for RemoteBotSpec {
+    type Err = InvalidRemoteBot;
+
+    fn from_str(value: &str) -> Result<Self, Self::Err> {
+        let invalid = |problem: &str| InvalidRemoteBot {
+            value: value.to_owned(),
+            problem: problem.to_owned(),
+        };
+        let (name, url) = value
+            .trim()
+            .split_once('=')
+            .ok_or_else(|| invalid("there is no `=`"))?;
+        let name = name.trim();
+        if name.is_empty()
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        {
+            return Err(invalid("the name must be letters, digits, `-`, `_` or `.`"));
+        }
+        let url: http::Uri = url
+            .trim()
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| invalid(&format!("the URL is invalid: {e}")))?;
+        if !matches!(url.scheme_str(), Some("http" | "https")) || url.host().is_none() {
+            return Err(invalid(
+                "the URL must be http://host:port or https://host:port",
+            ));
+        }
+        Ok(Self {
+            name: name.to_owned(),
+            url,
+        })
+    }
+}
+
+impl RemoteBotSpec {
+    /// The bot's name in the registry.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The worker's address.
+    pub fn url(&self) -> &http::Uri {
+        &self.url
+    }
+}
+
+/// The bearer token sent to workers as `authorization: Bearer <token>`; `Debug` hides it.
+#[derive(Clone)]
+pub struct WorkerToken(String);
+
+impl WorkerToken {
+    /// Wraps a token.
+    pub fn new(token: impl Into<String>) -> Self {
+        Self(token.into())
+    }
+}
+
+impl fmt::Debug for WorkerToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("WorkerToken(<redacted>)")
+    }
+}
+
+/// The remote bots a server hosts besides its in-process ones, and how it reaches their workers.
+#[derive(Debug, Clone, Default)]
+pub struct RemoteBots {
+    /// The bots, by name and worker address. A remote bot replaces an in-process bot of the same
+    /// name.
+    pub bots: Vec<RemoteBotSpec>,
+    /// The bearer token sent to every worker, if any.
+    pub token: Option<WorkerToken>,
+    /// The CA certificate(s), PEM, that `https` workers' certificates must chain to.
+    pub ca: Option<PathBuf>,
+}
+
+/// Why the remote bots could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteBotsError {
+    /// The CA file could not be read.
+    #[error("reading the bot workers' CA file {path} (--remote-bot-ca) failed")]
+    Ca {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// An `https` worker without `--remote-bot-ca`.
+    #[error(
+        "bot worker `{0}` is reached over https, which needs --remote-bot-ca (the CA its certificate chains to)"
+    )]
+    NoCa(String),
+    /// TLS could not be configured for a worker.
+    #[error("configuring TLS towards bot worker `{name}` failed")]
+    Tls {
+        /// The bot.
+        name: String,
+        /// Why.
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// The token cannot be sent as a header value.
+    #[error("--remote-bot-token holds characters an HTTP header cannot carry")]
+    Token,
+}
+
+impl RemoteBots {
+    /// `bots` with a [`RemoteBot`] added for each configured worker (replacing an in-process bot
+    /// of the same name). Connections are opened on first use, so a worker that is not up yet
+    /// does not keep the server from starting.
+    ///
+    /// # Errors
+    /// [`RemoteBotsError`] when the CA file cannot be read, an `https` worker has no CA, or the
+    /// token is not a valid header value.
+    pub fn register(&self, mut bots: BotRegistry) -> Result<BotRegistry, RemoteBotsError> {
+        let ca = match &self.ca {
+            Some(path) => Some(std::fs::read(path).map_err(|source| RemoteBotsError::Ca {
+                path: path.clone(),
+                source,
+            })?),
+            None => None,
+        };
+        let authorization = match &self.token {
+            Some(token) => Some(
+                format!("Bearer {}", token.0)
+                    .parse::<MetadataValue<Ascii>>()
+                    .map_err(|_| RemoteBotsError::Token)?,
+            ),
+            None => None,
+        };
+        for spec in &self.bots {
+            let mut endpoint = Endpoint::from(spec.url.clone())
+                .connect_timeout(CONNECT_TIMEOUT)
+                .tcp_nodelay(true);
+            if spec.url.scheme_str() == Some("https") {
+                let ca = ca
+                    .as_ref()
+                    .ok_or_else(|| RemoteBotsError::NoCa(spec.name.clone()))?;
+                endpoint = endpoint
+                    .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)))
+                    .map_err(|source| RemoteBotsError::Tls {
+                        name: spec.name.clone(),
+                        source,
+                    })?;
+            }
+            let bot = RemoteBot::new(spec.name.clone(), endpoint.connect_lazy())
+                .with_authorization(authorization.clone());
+            tracing::info!(bot = %spec.name, worker = %spec.url, "hosting a remote bot");
+            bots = bots.with(spec.name.clone(), bot);
+        }
+        Ok(bots)
+    }
+}
+
+/// A bot whose turns run in a bot worker: each attempt is one `BotWorker/RunTurn` call.
+#[derive(Debug, Clone)]
+pub struct RemoteBot {
+    name: String,
+    client: BotWorkerClient<Channel>,
+    authorization: Option<MetadataValue<Ascii>>,
+}
+
+impl RemoteBot {
+    /// The bot named `name` (as the registry and the worker know it), served by the worker
+    /// behind `channel`.
+    pub fn new(name: impl Into<String>, channel: Channel) -> Self {
+        Self {
+            name: name.into(),
+            client: BotWorkerClient::new(channel)
+                .max_decoding_message_size(MAX_ANSWER_BYTES)
+                .max_encoding_message_size(usize::MAX),
+            authorization: None,
+        }
+    }
+
+    /// The same bot, sending `authorization` (`Bearer <token>`) on every call.
+    #[must_use]
+    pub fn with_authorization(mut self, authorization: Option<MetadataValue<Ascii>>) -> Self {
+        self.authorization = authorization;
+        self
+    }
+
+    /// A failure of this bot's worker, of kind `kind`, described by `problem`.
+    fn fail(&self, kind: BotErrorKind, problem: impl fmt::Display) -> BotError {
+        BotError::new(kind, format!("bot worker `{}` {problem}", self.name))
+    }
+
+    /// The request for the attempt `turn` is.
+    fn request(&self, turn: &mut TurnContext<'_>) -> pb::RunTurnRequest {
+        let scope = |state: &ScopeState| pb::ScopeState {
+            // Not `properties()`, which would count as the bot reading the scope: only the
+            // worker's answer says whether it did.
+            state_json: serde_json::Value::Object(state.loaded().clone()).to_string(),
+            exists: state.was_stored(),
+        };
+        pb::RunTurnRequest {
+            bot: self.name.clone(),
+            activity_json: turn.activity().to_json().to_string(),
+            attempt: turn.attempt(),
+            conversation: Some(scope(turn.conversation_state())),
+            user: turn.user_state().ok().map(|s| scope(s)),
+            private_conversation: turn.private_conversation_state().ok().map(|s| scope(s)),
+        }
+    }
+
+    /// Applies the worker's answer to the turn: its scopes, then its replies. Checks everything
+    /// before it changes anything, though a failed turn's context is discarded anyway.
+    fn apply(
+        &self,
+        turn: &mut TurnContext<'_>,
+        answer: pb::RunTurnResponse,
+    ) -> Result<(), BotError> {
+        let malformed = |problem: String| self.fail(BotErrorKind::WorkerFailed, problem);
+        let replies = answer
+            .replies_json
+            .iter()
+            .enumerate()
+            .map(|(i, text)| {
+                let object = json_object(text)
+                    .map_err(|e| malformed(format!("answered reply {} that is {e}", i + 1)))?;
+                Ok(Activity::from_json(serde_json::Value::Object(object))
+                    .unwrap_or_else(|_| Activity::default()))
+            })
+            .collect::<Result<Vec<_>, BotError>>()?;
+        let outcomes = [
+            ("conversation", answer.conversation, true),
+            ("user", answer.user, turn.user_state().is_ok()),
+            (
+                "private conversation",
+                answer.private_conversation,
+                turn.private_conversation_state().is_ok(),
+            ),
+        ];
+        let mut changes = Vec::with_capacity(3);
+        for (scope, outcome, present) in outcomes {
+            let Some(outcome) = outcome else {
+                changes.push(None);
+                continue;
+            };
+            if !present {
+                return Err(malformed(format!(
+                    "answered {scope} state, which this turn does not have (the activity names no user)"
+                )));
+            }
+            let replaced = match &outcome.replaced_json {
+                Some(text) => Some(
+                    json_object(text)
+                        .map_err(|e| malformed(format!("answered {scope} state that is {e}")))?,
+                ),
+                None => None,
+            };
+            changes.push(Some((outcome.read, replaced)));
+        }
+        let mut changes = changes.into_iter();
+        if let Some(change) = changes.next().flatten() {
+            apply_scope(turn.conversation_state(), change);
+        }
+        if let (Some(change), Ok(state)) = (changes.next().flatten(), turn.user_state()) {
+            apply_scope(state, change);
+        }
+        if let (Some(change), Ok(state)) =
+            (changes.next().flatten(), turn.private_conversation_state())
+        {
+            apply_scope(state, change);
+        }
+        for reply in replies {
+            turn.send(reply);
+        }
+        Ok(())
+    }
+
+    /// The error for a call that ended with `status`.
+    fn status_error(&self, status: &tonic::Status) -> BotError {
+        let message = shortened(status.message());
+        match status.code() {
+            Code::Unavailable => self.fail(
+                BotErrorKind::Unavailable,
+                format_args!("is unavailable ({message})"),
+            ),
+            Code::DeadlineExceeded | Code::Cancelled => self.fail(
+                BotErrorKind::DeadlineExceeded,
+                "did not answer before the call's deadline",
+            ),
+            Code::OutOfRange | Code::ResourceExhausted
+                if message.contains("message length too large") =>
+            {
+                self.fail(
+                    BotErrorKind::WorkerFailed,
+                    format_args!("answered more than {MAX_ANSWER_BYTES} bytes ({message})"),
+                )
+            }
+            code => self.fail(
+                BotErrorKind::WorkerFailed,
+                format_args!("failed: {code:?}: {message}"),
+            ),
+        }
+    }
+}
+
+#[async_trait]
+impl Bot for RemoteBot {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        let deadline = turn
+            .deadline()
+            .unwrap_or_else(|| Instant::now() + DEFAULT_WORKER_TIMEOUT);
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let reserve = (remaining / COMMIT_RESERVE_DIVISOR).min(COMMIT_RESERVE_MAX);
+        let budget = remaining.saturating_sub(reserve);
+        if budget.is_zero() {
+            return Err(self.fail(
+                BotErrorKind::DeadlineExceeded,
+                "was not called: the call's deadline had passed",
+            ));
+        }
+        let mut request = tonic::Request::new(self.request(turn));
+        request.set_timeout(budget);
+        if let Some(authorization) = &self.authorization {
+            request
+                .metadata_mut()
+                .insert("authorization", authorization.clone());
+        }
+        let mut client = self.client.clone();
+        let answer = match tokio::time::timeout(budget, client.run_turn(request)).await {
+            Err(_) => {
+                return Err(self.fail(
+                    BotErrorKind::DeadlineExceeded,
+                    "did not answer before the call's deadline",
+                ));
+            }
+            Ok(Err(status)) => return Err(self.status_error(&status)),
+            Ok(Ok(answer)) => answer.into_inner(),
+        };
+        self.apply(turn, answer)
+    }
+}
+
+/// Applies one scope's outcome: marks it read, replaces it.
+fn apply_scope(state: &mut ScopeState, (read, replaced): (bool, Option<JsonMap>)) {
+    if read {
+        // Reading the properties is what marks an in-process bot's scope as read.
+        let _ = state.properties();
+    }
+    if let Some(properties) = replaced {
+        state.replace(properties);
+    }
+}
+
+/// `text` as a JSON object, or what it is instead ("not valid JSON: …", "a JSON array, not an
+/// object").
+fn json_object(text: &str) -> Result<JsonMap, String> {
+    match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(serde_json::Value::Object(map)) => Ok(map),
+        Ok(other) => Err(format!(
+            "not a JSON object (a JSON {})",
+            match other {
+                serde_json::Value::Null => "null",
+                serde_json::Value::Bool(_) => "boolean",
+                serde_json::Value::Number(_) => "number",
+                serde_json::Value::String(_) => "string",
+                serde_json::Value::Array(_) => "array",
+                serde_json::Value::Object(_) => "object",
+            }
+        )),
+        Err(e) => Err(format!("not valid JSON ({e})")),
+    }
+}
+
+/// A worker's status message, cut to a length a log line and an error message can carry.
+fn shortened(message: &str) -> String {
+    const MOST: usize = 300;
+    if message.len() <= MOST {
+        return message.to_owned();
+    }
+    let mut end = MOST;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &message[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_bot_specs_are_parsed_at_the_boundary() {
+        let spec: RemoteBotSpec = "pizza-py=http://127.0.0.1:50061".parse().expect("valid");
+        assert_eq!(spec.name(), "pizza-py");
+        assert_eq!(spec.url().port_u16(), Some(50061));
+        for bad in [
+            "pizza-py",
+            "=http://h:1",
+            "pizza py=http://h:1",
+            "pizza=ftp://h:1",
+            "pizza=not a url",
+            "pizza=/path",
+        ] {
+            let err = bad.parse::<RemoteBotSpec>().expect_err(bad);
+            assert!(err.to_string().contains(bad.trim()), "{err}");
+        }
+    }
+
+    #[test]
+    fn json_objects_are_told_from_everything_else() {
+        assert!(json_object(r#"{"a":1}"#).is_ok());
+        assert_eq!(
+            json_object("[1]").expect_err("an array"),
+            "not a JSON object (a JSON array)"
+        );
+        assert!(
+            json_object("{")
+                .expect_err("truncated")
+                .starts_with("not valid JSON"),
+        );
+    }
+}
