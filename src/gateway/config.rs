@@ -79,6 +79,11 @@ pub struct GatewayArgs {
     /// The audience of the bot's own tokens (`/.default` is appended).
     #[arg(long, env = "ToChannelFromBotOAuthScope")]
     pub to_channel_from_bot_oauth_scope: Option<String>,
+    /// Direct Line secrets, comma-separated (the first signs tokens; the others are still
+    /// accepted, for rotation); Direct Line is open without one in development and off
+    /// without one when `MicrosoftAppId` is set.
+    #[arg(long, env = "DirectLineSecret", hide_env_values = true)]
+    pub direct_line_secret: Option<String>,
 }
 
 /// Why the settings describe no gateway that could work.
@@ -183,6 +188,9 @@ pub struct GatewayConfig {
     pub credentials: Option<AppCredentials>,
     /// How replies are delivered.
     pub delivery: DeliveryPolicy,
+    /// Direct Line secrets; with none, Direct Line and the chat page are served only in
+    /// development (no credentials), and then without authentication.
+    pub direct_line_secrets: Vec<Secret>,
 }
 
 impl GatewayConfig {
@@ -195,7 +203,14 @@ impl GatewayConfig {
             turn_timeout: Duration::from_secs(8),
             credentials: None,
             delivery: DeliveryPolicy::default(),
+            direct_line_secrets: Vec::new(),
         }
+    }
+
+    /// Whether Direct Line (and the chat page) are served: with a Direct Line secret, or in
+    /// development.
+    pub fn direct_line_enabled(&self) -> bool {
+        !self.direct_line_secrets.is_empty() || self.credentials.is_none()
     }
 }
 
@@ -216,6 +231,15 @@ impl GatewayArgs {
             turn_timeout: Duration::from_millis(self.turn_timeout_ms),
             credentials,
             delivery: DeliveryPolicy::default(),
+            direct_line_secrets: self
+                .direct_line_secret
+                .as_deref()
+                .unwrap_or_default()
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(Secret::new)
+                .collect(),
         })
     }
 
@@ -330,6 +354,16 @@ mod tests {
             credentials.login_url,
             "https://login.microsoftonline.com/t1"
         );
+        let mut with_secrets = base.to_vec();
+        with_secrets.extend(["--direct-line-secret", " one , two,"]);
+        let config = parse(&with_secrets).expect("ok");
+        assert_eq!(
+            config.direct_line_secrets,
+            vec![Secret::new("one"), Secret::new("two")]
+        );
+        assert!(config.direct_line_enabled());
+        assert!(!parse(&base).expect("ok").direct_line_enabled());
+        assert!(parse(&[]).expect("dev").direct_line_enabled());
         let mut msi = base.to_vec();
         msi.extend(["--microsoft-app-type", "UserAssignedMSI"]);
         assert!(matches!(parse(&msi), Err(ConfigError::AppType(_))));

@@ -16,10 +16,14 @@
 //!    bot again.
 //!
 //! `trace` replies are diagnostics for the Emulator and reach no other channel.
+//!
+//! Beside it, in development or with a Direct Line secret, [`directline`] serves Direct Line 3.0
+//! for Web Chat, through the same `ProcessTurn` call.
 
 pub mod auth;
 pub mod config;
 pub mod connector;
+pub mod directline;
 pub mod turns;
 
 use std::future::Future;
@@ -94,14 +98,36 @@ pub async fn serve(
              it anywhere"
         );
     }
+    let turns = Turns::new(&config)?;
+    let direct_line = config.direct_line_enabled().then(|| {
+        Arc::new(directline::DirectLine::new(
+            config.direct_line_secrets.clone(),
+            turns.clone(),
+            &config.bot,
+        ))
+    });
     let gateway = Arc::new(Gateway {
-        turns: Turns::new(&config)?,
+        turns,
         connector: Connector::new(config.credentials.as_ref(), http, config.delivery),
         auth,
     });
-    let app = Router::new()
+    let mut app = Router::new()
         .route("/api/messages", post(messages))
         .with_state(gateway);
+    match direct_line {
+        Some(direct_line) => {
+            if direct_line.is_open() {
+                tracing::warn!(
+                    "NO DirectLineSecret: Direct Line (/v3/directline) is open to anyone who \
+                     reaches this port; set DirectLineSecret before exposing it"
+                );
+            }
+            app = app.merge(directline::routes(direct_line));
+        }
+        None => tracing::info!(
+            "Direct Line is off: MicrosoftAppId is set and no DirectLineSecret is configured"
+        ),
+    }
     tracing::info!(address = ?listener.local_addr().ok(), "serving the Bot Framework endpoint");
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
