@@ -8,7 +8,7 @@ use clap::Parser as _;
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
-use turnstile::config::{Cli, Command};
+use turnstile::config::{Cli, Command, GatewayListen};
 use turnstile::store::postgres::{self, DatabaseUrl};
 use turnstile::telemetry::traces;
 
@@ -73,16 +73,54 @@ async fn serve(args: turnstile::config::ServeArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
+    let config = args.config();
+    let gateway = match args.gateway_listen {
+        GatewayListen::At(_) if config.tls.is_some() || config.has_auth_tokens() => {
+            tracing::warn!(
+                "no embedded gateway: it speaks plaintext gRPC without a token, and this server \
+                 requires TLS or a token; run `turnstile gateway` with --turnstile-url and \
+                 --turnstile-token instead, or set --gateway-listen off to silence this"
+            );
+            None
+        }
+        GatewayListen::At(address) => Some(
+            tokio::net::TcpListener::bind(address)
+                .await
+                .with_context(|| {
+                    format!("binding {address} for the gateway (--gateway-listen off turns it off)")
+                })?,
+        ),
+        GatewayListen::Off => None,
+    };
+    let shutdown = futures::FutureExt::shared(shutdown_signal());
+    // The gateway is a gRPC client of this server over loopback, exactly as it is in its own
+    // process; serving both here only saves a newcomer the second command.
+    let gateway = match gateway {
+        Some(gateway_listener) => {
+            let grpc = listener
+                .local_addr()
+                .context("the gRPC listener's address")?;
+            Some(tokio::spawn(turnstile::gateway::serve(
+                turnstile::gateway::GatewayConfig::embedded(grpc),
+                gateway_listener,
+                shutdown.clone(),
+            )))
+        }
+        None => None,
+    };
     turnstile::serve(
-        args.config(),
+        config,
         turnstile::bots::samples(),
         turnstile::server::Listeners {
             grpc: listener,
             metrics,
         },
-        shutdown_signal(),
+        shutdown,
     )
     .await?;
+    if let Some(gateway) = gateway {
+        gateway.await.context("the embedded gateway's task")??;
+    }
     Ok(())
 }
 

@@ -207,11 +207,30 @@ impl GatewayConfig {
         }
     }
 
+    /// The gateway `turnstile serve` runs beside its `TurnService` listening on `grpc`: a gRPC
+    /// client over loopback like any gateway, in development mode, for the server's default bot.
+    pub fn embedded(grpc: SocketAddr) -> Self {
+        Self::development(format!("http://{}", loopback(grpc)))
+    }
+
     /// Whether Direct Line (and the chat page) are served: with a Direct Line secret, or in
     /// development.
     pub fn direct_line_enabled(&self) -> bool {
         !self.direct_line_secrets.is_empty() || self.credentials.is_none()
     }
+}
+
+/// `address`, with an unspecified IP (`0.0.0.0`, `::`) replaced by the loopback address: where
+/// this machine reaches a listener bound there.
+pub fn loopback(address: SocketAddr) -> SocketAddr {
+    let mut address = address;
+    if address.ip().is_unspecified() {
+        address.set_ip(match address {
+            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    address
 }
 
 impl GatewayArgs {

@@ -76,6 +76,8 @@ pub(super) struct DirectLine {
     /// The id the bot has in its activities' `recipient` and replies' `from`.
     bot_id: String,
     conversations: Mutex<Conversations>,
+    /// Set when the gateway stops: streams close, so that they do not hold the shutdown.
+    stopping: watch::Sender<bool>,
 }
 
 impl std::fmt::Debug for DirectLine {
@@ -244,7 +246,13 @@ impl DirectLine {
             turns,
             bot_id: if bot.is_empty() { "bot" } else { bot }.to_owned(),
             conversations: Mutex::default(),
+            stopping: watch::Sender::new(false),
         }
+    }
+
+    /// Closes every stream, now and from now on.
+    pub(super) fn stop(&self) {
+        self.stopping.send_replace(true);
     }
 
     /// Whether callers need no credential.
@@ -703,6 +711,11 @@ async fn push_activities(
 ) {
     let mut ping = tokio::time::interval(PING_INTERVAL);
     ping.tick().await;
+    let mut stopping = dl.stopping.subscribe();
+    if *stopping.borrow_and_update() {
+        let _ = socket.send(Message::Close(None)).await;
+        return;
+    }
     loop {
         loop {
             let page = dl.conversations().by_id.get(&id).map(|c| c.page(from));
@@ -730,6 +743,10 @@ async fn push_activities(
                     let _ = socket.send(Message::Close(None)).await;
                     return;
                 }
+            }
+            _ = stopping.changed() => {
+                let _ = socket.send(Message::Close(None)).await;
+                return;
             }
             _ = ping.tick() => {
                 if socket.send(Message::Ping(Bytes::new())).await.is_err() {

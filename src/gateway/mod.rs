@@ -18,12 +18,14 @@
 //! `trace` replies are diagnostics for the Emulator and reach no other channel.
 //!
 //! Beside it, in development or with a Direct Line secret, [`directline`] serves Direct Line 3.0
-//! for Web Chat, through the same `ProcessTurn` call.
+//! for Web Chat, through the same `ProcessTurn` call, and `/` serves a small chat page that uses
+//! it.
 
 pub mod auth;
 pub mod config;
 pub mod connector;
 pub mod directline;
+mod page;
 pub mod turns;
 
 use std::future::Future;
@@ -114,6 +116,7 @@ pub async fn serve(
     let mut app = Router::new()
         .route("/api/messages", post(messages))
         .with_state(gateway);
+    let streams = direct_line.clone();
     match direct_line {
         Some(direct_line) => {
             if direct_line.is_open() {
@@ -122,13 +125,25 @@ pub async fn serve(
                      reaches this port; set DirectLineSecret before exposing it"
                 );
             }
-            app = app.merge(directline::routes(direct_line));
+            app = app
+                .merge(directline::routes(direct_line))
+                .merge(page::routes());
+            if let Ok(address) = listener.local_addr() {
+                tracing::info!("open http://{}/ to chat", config::loopback(address));
+            }
         }
         None => tracing::info!(
             "Direct Line is off: MicrosoftAppId is set and no DirectLineSecret is configured"
         ),
     }
     tracing::info!(address = ?listener.local_addr().ok(), "serving the Bot Framework endpoint");
+    let shutdown = async move {
+        shutdown.await;
+        // Open Direct Line streams would keep the graceful shutdown waiting for ever.
+        if let Some(direct_line) = streams {
+            direct_line.stop();
+        }
+    };
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
