@@ -18,6 +18,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use async_trait::async_trait;
 use axum::Router;
 use axum::http::header;
 use axum::response::Html;
@@ -25,7 +26,9 @@ use axum::routing::get;
 use serde_json::{Value, json};
 use support::{TestServer, postgres_config};
 use tokio::sync::oneshot;
+use turnstile::activity::Activity;
 use turnstile::gateway::{GatewayConfig, Secret};
+use turnstile::{Bot, BotError, TurnContext};
 
 const PUPPETEER: &str = "puppeteer-core@24.43.1";
 const WEBCHAT: &str = "botframework-webchat@4.18.1";
@@ -45,6 +48,41 @@ const REPLIES: [&str; 3] = [
     "Your pizza has: mushroom, cheese.",
 ];
 const SAID: [&str; 3] = ["add mushroom", "add cheese", "show"];
+
+/// Answers `menu` with a hero card and suggested actions, anything else with what it heard: what
+/// the own page must render as buttons, and what a click must send.
+struct Menu;
+
+#[async_trait]
+impl Bot for Menu {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        let text = turn.text().to_owned();
+        if text != "menu" {
+            turn.send_text(format!("You said: {text}"));
+            return Ok(());
+        }
+        let menu = Activity::from_json(json!({
+            "type": "message",
+            "text": "Today's pizza",
+            "attachments": [{
+                "contentType": "application/vnd.microsoft.card.hero",
+                "content": {
+                    "title": "Margherita",
+                    "subtitle": "Tomato, mozzarella, basil",
+                    "text": "Baked to order.",
+                    "buttons": [{"type": "imBack", "title": "Order it", "value": "order margherita"}],
+                },
+            }],
+            "suggestedActions": {"actions": [
+                {"type": "imBack", "title": "Small", "value": "small"},
+                {"type": "imBack", "title": "Large", "value": "large"},
+            ]},
+        }))
+        .map_err(|e| BotError::msg(e.to_string()))?;
+        turn.send(menu);
+        Ok(())
+    }
+}
 
 struct Tools {
     puppeteer: PathBuf,
@@ -180,7 +218,7 @@ async fn gateway(config: GatewayConfig, stops: &mut Vec<oneshot::Sender<()>>) ->
 
 /// The page a website embedding Web Chat would serve: the bundle, and a Direct Line client on
 /// the gateway's domain with a token the site's backend got from the secret.
-fn web_chat_page(gateway: SocketAddr, token: &str) -> String {
+fn web_chat_page(gateway: SocketAddr, token: &str, web_socket: bool) -> String {
     format!(
         r#"<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Web Chat</title>
@@ -191,7 +229,7 @@ fn web_chat_page(gateway: SocketAddr, token: &str) -> String {
   const directLine = window.WebChat.createDirectLine({{
     domain: 'http://{gateway}/v3/directline',
     token: {token},
-    webSocket: true,
+    webSocket: {web_socket},
   }});
   directLine.connectionStatus$.subscribe((status) => {{ window.directLineStatus = status; }});
   window.WebChat.renderWebChat({{ directLine }}, document.getElementById('webchat'));
@@ -204,10 +242,17 @@ fn web_chat_page(gateway: SocketAddr, token: &str) -> String {
 async fn a_pizza_is_ordered_on_the_own_page_and_in_web_chat() {
     let tools = tokio::task::spawn_blocking(tools).await.unwrap();
     let url = support::pg::fresh_database().await;
-    let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
+    let server = TestServer::start(
+        postgres_config(&url),
+        turnstile::bots::samples().with("menu", Menu),
+    )
+    .await;
     let mut stops = Vec::new();
     // The own page from the gateway `turnstile serve` embeds: development, the default bot.
     let own = gateway(GatewayConfig::embedded(server.addr), &mut stops).await;
+    let mut menu_config = GatewayConfig::embedded(server.addr);
+    menu_config.bot = "menu".into();
+    let menu = gateway(menu_config, &mut stops).await;
     // Web Chat against a gateway with a Direct Line secret, as a site would embed it.
     let mut with_secret = GatewayConfig::embedded(server.addr);
     with_secret.direct_line_secrets = vec![Secret::new(SECRET)];
@@ -227,10 +272,14 @@ async fn a_pizza_is_ordered_on_the_own_page_and_in_web_chat() {
         .await
         .unwrap();
     let conversation = generated["conversationId"].as_str().unwrap().to_owned();
-    let page = web_chat_page(secured, generated["token"].as_str().unwrap());
+    let token = generated["token"].as_str().unwrap();
+    let page = web_chat_page(secured, token, true);
+    // Polling too, as `webSocket: false` asks; its own conversation (a token is for one).
+    let polling_page = web_chat_page(secured, &generate(&http, secured).await, false);
     let bundle = std::fs::read(&tools.webchat_js).unwrap();
     let site = Router::new()
         .route("/", get(move || async move { Html(page) }))
+        .route("/polling", get(move || async move { Html(polling_page) }))
         .route(
             "/webchat.js",
             get(move || async move { ([(header::CONTENT_TYPE, "text/javascript")], bundle) }),
@@ -248,6 +297,7 @@ async fn a_pizza_is_ordered_on_the_own_page_and_in_web_chat() {
             drive(
                 &puppeteer,
                 &format!("http://{own}/"),
+                &format!("http://{menu}/"),
                 &format!("http://{site_addr}/"),
                 &artifacts,
             )
@@ -267,10 +317,39 @@ async fn a_pizza_is_ordered_on_the_own_page_and_in_web_chat() {
     assert_eq!(own_page["focused"], "message", "the input has the focus");
     assert_eq!(own_page["label"], "Message");
     assert_eq!(own_page["errors"], json!([]), "no script errors");
-    let web_chat = &driven["webchat"];
-    assert_eq!(web_chat["bot"], json!(REPLIES), "Web Chat's bot replies");
-    assert_eq!(web_chat["user"], json!(SAID));
-    assert_eq!(web_chat["errors"], json!([]), "no script errors");
+    let cards = &driven["menu"];
+    assert_eq!(
+        cards["card"],
+        json!(["Margherita", "Tomato, mozzarella, basil"])
+    );
+    assert_eq!(cards["suggested"], json!(["Small", "Large"]));
+    assert_eq!(
+        cards["bot"],
+        json!([
+            "Today's pizza",
+            "You said: large",
+            "You said: order margherita"
+        ]),
+        "a suggested action and a card button send their values"
+    );
+    assert_eq!(
+        cards["suggestedAfter"],
+        json!([]),
+        "used suggestions go away"
+    );
+    assert_eq!(cards["errors"], json!([]), "no script errors");
+    for (name, web_chat) in [
+        ("WebSocket", &driven["webchat"]),
+        ("polling", &driven["polling"]),
+    ] {
+        assert_eq!(
+            web_chat["bot"],
+            json!(REPLIES),
+            "Web Chat's bot replies ({name})"
+        );
+        assert_eq!(web_chat["user"], json!(SAID), "{name}");
+        assert_eq!(web_chat["errors"], json!([]), "no script errors ({name})");
+    }
     for name in ["own-page.png", "web-chat.png"] {
         let size = std::fs::metadata(artifacts.join(name)).unwrap().len();
         assert!(size > 1000, "{name} is a screenshot");
@@ -304,16 +383,34 @@ async fn a_pizza_is_ordered_on_the_own_page_and_in_web_chat() {
             .collect()
     };
     eprintln!(
-        "Direct Line round trips (Enter to the reply on the page), ms: own page {:?}, Web Chat {:?}",
+        "Direct Line round trips (Enter to the reply on the page), ms: own page {:?}, \
+         Web Chat over WebSocket {:?}, Web Chat polling {:?}",
         millis(own_page),
-        millis(web_chat)
+        millis(&driven["webchat"]),
+        millis(&driven["polling"]),
     );
     drop(stops);
     server.stop().await.unwrap();
 }
 
+/// A token for a new conversation, as a site's backend gets it with the secret.
+async fn generate(http: &reqwest::Client, gateway: SocketAddr) -> String {
+    let generated: Value = http
+        .post(format!("http://{gateway}/v3/directline/tokens/generate"))
+        .bearer_auth(SECRET)
+        .send()
+        .await
+        .unwrap()
+        .error_for_status()
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    generated["token"].as_str().unwrap().to_owned()
+}
+
 /// Runs the puppeteer driver; its JSON result.
-fn drive(puppeteer: &Path, own: &str, web_chat: &str, artifacts: &Path) -> Value {
+fn drive(puppeteer: &Path, own: &str, menu: &str, web_chat: &str, artifacts: &Path) -> Value {
     let stdout_path = artifacts.join("driver.out");
     let stderr_path = artifacts.join("driver.err");
     let mut child = Command::new("node")
@@ -321,6 +418,7 @@ fn drive(puppeteer: &Path, own: &str, web_chat: &str, artifacts: &Path) -> Value
         .arg(puppeteer)
         .arg(CHROMIUM)
         .arg(own)
+        .arg(menu)
         .arg(web_chat)
         .arg(artifacts)
         .stdin(Stdio::null())
