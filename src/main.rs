@@ -83,13 +83,19 @@ async fn serve(args: turnstile::config::ServeArgs) -> anyhow::Result<()> {
             );
             None
         }
-        GatewayListen::At(address) => Some(
-            tokio::net::TcpListener::bind(address)
-                .await
-                .with_context(|| {
-                    format!("binding {address} for the gateway (--gateway-listen off turns it off)")
-                })?,
-        ),
+        // A convenience must not keep `TurnService` from serving: a second server on this
+        // machine (or a test fleet) finds the port taken and goes on without it.
+        GatewayListen::At(address) => match tokio::net::TcpListener::bind(address).await {
+            Ok(listener) => Some(listener),
+            Err(e) => {
+                tracing::warn!(
+                    %address, error = %e,
+                    "no embedded gateway: its address cannot be bound; serving gRPC only \
+                     (--gateway-listen sets another address, `off` silences this)"
+                );
+                None
+            }
+        },
         GatewayListen::Off => None,
     };
     let shutdown = futures::FutureExt::shared(shutdown_signal());

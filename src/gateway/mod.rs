@@ -139,7 +139,8 @@ pub async fn serve(
     tracing::info!(address = ?listener.local_addr().ok(), "serving the Bot Framework endpoint");
     let shutdown = async move {
         shutdown.await;
-        // Open Direct Line streams would keep the graceful shutdown waiting for ever.
+        // Direct Line streams are upgraded connections, which the graceful shutdown does not
+        // track: they get a Close frame, and their tasks end, instead of outliving `serve`.
         if let Some(direct_line) = streams {
             direct_line.stop();
         }
