@@ -452,3 +452,45 @@ async fn the_stream_pushes_each_committed_turn_as_an_activity_group() {
         .await
         .unwrap();
 }
+
+#[tokio::test]
+async fn with_an_app_id_and_no_secret_there_is_no_direct_line_and_no_page() {
+    // Nothing is ever fetched from these: no call reaches `/api/messages`.
+    let mut config = GatewayConfig::development("http://127.0.0.1:9");
+    config.credentials = Some(turnstile::gateway::AppCredentials {
+        app_id: "app".into(),
+        password: Secret::new("password"),
+        app_type: turnstile::gateway::AppType::MultiTenant,
+        tenant_id: None,
+        openid_metadata_url: "http://127.0.0.1:9/openid".into(),
+        token_issuer: "https://api.botframework.com".into(),
+        login_url: "http://127.0.0.1:9/tenant".into(),
+        oauth_scope: "https://api.botframework.com".into(),
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (_stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(turnstile::gateway::serve(config, listener, async {
+        let _ = stopped.await;
+    }));
+    let http = reqwest::Client::new();
+    let started = http
+        .post(format!("http://{addr}/v3/directline/conversations"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(started.status(), StatusCode::NOT_FOUND);
+    let page = http.get(format!("http://{addr}/")).send().await.unwrap();
+    assert_eq!(page.status(), StatusCode::NOT_FOUND);
+    let messages = http
+        .post(format!("http://{addr}/api/messages"))
+        .json(&json!({"type": "message"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        messages.status(),
+        StatusCode::UNAUTHORIZED,
+        "the channel endpoint is there"
+    );
+}
