@@ -397,12 +397,21 @@ impl DirectLine {
         user_id: &str,
     ) -> Result<Value, DirectLineError> {
         let token = self.token(conversation_id, user_id)?;
+        // Behind a proxy that terminates TLS, the page is on https and may only open wss.
+        let scheme = match headers
+            .get("x-forwarded-proto")
+            .and_then(|h| h.to_str().ok())
+        {
+            Some(proto) if proto.eq_ignore_ascii_case("https") => "wss",
+            _ => "ws",
+        };
         let stream_url = headers
-            .get(header::HOST)
+            .get("x-forwarded-host")
+            .or_else(|| headers.get(header::HOST))
             .and_then(|h| h.to_str().ok())
             .map(|host| {
                 format!(
-                    "ws://{host}/v3/directline/conversations/{conversation_id}/stream?t={token}"
+                    "{scheme}://{host}/v3/directline/conversations/{conversation_id}/stream?t={token}"
                 )
             });
         Ok(json!({
@@ -844,6 +853,52 @@ mod tests {
         assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
         let leap = UNIX_EPOCH + Duration::from_secs(951_782_400);
         assert_eq!(rfc3339(leap), "2000-02-29T00:00:00.000Z");
+    }
+
+    #[tokio::test]
+    async fn the_oldest_conversation_is_forgotten_beyond_the_bound() {
+        let config = super::super::GatewayConfig::development("http://127.0.0.1:9");
+        let dl = DirectLine::new(Vec::new(), Turns::new(&config).expect("client"), "");
+        let (first, _) = dl.start(None);
+        let (second, _) = dl.start(Some("dl_ada".into()));
+        assert_eq!(dl.user_of(&second).expect("known"), "dl_ada");
+        for _ in 0..MAX_CONVERSATIONS - 1 {
+            dl.start(None);
+        }
+        assert!(matches!(
+            dl.user_of(&first),
+            Err(DirectLineError::UnknownConversation)
+        ));
+        assert!(dl.user_of(&second).is_ok(), "only the oldest goes");
+        assert_eq!(dl.conversations().by_id.len(), MAX_CONVERSATIONS);
+    }
+
+    #[test]
+    fn stream_urls_follow_the_proxy_scheme_and_host() {
+        let config = super::super::GatewayConfig::development("http://127.0.0.1:9");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let _guard = runtime.enter();
+        let dl = DirectLine::new(Vec::new(), Turns::new(&config).expect("client"), "");
+        let mut headers = HeaderMap::new();
+        headers.insert(header::HOST, HeaderValue::from_static("10.0.0.5:3978"));
+        let direct = dl.conversation_answer(&headers, "c1", "u").expect("answer");
+        assert!(
+            direct["streamUrl"]
+                .as_str()
+                .expect("url")
+                .starts_with("ws://10.0.0.5:3978/v3/directline/conversations/c1/stream?t=")
+        );
+        headers.insert("x-forwarded-proto", HeaderValue::from_static("https"));
+        headers.insert("x-forwarded-host", HeaderValue::from_static("bot.example"));
+        let proxied = dl.conversation_answer(&headers, "c1", "u").expect("answer");
+        assert!(
+            proxied["streamUrl"]
+                .as_str()
+                .expect("url")
+                .starts_with("wss://bot.example/v3/directline/conversations/c1/stream?t=")
+        );
     }
 
     #[test]
