@@ -451,6 +451,32 @@ async fn the_stream_pushes_each_committed_turn_as_an_activity_group() {
         .send(tokio_tungstenite::tungstenite::Message::Close(None))
         .await
         .unwrap();
+
+    // Reconnecting at watermark 2 gives a fresh token and a stream that resumes there.
+    let (status, resumed) = world
+        .call(
+            gw,
+            reqwest::Method::GET,
+            &format!("/conversations/{conversation}?watermark=2"),
+            Some(&token),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{resumed}");
+    assert_eq!(resumed["conversationId"], conversation.as_str());
+    let (mut socket, _) = tokio_tungstenite::connect_async(resumed["streamUrl"].as_str().unwrap())
+        .await
+        .unwrap();
+    let message = tokio::time::timeout(Duration::from_secs(30), socket.next())
+        .await
+        .expect("an activity group within 30 s")
+        .unwrap()
+        .unwrap();
+    let group: Value = serde_json::from_str(message.to_text().unwrap()).unwrap();
+    assert_eq!(
+        texts(group["activities"].as_array().unwrap()),
+        ["add olives", "Added olives. Your pizza has: ham, olives."]
+    );
 }
 
 #[tokio::test]

@@ -395,8 +395,11 @@ impl DirectLine {
         headers: &HeaderMap,
         conversation_id: &str,
         user_id: &str,
+        watermark: Option<u64>,
     ) -> Result<Value, DirectLineError> {
         let token = self.token(conversation_id, user_id)?;
+        // A reconnecting client's stream starts where its reading stopped.
+        let resume = watermark.map_or_else(String::new, |w| format!("&watermark={w}"));
         // Behind a proxy that terminates TLS, the page is on https and may only open wss.
         let scheme = match headers
             .get("x-forwarded-proto")
@@ -411,7 +414,7 @@ impl DirectLine {
             .and_then(|h| h.to_str().ok())
             .map(|host| {
                 format!(
-                    "{scheme}://{host}/v3/directline/conversations/{conversation_id}/stream?t={token}"
+                    "{scheme}://{host}/v3/directline/conversations/{conversation_id}/stream?t={token}{resume}"
                 )
             });
         Ok(json!({
@@ -603,7 +606,7 @@ async fn start(
         }
     };
     tracing::Span::current().record("conversation", conversation_id.as_str());
-    let answer = dl.conversation_answer(&headers, &conversation_id, &user_id)?;
+    let answer = dl.conversation_answer(&headers, &conversation_id, &user_id, None)?;
     Ok((status, axum::Json(answer)).into_response())
 }
 
@@ -626,11 +629,13 @@ impl WatermarkQuery {
 async fn reconnect(
     State(dl): State<Arc<DirectLine>>,
     Path(id): Path<String>,
+    Query(query): Query<WatermarkQuery>,
     headers: HeaderMap,
 ) -> Result<Response, DirectLineError> {
     let caller = dl.caller(&headers)?;
     let user_id = dl.authorize(&caller, &id)?;
-    let answer = dl.conversation_answer(&headers, &id, &user_id)?;
+    let watermark = query.watermark.is_some().then(|| query.position());
+    let answer = dl.conversation_answer(&headers, &id, &user_id, watermark)?;
     Ok(axum::Json(answer).into_response())
 }
 
@@ -883,7 +888,9 @@ mod tests {
         let dl = DirectLine::new(Vec::new(), Turns::new(&config).expect("client"), "");
         let mut headers = HeaderMap::new();
         headers.insert(header::HOST, HeaderValue::from_static("10.0.0.5:3978"));
-        let direct = dl.conversation_answer(&headers, "c1", "u").expect("answer");
+        let direct = dl
+            .conversation_answer(&headers, "c1", "u", None)
+            .expect("answer");
         assert!(
             direct["streamUrl"]
                 .as_str()
@@ -892,7 +899,9 @@ mod tests {
         );
         headers.insert("x-forwarded-proto", HeaderValue::from_static("https"));
         headers.insert("x-forwarded-host", HeaderValue::from_static("bot.example"));
-        let proxied = dl.conversation_answer(&headers, "c1", "u").expect("answer");
+        let proxied = dl
+            .conversation_answer(&headers, "c1", "u", None)
+            .expect("answer");
         assert!(
             proxied["streamUrl"]
                 .as_str()
