@@ -134,6 +134,11 @@ pub const MEMORY_MAX_IN_FLIGHT: usize = 1024;
 pub const MAX_IN_FLIGHT_PER_CONNECTION: usize = 32;
 
 impl Config {
+    /// Whether `TurnService` callers need a bearer token (inline or from the file).
+    pub fn has_auth_tokens(&self) -> bool {
+        !self.auth_tokens.is_empty() || self.auth_tokens_file.is_some()
+    }
+
     /// The most turns in flight: as configured, else [`MAX_IN_FLIGHT_PER_CONNECTION`] per pool
     /// connection with PostgreSQL, or [`MEMORY_MAX_IN_FLIGHT`] in memory or over a shared store.
     pub fn max_in_flight(&self) -> usize {
@@ -338,6 +343,35 @@ pub struct ServeArgs {
     /// PEM CA certificate(s) that `https` bot workers' certificates must chain to.
     #[arg(long, env = "TURNSTILE_REMOTE_BOT_CA")]
     pub remote_bot_ca: Option<PathBuf>,
+    /// Address of the gateway served in the same process (the chat page, Direct Line and
+    /// `/api/messages`, unauthenticated: development); `off` serves gRPC only, as production
+    /// does with `turnstile gateway` beside it.
+    #[arg(
+        long,
+        env = "TURNSTILE_GATEWAY_LISTEN",
+        default_value = "127.0.0.1:3978"
+    )]
+    pub gateway_listen: GatewayListen,
+}
+
+/// Where `serve` runs its embedded gateway, if anywhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GatewayListen {
+    /// No embedded gateway.
+    Off,
+    /// The gateway's address.
+    At(SocketAddr),
+}
+
+impl std::str::FromStr for GatewayListen {
+    type Err = std::net::AddrParseError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "" | "off" => Ok(Self::Off),
+            address => address.parse().map(Self::At),
+        }
+    }
 }
 
 impl ServeArgs {
@@ -581,6 +615,27 @@ mod server_flags {
             bots.policy("pizza-py"),
             crate::bot::ConcurrencyPolicy::Serialized
         );
+    }
+
+    #[test]
+    fn the_embedded_gateway_listens_on_loopback_unless_moved_or_off() {
+        let at = |args: &[&str]| {
+            Cli::try_parse_from(std::iter::once("turnstile").chain(args.iter().copied()))
+                .expect("valid arguments")
+                .serve
+                .gateway_listen
+        };
+        assert_eq!(
+            at(&[]),
+            GatewayListen::At("127.0.0.1:3978".parse().expect("address"))
+        );
+        assert_eq!(at(&["--gateway-listen", "off"]), GatewayListen::Off);
+        assert_eq!(at(&["--gateway-listen", ""]), GatewayListen::Off);
+        assert_eq!(
+            at(&["--gateway-listen", "0.0.0.0:80"]),
+            GatewayListen::At("0.0.0.0:80".parse().expect("address"))
+        );
+        assert!(Cli::try_parse_from(["turnstile", "--gateway-listen", "nowhere"]).is_err());
     }
 
     #[test]

@@ -8,7 +8,7 @@ use clap::Parser as _;
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
-use turnstile::config::{Cli, Command};
+use turnstile::config::{Cli, Command, GatewayListen};
 use turnstile::store::postgres::{self, DatabaseUrl};
 use turnstile::telemetry::traces;
 
@@ -73,17 +73,60 @@ async fn serve(args: turnstile::config::ServeArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let bots = args.bots();
+    let config = args.config();
+    let gateway = match args.gateway_listen {
+        GatewayListen::At(_) if config.tls.is_some() || config.has_auth_tokens() => {
+            tracing::warn!(
+                "no embedded gateway: it speaks plaintext gRPC without a token, and this server \
+                 requires TLS or a token; run `turnstile gateway` with --turnstile-url and \
+                 --turnstile-token instead, or set --gateway-listen off to silence this"
+            );
+            None
+        }
+        // A convenience must not keep `TurnService` from serving: a second server on this
+        // machine (or a test fleet) finds the port taken and goes on without it.
+        GatewayListen::At(address) => match tokio::net::TcpListener::bind(address).await {
+            Ok(listener) => Some(listener),
+            Err(e) => {
+                tracing::warn!(
+                    %address, error = %e,
+                    "no embedded gateway: its address cannot be bound; serving gRPC only \
+                     (--gateway-listen sets another address, `off` silences this)"
+                );
+                None
+            }
+        },
+        GatewayListen::Off => None,
+    };
+    let shutdown = futures::FutureExt::shared(shutdown_signal());
+    // The gateway is a gRPC client of this server over loopback, exactly as it is in its own
+    // process; serving both here only saves a newcomer the second command.
+    let gateway = match gateway {
+        Some(gateway_listener) => {
+            let grpc = listener
+                .local_addr()
+                .context("the gRPC listener's address")?;
+            Some(tokio::spawn(turnstile::gateway::serve(
+                turnstile::gateway::GatewayConfig::embedded(grpc),
+                gateway_listener,
+                shutdown.clone(),
+            )))
+        }
+        None => None,
+    };
     turnstile::serve(
-        args.config(),
-        bots,
+        config,
+        args.bots(),
         turnstile::server::Listeners {
             grpc: listener,
             metrics,
         },
-        shutdown_signal(),
+        shutdown,
     )
     .await?;
+    if let Some(gateway) = gateway {
+        gateway.await.context("the embedded gateway's task")??;
+    }
     Ok(())
 }
 

@@ -96,6 +96,11 @@ pub struct GatewayArgs {
     /// The audience of the bot's own tokens (`/.default` is appended).
     #[arg(long, env = "ToChannelFromBotOAuthScope")]
     pub to_channel_from_bot_oauth_scope: Option<String>,
+    /// Direct Line secrets, comma-separated (the first signs tokens; the others are still
+    /// accepted, for rotation); Direct Line is open without one in development and off
+    /// without one when `MicrosoftAppId` is set.
+    #[arg(long, env = "DirectLineSecret", hide_env_values = true)]
+    pub direct_line_secret: Option<String>,
 }
 
 /// Why the settings describe no gateway that could work.
@@ -202,6 +207,9 @@ pub struct GatewayConfig {
     pub credentials: Option<AppCredentials>,
     /// How replies are delivered.
     pub delivery: DeliveryPolicy,
+    /// Direct Line secrets; with none, Direct Line and the chat page are served only in
+    /// development (no credentials), and then without authentication.
+    pub direct_line_secrets: Vec<Secret>,
 }
 
 impl GatewayConfig {
@@ -215,8 +223,34 @@ impl GatewayConfig {
             turn_timeout: Duration::from_secs(8),
             credentials: None,
             delivery: DeliveryPolicy::default(),
+            direct_line_secrets: Vec::new(),
         }
     }
+
+    /// The gateway `turnstile serve` runs beside its `TurnService` listening on `grpc`: a gRPC
+    /// client over loopback like any gateway, in development mode, for the server's default bot.
+    pub fn embedded(grpc: SocketAddr) -> Self {
+        Self::development(format!("http://{}", loopback(grpc)))
+    }
+
+    /// Whether Direct Line (and the chat page) are served: with a Direct Line secret, or in
+    /// development.
+    pub fn direct_line_enabled(&self) -> bool {
+        !self.direct_line_secrets.is_empty() || self.credentials.is_none()
+    }
+}
+
+/// `address`, with an unspecified IP (`0.0.0.0`, `::`) replaced by the loopback address: where
+/// this machine reaches a listener bound there.
+pub fn loopback(address: SocketAddr) -> SocketAddr {
+    let mut address = address;
+    if address.ip().is_unspecified() {
+        address.set_ip(match address {
+            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    address
 }
 
 impl GatewayArgs {
@@ -244,6 +278,15 @@ impl GatewayArgs {
             turn_timeout: Duration::from_millis(self.turn_timeout_ms),
             credentials,
             delivery: DeliveryPolicy::default(),
+            direct_line_secrets: self
+                .direct_line_secret
+                .as_deref()
+                .unwrap_or_default()
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(Secret::new)
+                .collect(),
         })
     }
 
@@ -358,6 +401,16 @@ mod tests {
             credentials.login_url,
             "https://login.microsoftonline.com/t1"
         );
+        let mut with_secrets = base.to_vec();
+        with_secrets.extend(["--direct-line-secret", " one , two,"]);
+        let config = parse(&with_secrets).expect("ok");
+        assert_eq!(
+            config.direct_line_secrets,
+            vec![Secret::new("one"), Secret::new("two")]
+        );
+        assert!(config.direct_line_enabled());
+        assert!(!parse(&base).expect("ok").direct_line_enabled());
+        assert!(parse(&[]).expect("dev").direct_line_enabled());
         let mut msi = base.to_vec();
         msi.extend(["--microsoft-app-type", "UserAssignedMSI"]);
         assert!(matches!(parse(&msi), Err(ConfigError::AppType(_))));

@@ -16,10 +16,16 @@
 //!    bot again.
 //!
 //! `trace` replies are diagnostics for the Emulator and reach no other channel.
+//!
+//! Beside it, in development or with a Direct Line secret, [`directline`] serves Direct Line 3.0
+//! for Web Chat, through the same `ProcessTurn` call, and `/` serves a small chat page that uses
+//! it.
 
 pub mod auth;
 pub mod config;
 pub mod connector;
+pub mod directline;
+mod page;
 pub mod turns;
 
 use std::future::Future;
@@ -94,15 +100,51 @@ pub async fn serve(
              it anywhere"
         );
     }
+    let turns = Turns::new(&config)?;
+    let direct_line = config.direct_line_enabled().then(|| {
+        Arc::new(directline::DirectLine::new(
+            config.direct_line_secrets.clone(),
+            turns.clone(),
+            &config.bot,
+        ))
+    });
     let gateway = Arc::new(Gateway {
-        turns: Turns::new(&config)?,
+        turns,
         connector: Connector::new(config.credentials.as_ref(), http, config.delivery),
         auth,
     });
-    let app = Router::new()
+    let mut app = Router::new()
         .route("/api/messages", post(messages))
         .with_state(gateway);
+    let streams = direct_line.clone();
+    match direct_line {
+        Some(direct_line) => {
+            if direct_line.is_open() {
+                tracing::warn!(
+                    "NO DirectLineSecret: Direct Line (/v3/directline) is open to anyone who \
+                     reaches this port; set DirectLineSecret before exposing it"
+                );
+            }
+            app = app
+                .merge(directline::routes(direct_line))
+                .merge(page::routes());
+            if let Ok(address) = listener.local_addr() {
+                tracing::info!("open http://{}/ to chat", config::loopback(address));
+            }
+        }
+        None => tracing::info!(
+            "Direct Line is off: MicrosoftAppId is set and no DirectLineSecret is configured"
+        ),
+    }
     tracing::info!(address = ?listener.local_addr().ok(), "serving the Bot Framework endpoint");
+    let shutdown = async move {
+        shutdown.await;
+        // Direct Line streams are upgraded connections, which the graceful shutdown does not
+        // track: they get a Close frame, and their tasks end, instead of outliving `serve`.
+        if let Some(direct_line) = streams {
+            direct_line.stop();
+        }
+    };
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await

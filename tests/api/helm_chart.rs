@@ -947,6 +947,11 @@ fn conversation_affinity_renders_an_istio_destination_rule_and_serialized_bots_a
     let deployment = one(&docs, "Deployment");
     let server = &deployment["spec"]["template"]["spec"]["containers"][0];
     assert_eq!(env_value(server, "TURNSTILE_SERIALIZED_BOTS"), "slow,pizza");
+    assert_eq!(
+        env_value(server, "TURNSTILE_GATEWAY_LISTEN"),
+        "off",
+        "no embedded development gateway in a pod"
+    );
     let plain = documents(&template(&[]));
     let server = &one(&plain, "Deployment")["spec"]["template"]["spec"]["containers"][0];
     assert!(!has_env(server, "TURNSTILE_SERIALIZED_BOTS"));

@@ -1,0 +1,928 @@
+//! Direct Line 3.0, the subset Web Chat and `botframework-directlinejs` use, so that a browser
+//! reaches a Turnstile bot without Azure: tokens (`/tokens/generate`, `/tokens/refresh`),
+//! conversations (start, reconnect), posting an activity, and reading the transcript by
+//! watermark (polling, or a WebSocket on the conversation's `streamUrl`).
+//!
+//! A posted activity is addressed as Direct Line addresses it (channel `directline`, the
+//! conversation, a server-assigned id `{conversationId}|{seq}` and timestamp) and goes to
+//! `ProcessTurn` like any channel's, with the same deadline and retries as `/api/messages`. Only
+//! when the turn has committed are the user's activity and then the bot's replies appended to the
+//! transcript, in one step, and only then is the POST answered: a turn that fails leaves nothing
+//! a client could read, so no reply is ever shown for state that was not saved.
+//!
+//! Tokens are HS256 JWTs signed with the (first) Direct Line secret, each bound to one
+//! conversation and expiring after [`TOKEN_LIFETIME`]; a client holding a token reaches only its
+//! conversation, a client holding a secret reaches any. Without a secret and without an app id
+//! (development) no credential is needed and tokens are signed with a key made at start.
+//!
+//! Conversations live in this process's memory, at most [`MAX_CONVERSATIONS`] of them (the
+//! oldest started is forgotten first) with the last [`MAX_TRANSCRIPT`] activities each: several
+//! gateway replicas need sticky sessions for Direct Line, and a restart ends every conversation
+//! (the bot's state, kept by Turnstile, survives).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
+use rand::Rng as _;
+use rand::distr::Alphanumeric;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use subtle::ConstantTimeEq as _;
+use tokio::sync::watch;
+
+use super::config::Secret;
+use super::turns::Turns;
+
+/// How long a token is valid; clients refresh it before (`botframework-directlinejs` every 15
+/// minutes), as Direct Line's own tokens last 30 minutes.
+pub const TOKEN_LIFETIME: Duration = Duration::from_secs(30 * 60);
+/// Conversations kept in memory; starting one more forgets the oldest.
+pub const MAX_CONVERSATIONS: usize = 4096;
+/// Activities kept per conversation; older ones can no longer be read.
+pub const MAX_TRANSCRIPT: usize = 256;
+/// Most activities one `GET …/activities` returns; the client reads on from the watermark.
+const PAGE: usize = 100;
+/// The channel id Direct Line gives its activities.
+pub const CHANNEL_ID: &str = "directline";
+/// The issuer and audience of this gateway's tokens.
+const TOKEN_ISSUER: &str = "turnstile-directline";
+/// How often an idle WebSocket is pinged, so that proxies keep it open and a dead client is
+/// noticed.
+const PING_INTERVAL: Duration = Duration::from_secs(30);
+
+/// Who may use Direct Line.
+#[derive(Debug)]
+enum Keys {
+    /// Callers present one of these secrets, or a token signed with the first.
+    Secrets(Vec<Secret>),
+    /// Development: open; tokens are still issued (clients expect them), signed with this key.
+    Development(Vec<u8>),
+}
+
+/// Direct Line's state: the keys, the turn client, the conversations.
+pub(super) struct DirectLine {
+    keys: Keys,
+    turns: Turns,
+    /// The id the bot has in its activities' `recipient` and replies' `from`.
+    bot_id: String,
+    conversations: Mutex<Conversations>,
+    /// Set when the gateway stops: streams close, so that they do not hold the shutdown.
+    stopping: watch::Sender<bool>,
+}
+
+impl std::fmt::Debug for DirectLine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirectLine")
+            .field("bot_id", &self.bot_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The conversations this process knows, oldest first in `started`.
+#[derive(Default)]
+struct Conversations {
+    by_id: HashMap<String, Conversation>,
+    started: VecDeque<String>,
+}
+
+/// One conversation's transcript: `transcript[i]` has watermark position `dropped + i`.
+struct Conversation {
+    user_id: String,
+    /// The next activity's sequence number, for its id `{conversationId}|{seq}`.
+    next_seq: u64,
+    dropped: u64,
+    transcript: VecDeque<Value>,
+    /// The transcript's end position, watched by the conversation's WebSockets.
+    appended: watch::Sender<u64>,
+}
+
+impl Conversation {
+    fn new(user_id: String) -> Self {
+        Self {
+            user_id,
+            next_seq: 1,
+            dropped: 0,
+            transcript: VecDeque::new(),
+            appended: watch::Sender::new(0),
+        }
+    }
+
+    fn end(&self) -> u64 {
+        self.dropped + self.transcript.len() as u64
+    }
+
+    fn next_id(&mut self, conversation_id: &str) -> String {
+        let id = format!("{conversation_id}|{:07}", self.next_seq);
+        self.next_seq += 1;
+        id
+    }
+
+    /// The activities from watermark position `from` on (at most [`PAGE`]) and the watermark
+    /// after them.
+    fn page(&self, from: u64) -> (Vec<Value>, u64) {
+        let skip = usize::try_from(from.saturating_sub(self.dropped)).unwrap_or(usize::MAX);
+        let activities: Vec<Value> = self
+            .transcript
+            .iter()
+            .skip(skip)
+            .take(PAGE)
+            .cloned()
+            .collect();
+        let watermark = from.max(self.dropped) + activities.len() as u64;
+        (activities, watermark)
+    }
+
+    fn append(&mut self, activities: Vec<Value>) {
+        self.transcript.extend(activities);
+        while self.transcript.len() > MAX_TRANSCRIPT {
+            self.transcript.pop_front();
+            self.dropped += 1;
+        }
+        self.appended.send_replace(self.end());
+    }
+}
+
+/// A token's claims: the conversation it opens and the user it speaks for.
+#[derive(Debug, Serialize, Deserialize)]
+struct Claims {
+    iss: String,
+    aud: String,
+    /// The conversation.
+    conv: String,
+    /// The user's id, which the token's holder posts as.
+    user: String,
+    iat: u64,
+    nbf: u64,
+    exp: u64,
+}
+
+/// Who is calling.
+enum Caller {
+    /// A holder of a Direct Line secret, or anyone in development: any conversation.
+    Trusted,
+    /// A holder of a token: its conversation only.
+    Token(Claims),
+}
+
+/// Why a Direct Line call was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum DirectLineError {
+    /// No `Authorization: Bearer …` header.
+    #[error("no Direct Line secret or token")]
+    MissingCredentials,
+    /// Not a secret, nor a token this gateway signed, or one for another conversation.
+    #[error("the secret or token is not valid for this call")]
+    Forbidden,
+    /// A token that was valid once.
+    #[error("the token has expired")]
+    TokenExpired,
+    /// The conversation was never started here, or was forgotten.
+    #[error("no such conversation")]
+    UnknownConversation,
+    /// The body is not an activity.
+    #[error("the body is not an activity: {0}")]
+    BadActivity(String),
+    /// Turnstile did not run the turn.
+    #[error("the turn failed: {0}")]
+    Turn(tonic::Status),
+    /// The bot answered with something that is not an activity.
+    #[error("the bot's reply is not an activity: {0}")]
+    BadReply(String),
+    /// A token could not be signed.
+    #[error("signing a token failed")]
+    Signing(#[source] jsonwebtoken::errors::Error),
+}
+
+impl IntoResponse for DirectLineError {
+    fn into_response(self) -> Response {
+        use tonic::Code;
+        let (status, code) = match &self {
+            Self::MissingCredentials => (StatusCode::UNAUTHORIZED, "BadArgument"),
+            Self::Forbidden => (StatusCode::FORBIDDEN, "BadArgument"),
+            Self::TokenExpired => (StatusCode::FORBIDDEN, "TokenExpired"),
+            Self::UnknownConversation => (StatusCode::NOT_FOUND, "BadArgument"),
+            Self::BadActivity(_) => (StatusCode::BAD_REQUEST, "BadArgument"),
+            Self::Turn(s) if s.code() == Code::InvalidArgument => {
+                (StatusCode::BAD_REQUEST, "BadArgument")
+            }
+            Self::Turn(s) if s.code() == Code::DeadlineExceeded => {
+                (StatusCode::GATEWAY_TIMEOUT, "BotTimeout")
+            }
+            Self::Turn(_) | Self::BadReply(_) => (StatusCode::BAD_GATEWAY, "BotError"),
+            Self::Signing(_) => (StatusCode::INTERNAL_SERVER_ERROR, "ServiceError"),
+        };
+        if status.is_server_error() {
+            tracing::warn!(error = %self, %status, "Direct Line call failed");
+        } else {
+            tracing::info!(error = %self, %status, "Direct Line call refused");
+        }
+        let body = json!({"error": {"code": code, "message": self.to_string()}});
+        (status, axum::Json(body)).into_response()
+    }
+}
+
+impl DirectLine {
+    /// Direct Line for `secrets`, or open (development) when there are none.
+    pub(super) fn new(secrets: Vec<Secret>, turns: Turns, bot: &str) -> Self {
+        let keys = if secrets.is_empty() {
+            let mut key = vec![0u8; 32];
+            rand::rng().fill(&mut key[..]);
+            Keys::Development(key)
+        } else {
+            Keys::Secrets(secrets)
+        };
+        Self {
+            keys,
+            turns,
+            bot_id: if bot.is_empty() { "bot" } else { bot }.to_owned(),
+            conversations: Mutex::default(),
+            stopping: watch::Sender::new(false),
+        }
+    }
+
+    /// Closes every stream, now and from now on.
+    pub(super) fn stop(&self) {
+        self.stopping.send_replace(true);
+    }
+
+    /// Whether callers need no credential.
+    pub(super) fn is_open(&self) -> bool {
+        matches!(self.keys, Keys::Development(_))
+    }
+
+    fn signing_key(&self) -> &[u8] {
+        match &self.keys {
+            Keys::Secrets(secrets) => secrets.first().map_or(&[][..], |s| s.expose().as_bytes()),
+            Keys::Development(key) => key,
+        }
+    }
+
+    /// The caller the `Authorization` header names.
+    fn caller(&self, headers: &HeaderMap) -> Result<Caller, DirectLineError> {
+        let bearer = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|h| h.to_str().ok())
+            .and_then(|h| {
+                h.strip_prefix("Bearer ")
+                    .or_else(|| h.strip_prefix("bearer "))
+            })
+            .map(str::trim)
+            .filter(|t| !t.is_empty());
+        let Some(bearer) = bearer else {
+            return if self.is_open() {
+                Ok(Caller::Trusted)
+            } else {
+                Err(DirectLineError::MissingCredentials)
+            };
+        };
+        if let Keys::Secrets(secrets) = &self.keys
+            && secrets
+                .iter()
+                .any(|s| bool::from(s.expose().as_bytes().ct_eq(bearer.as_bytes())))
+        {
+            return Ok(Caller::Trusted);
+        }
+        match self.verify(bearer) {
+            Ok(claims) => Ok(Caller::Token(claims)),
+            // In development a stale token (from before a restart) is no reason to refuse.
+            Err(_) if self.is_open() => Ok(Caller::Trusted),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn verify(&self, token: &str) -> Result<Claims, DirectLineError> {
+        let mut validation = Validation::new(Algorithm::HS256);
+        validation.set_issuer(&[TOKEN_ISSUER]);
+        validation.set_audience(&[TOKEN_ISSUER]);
+        validation.leeway = 30;
+        let keys: Vec<&[u8]> = match &self.keys {
+            Keys::Secrets(secrets) => secrets.iter().map(|s| s.expose().as_bytes()).collect(),
+            Keys::Development(key) => vec![key],
+        };
+        let mut expired = false;
+        for key in keys {
+            match jsonwebtoken::decode::<Claims>(token, &DecodingKey::from_secret(key), &validation)
+            {
+                Ok(data) => return Ok(data.claims),
+                Err(e) if *e.kind() == jsonwebtoken::errors::ErrorKind::ExpiredSignature => {
+                    expired = true;
+                }
+                Err(_) => {}
+            }
+        }
+        Err(if expired {
+            DirectLineError::TokenExpired
+        } else {
+            DirectLineError::Forbidden
+        })
+    }
+
+    fn token(&self, conversation_id: &str, user_id: &str) -> Result<String, DirectLineError> {
+        let now = unix_now();
+        let claims = Claims {
+            iss: TOKEN_ISSUER.to_owned(),
+            aud: TOKEN_ISSUER.to_owned(),
+            conv: conversation_id.to_owned(),
+            user: user_id.to_owned(),
+            iat: now,
+            nbf: now,
+            exp: now + TOKEN_LIFETIME.as_secs(),
+        };
+        jsonwebtoken::encode(
+            &Header::new(Algorithm::HS256),
+            &claims,
+            &EncodingKey::from_secret(self.signing_key()),
+        )
+        .map_err(DirectLineError::Signing)
+    }
+
+    fn conversations(&self) -> MutexGuard<'_, Conversations> {
+        // A panic while holding the lock cannot leave a conversation half-changed (every change
+        // is one push or one append), so a poisoned lock is still usable.
+        self.conversations
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Registers a new conversation for `user_id`, forgetting the oldest beyond the bound.
+    fn start(&self, user_id: Option<String>) -> (String, String) {
+        let conversation_id = random_id(22);
+        let user_id = user_id.unwrap_or_else(|| format!("dl_{}", random_id(16)));
+        let mut all = self.conversations();
+        all.by_id
+            .insert(conversation_id.clone(), Conversation::new(user_id.clone()));
+        all.started.push_back(conversation_id.clone());
+        while all.started.len() > MAX_CONVERSATIONS {
+            if let Some(oldest) = all.started.pop_front() {
+                all.by_id.remove(&oldest);
+            }
+        }
+        (conversation_id, user_id)
+    }
+
+    /// `conversation_id`'s user, when the conversation exists and `caller` may use it.
+    fn authorize(&self, caller: &Caller, conversation_id: &str) -> Result<String, DirectLineError> {
+        if let Caller::Token(claims) = caller
+            && claims.conv != conversation_id
+        {
+            return Err(DirectLineError::Forbidden);
+        }
+        self.user_of(conversation_id)
+    }
+
+    /// The user of `conversation_id`, when this process knows the conversation.
+    fn user_of(&self, conversation_id: &str) -> Result<String, DirectLineError> {
+        self.conversations()
+            .by_id
+            .get(conversation_id)
+            .map(|c| c.user_id.clone())
+            .ok_or(DirectLineError::UnknownConversation)
+    }
+
+    /// What a started or resumed conversation's client needs.
+    fn conversation_answer(
+        &self,
+        headers: &HeaderMap,
+        conversation_id: &str,
+        user_id: &str,
+        watermark: Option<u64>,
+    ) -> Result<Value, DirectLineError> {
+        let token = self.token(conversation_id, user_id)?;
+        // A reconnecting client's stream starts where its reading stopped.
+        let resume = watermark.map_or_else(String::new, |w| format!("&watermark={w}"));
+        // Behind a proxy that terminates TLS, the page is on https and may only open wss.
+        let scheme = match headers
+            .get("x-forwarded-proto")
+            .and_then(|h| h.to_str().ok())
+        {
+            Some(proto) if proto.eq_ignore_ascii_case("https") => "wss",
+            _ => "ws",
+        };
+        let stream_url = headers
+            .get("x-forwarded-host")
+            .or_else(|| headers.get(header::HOST))
+            .and_then(|h| h.to_str().ok())
+            .map(|host| {
+                format!(
+                    "{scheme}://{host}/v3/directline/conversations/{conversation_id}/stream?t={token}{resume}"
+                )
+            });
+        Ok(json!({
+            "conversationId": conversation_id,
+            "token": token,
+            "expires_in": TOKEN_LIFETIME.as_secs(),
+            "streamUrl": stream_url,
+        }))
+    }
+
+    /// Runs the turn for `body` in `conversation_id` and appends it and its replies to the
+    /// transcript once it committed; returns the activity's id.
+    async fn post_activity(
+        &self,
+        conversation_id: &str,
+        user_id: &str,
+        token_user: Option<&str>,
+        body: &[u8],
+    ) -> Result<String, DirectLineError> {
+        let mut activity: Value = serde_json::from_slice(body)
+            .map_err(|e| DirectLineError::BadActivity(e.to_string()))?;
+        let Some(fields) = activity.as_object_mut() else {
+            return Err(DirectLineError::BadActivity("not a JSON object".into()));
+        };
+        let id = {
+            let mut all = self.conversations();
+            all.by_id
+                .get_mut(conversation_id)
+                .ok_or(DirectLineError::UnknownConversation)?
+                .next_id(conversation_id)
+        };
+        fields.insert("id".into(), json!(id));
+        fields.insert("timestamp".into(), json!(rfc3339(SystemTime::now())));
+        fields.insert("channelId".into(), json!(CHANNEL_ID));
+        fields.insert("conversation".into(), json!({"id": conversation_id}));
+        // A token's user is who its holder is; otherwise the client names the user, as Direct
+        // Line lets a secret's holder do.
+        let from = match (token_user, fields.get("from")) {
+            (Some(user), Some(Value::Object(from))) => {
+                let mut from = from.clone();
+                from.insert("id".into(), json!(user));
+                Value::Object(from)
+            }
+            (Some(user), _) => json!({"id": user}),
+            (None, Some(Value::Object(from))) if from.get("id").is_some_and(Value::is_string) => {
+                Value::Object(from.clone())
+            }
+            (None, _) => json!({"id": user_id}),
+        };
+        fields.insert("from".into(), from);
+        fields.insert(
+            "recipient".into(),
+            json!({"id": self.bot_id, "name": self.bot_id, "role": "bot"}),
+        );
+        let text = activity.to_string();
+        let response = self
+            .turns
+            .process(&text, Some((CHANNEL_ID, conversation_id)))
+            .await
+            .map_err(DirectLineError::Turn)?;
+        let mut appended = vec![activity];
+        for json in response.activities_json {
+            let mut reply: Value = serde_json::from_str(&json)
+                .map_err(|e| DirectLineError::BadReply(e.to_string()))?;
+            let Some(fields) = reply.as_object_mut() else {
+                return Err(DirectLineError::BadReply("not a JSON object".into()));
+            };
+            // Diagnostics for the Emulator only, as on `/api/messages`.
+            if fields.get("type").and_then(Value::as_str) == Some("trace") {
+                continue;
+            }
+            fields
+                .entry("timestamp")
+                .or_insert_with(|| json!(rfc3339(SystemTime::now())));
+            fields.insert("channelId".into(), json!(CHANNEL_ID));
+            fields.insert("conversation".into(), json!({"id": conversation_id}));
+            fields
+                .entry("from")
+                .or_insert_with(|| json!({"id": self.bot_id, "name": self.bot_id, "role": "bot"}));
+            fields.entry("replyToId").or_insert_with(|| json!(id));
+            appended.push(reply);
+        }
+        let mut all = self.conversations();
+        // Forgotten while the turn ran: the turn committed, but nobody can read it here.
+        let conversation = all
+            .by_id
+            .get_mut(conversation_id)
+            .ok_or(DirectLineError::UnknownConversation)?;
+        for reply in appended.iter_mut().skip(1) {
+            if let Some(fields) = reply.as_object_mut() {
+                fields.insert("id".into(), json!(conversation.next_id(conversation_id)));
+            }
+        }
+        conversation.append(appended);
+        Ok(id)
+    }
+}
+
+/// The Direct Line routes under `/v3/directline`, answering browsers from any origin (as Direct
+/// Line does: a page anywhere embeds Web Chat).
+pub(super) fn routes(direct_line: Arc<DirectLine>) -> Router {
+    Router::new()
+        .route("/v3/directline/tokens/generate", post(generate))
+        .route("/v3/directline/tokens/refresh", post(refresh))
+        .route("/v3/directline/conversations", post(start))
+        .route("/v3/directline/conversations/{id}", get(reconnect))
+        .route(
+            "/v3/directline/conversations/{id}/activities",
+            post(post_activity).get(activities),
+        )
+        .route("/v3/directline/conversations/{id}/stream", get(stream))
+        .layer(axum::middleware::from_fn(cors))
+        .with_state(direct_line)
+}
+
+/// The optional body of `tokens/generate` and `conversations`.
+#[derive(Debug, Default, Deserialize)]
+struct StartBody {
+    user: Option<StartUser>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct StartUser {
+    id: Option<String>,
+}
+
+fn requested_user(body: &[u8]) -> Option<String> {
+    serde_json::from_slice::<StartBody>(body)
+        .ok()?
+        .user?
+        .id
+        .filter(|id| !id.is_empty())
+}
+
+#[tracing::instrument(skip_all)]
+async fn generate(
+    State(dl): State<Arc<DirectLine>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, DirectLineError> {
+    let Caller::Trusted = dl.caller(&headers)? else {
+        // A token cannot mint tokens: that would extend it forever to other conversations.
+        return Err(DirectLineError::Forbidden);
+    };
+    let (conversation_id, user_id) = dl.start(requested_user(&body));
+    let token = dl.token(&conversation_id, &user_id)?;
+    Ok(axum::Json(json!({
+        "conversationId": conversation_id,
+        "token": token,
+        "expires_in": TOKEN_LIFETIME.as_secs(),
+    }))
+    .into_response())
+}
+
+#[tracing::instrument(skip_all)]
+async fn refresh(
+    State(dl): State<Arc<DirectLine>>,
+    headers: HeaderMap,
+) -> Result<Response, DirectLineError> {
+    let Caller::Token(claims) = dl.caller(&headers)? else {
+        return Err(DirectLineError::Forbidden);
+    };
+    // A forgotten conversation's token is not renewed: the 404 ends the client's refresh loop.
+    dl.user_of(&claims.conv)?;
+    let token = dl.token(&claims.conv, &claims.user)?;
+    Ok(axum::Json(json!({
+        "conversationId": claims.conv,
+        "token": token,
+        "expires_in": TOKEN_LIFETIME.as_secs(),
+    }))
+    .into_response())
+}
+
+#[tracing::instrument(skip_all, fields(conversation = tracing::field::Empty))]
+async fn start(
+    State(dl): State<Arc<DirectLine>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, DirectLineError> {
+    let (conversation_id, user_id, status) = match dl.caller(&headers)? {
+        Caller::Trusted => {
+            let (conversation_id, user_id) = dl.start(requested_user(&body));
+            (conversation_id, user_id, StatusCode::CREATED)
+        }
+        // A generated token's conversation was registered when the token was made.
+        Caller::Token(claims) => {
+            dl.user_of(&claims.conv)?;
+            (claims.conv, claims.user, StatusCode::OK)
+        }
+    };
+    tracing::Span::current().record("conversation", conversation_id.as_str());
+    let answer = dl.conversation_answer(&headers, &conversation_id, &user_id, None)?;
+    Ok((status, axum::Json(answer)).into_response())
+}
+
+/// `?watermark=`: a position in the transcript, as a decimal string; empty or absent is 0.
+#[derive(Debug, Default, Deserialize)]
+struct WatermarkQuery {
+    watermark: Option<String>,
+}
+
+impl WatermarkQuery {
+    fn position(&self) -> u64 {
+        self.watermark
+            .as_deref()
+            .and_then(|w| w.trim().parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+#[tracing::instrument(skip_all, fields(conversation = %id))]
+async fn reconnect(
+    State(dl): State<Arc<DirectLine>>,
+    Path(id): Path<String>,
+    Query(query): Query<WatermarkQuery>,
+    headers: HeaderMap,
+) -> Result<Response, DirectLineError> {
+    let caller = dl.caller(&headers)?;
+    let user_id = dl.authorize(&caller, &id)?;
+    let watermark = query.watermark.is_some().then(|| query.position());
+    let answer = dl.conversation_answer(&headers, &id, &user_id, watermark)?;
+    Ok(axum::Json(answer).into_response())
+}
+
+#[tracing::instrument(skip_all, fields(conversation = %id))]
+async fn post_activity(
+    State(dl): State<Arc<DirectLine>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, DirectLineError> {
+    let caller = dl.caller(&headers)?;
+    let user_id = dl.authorize(&caller, &id)?;
+    let token_user = match &caller {
+        Caller::Token(claims) => Some(claims.user.as_str()),
+        Caller::Trusted => None,
+    };
+    let activity_id = dl.post_activity(&id, &user_id, token_user, &body).await?;
+    Ok(axum::Json(json!({ "id": activity_id })).into_response())
+}
+
+#[tracing::instrument(skip_all, fields(conversation = %id))]
+async fn activities(
+    State(dl): State<Arc<DirectLine>>,
+    Path(id): Path<String>,
+    Query(query): Query<WatermarkQuery>,
+    headers: HeaderMap,
+) -> Result<Response, DirectLineError> {
+    let caller = dl.caller(&headers)?;
+    dl.authorize(&caller, &id)?;
+    let (activities, watermark) = dl
+        .conversations()
+        .by_id
+        .get(&id)
+        .ok_or(DirectLineError::UnknownConversation)?
+        .page(query.position());
+    Ok(axum::Json(json!({
+        "activities": activities,
+        "watermark": watermark.to_string(),
+    }))
+    .into_response())
+}
+
+/// `?t=`: browsers cannot set headers on a WebSocket, so the stream URL carries the token.
+#[derive(Debug, Deserialize)]
+struct StreamQuery {
+    t: Option<String>,
+    watermark: Option<String>,
+}
+
+#[tracing::instrument(skip_all, fields(conversation = %id))]
+async fn stream(
+    State(dl): State<Arc<DirectLine>>,
+    Path(id): Path<String>,
+    Query(query): Query<StreamQuery>,
+    upgrade: WebSocketUpgrade,
+) -> Result<Response, DirectLineError> {
+    let mut headers = HeaderMap::new();
+    if let Some(token) = &query.t
+        && let Ok(value) = HeaderValue::from_str(&format!("Bearer {token}"))
+    {
+        headers.insert(header::AUTHORIZATION, value);
+    }
+    let caller = dl.caller(&headers)?;
+    dl.authorize(&caller, &id)?;
+    let from = WatermarkQuery {
+        watermark: query.watermark,
+    }
+    .position();
+    let appended = dl
+        .conversations()
+        .by_id
+        .get(&id)
+        .ok_or(DirectLineError::UnknownConversation)?
+        .appended
+        .subscribe();
+    Ok(upgrade.on_upgrade(move |socket| push_activities(dl, id, from, appended, socket)))
+}
+
+/// Sends every activity from `from` on to `socket` as `{activities, watermark}`, as they are
+/// appended, until the client goes away or the conversation is forgotten.
+async fn push_activities(
+    dl: Arc<DirectLine>,
+    id: String,
+    mut from: u64,
+    mut appended: watch::Receiver<u64>,
+    mut socket: WebSocket,
+) {
+    let mut ping = tokio::time::interval(PING_INTERVAL);
+    ping.tick().await;
+    let mut stopping = dl.stopping.subscribe();
+    if *stopping.borrow_and_update() {
+        let _ = socket.send(Message::Close(None)).await;
+        return;
+    }
+    loop {
+        loop {
+            let page = dl.conversations().by_id.get(&id).map(|c| c.page(from));
+            let Some((activities, watermark)) = page else {
+                let _ = socket.send(Message::Close(None)).await;
+                return;
+            };
+            if activities.is_empty() {
+                break;
+            }
+            from = watermark;
+            let group = json!({"activities": activities, "watermark": watermark.to_string()});
+            if socket
+                .send(Message::Text(group.to_string().into()))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        tokio::select! {
+            changed = appended.changed() => {
+                if changed.is_err() {
+                    // The conversation was forgotten.
+                    let _ = socket.send(Message::Close(None)).await;
+                    return;
+                }
+            }
+            _ = stopping.changed() => {
+                let _ = socket.send(Message::Close(None)).await;
+                return;
+            }
+            _ = ping.tick() => {
+                if socket.send(Message::Ping(Bytes::new())).await.is_err() {
+                    return;
+                }
+            }
+            received = socket.recv() => match received {
+                // Web Chat sends empty messages to notice a broken connection; nothing to do.
+                Some(Ok(Message::Close(_)) | Err(_)) | None => return,
+                Some(Ok(_)) => {}
+            },
+        }
+    }
+}
+
+/// Lets pages on any origin call Direct Line, as the real service does: answers preflights and
+/// marks every answer readable cross-origin. Credentials travel in `Authorization`, never in
+/// cookies, so a wildcard origin gives a foreign page nothing it could not send itself.
+async fn cors(request: Request, next: Next) -> Response {
+    let mut response = if request.method() == Method::OPTIONS {
+        let mut preflight = StatusCode::NO_CONTENT.into_response();
+        let asked = request
+            .headers()
+            .get(header::ACCESS_CONTROL_REQUEST_HEADERS)
+            .cloned()
+            .unwrap_or_else(|| HeaderValue::from_static("authorization, content-type"));
+        let headers = preflight.headers_mut();
+        headers.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, asked);
+        headers.insert(
+            header::ACCESS_CONTROL_ALLOW_METHODS,
+            HeaderValue::from_static("GET, POST, OPTIONS"),
+        );
+        headers.insert(
+            header::ACCESS_CONTROL_MAX_AGE,
+            HeaderValue::from_static("86400"),
+        );
+        preflight
+    } else {
+        next.run(request).await
+    };
+    response.headers_mut().insert(
+        header::ACCESS_CONTROL_ALLOW_ORIGIN,
+        HeaderValue::from_static("*"),
+    );
+    response
+}
+
+fn random_id(len: usize) -> String {
+    rand::rng()
+        .sample_iter(Alphanumeric)
+        .take(len)
+        .map(char::from)
+        .collect()
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// `2026-11-23T13:25:00.123Z`: the UTC timestamp format activities carry.
+fn rfc3339(at: SystemTime) -> String {
+    let since = at.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = since.as_secs();
+    let days = i64::try_from(secs / 86_400).unwrap_or(0);
+    let rem = secs % 86_400;
+    // Howard Hinnant's days-to-civil.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60,
+        since.subsec_millis()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_are_utc_rfc3339() {
+        let at = UNIX_EPOCH + Duration::from_millis(1_795_958_700_123);
+        assert_eq!(rfc3339(at), "2026-11-29T13:25:00.123Z");
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
+        let leap = UNIX_EPOCH + Duration::from_secs(951_782_400);
+        assert_eq!(rfc3339(leap), "2000-02-29T00:00:00.000Z");
+    }
+
+    #[tokio::test]
+    async fn the_oldest_conversation_is_forgotten_beyond_the_bound() {
+        let config = super::super::GatewayConfig::development("http://127.0.0.1:9");
+        let dl = DirectLine::new(Vec::new(), Turns::new(&config).expect("client"), "");
+        let (first, _) = dl.start(None);
+        let (second, _) = dl.start(Some("dl_ada".into()));
+        assert_eq!(dl.user_of(&second).expect("known"), "dl_ada");
+        for _ in 0..MAX_CONVERSATIONS - 1 {
+            dl.start(None);
+        }
+        assert!(matches!(
+            dl.user_of(&first),
+            Err(DirectLineError::UnknownConversation)
+        ));
+        assert!(dl.user_of(&second).is_ok(), "only the oldest goes");
+        assert_eq!(dl.conversations().by_id.len(), MAX_CONVERSATIONS);
+    }
+
+    #[test]
+    fn stream_urls_follow_the_proxy_scheme_and_host() {
+        let config = super::super::GatewayConfig::development("http://127.0.0.1:9");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let _guard = runtime.enter();
+        let dl = DirectLine::new(Vec::new(), Turns::new(&config).expect("client"), "");
+        let mut headers = HeaderMap::new();
+        headers.insert(header::HOST, HeaderValue::from_static("10.0.0.5:3978"));
+        let direct = dl
+            .conversation_answer(&headers, "c1", "u", None)
+            .expect("answer");
+        assert!(
+            direct["streamUrl"]
+                .as_str()
+                .expect("url")
+                .starts_with("ws://10.0.0.5:3978/v3/directline/conversations/c1/stream?t=")
+        );
+        headers.insert("x-forwarded-proto", HeaderValue::from_static("https"));
+        headers.insert("x-forwarded-host", HeaderValue::from_static("bot.example"));
+        let proxied = dl
+            .conversation_answer(&headers, "c1", "u", None)
+            .expect("answer");
+        assert!(
+            proxied["streamUrl"]
+                .as_str()
+                .expect("url")
+                .starts_with("wss://bot.example/v3/directline/conversations/c1/stream?t=")
+        );
+    }
+
+    #[test]
+    fn pages_follow_the_watermark_past_dropped_activities() {
+        let mut conversation = Conversation::new("u".into());
+        conversation.append((0..MAX_TRANSCRIPT as u64 + 10).map(|i| json!(i)).collect());
+        assert_eq!(conversation.dropped, 10);
+        let (first, watermark) = conversation.page(0);
+        assert_eq!(first.first(), Some(&json!(10)), "dropped ones are gone");
+        assert_eq!(watermark, 10 + PAGE as u64);
+        let (rest, end) = conversation.page(watermark);
+        assert_eq!(rest.first(), Some(&json!(10 + PAGE as u64)));
+        let (none, same) = conversation.page(MAX_TRANSCRIPT as u64 + 10);
+        assert!(none.is_empty());
+        assert_eq!(same, MAX_TRANSCRIPT as u64 + 10);
+        assert!(end <= same);
+    }
+}

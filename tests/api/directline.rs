@@ -1,0 +1,522 @@
+//! Direct Line 3.0 as `botframework-directlinejs` and Web Chat call it: tokens made from a secret
+//! and refreshed, refused when wrong, expired or for another conversation; the transcript read by
+//! watermark; replies in it only after their turn committed; conversations kept apart; and the
+//! WebSocket stream. Turns run in a real Turnstile server over PostgreSQL, reached only through
+//! gRPC by the gateway.
+#![allow(clippy::unwrap_used)]
+
+use crate::support;
+
+use std::net::SocketAddr;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use futures::{SinkExt as _, StreamExt as _};
+use jsonwebtoken::{Algorithm, EncodingKey, Header};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use support::{TestServer, postgres_config};
+use tokio::sync::oneshot;
+use turnstile::bots::PizzaBot;
+use turnstile::gateway::{GatewayConfig, Secret};
+use turnstile::{Bot, BotError, BotRegistry, TurnContext};
+
+const SECRET: &str = "dl-secret-one";
+const OLD_SECRET: &str = "dl-secret-old";
+
+/// Says something, then fails the turn when told to: its reply must never be seen.
+struct Flaky;
+
+#[async_trait]
+impl Bot for Flaky {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        let text = turn.text().to_owned();
+        turn.send_text(format!("about to handle: {text}"));
+        if text == "fail" {
+            return Err(BotError::msg("told to fail"));
+        }
+        Ok(())
+    }
+}
+
+struct World {
+    /// The gateway running the pizza bot, Direct Line secrets configured.
+    pizza: SocketAddr,
+    /// The gateway running the flaky bot, Direct Line secrets configured.
+    flaky: SocketAddr,
+    /// A development gateway (no secret, no app id): Direct Line is open.
+    open: SocketAddr,
+    http: reqwest::Client,
+    _server: TestServer,
+    _stops: Vec<oneshot::Sender<()>>,
+}
+
+impl World {
+    async fn start() -> World {
+        let url = support::pg::fresh_database().await;
+        let server = TestServer::start(
+            postgres_config(&url),
+            BotRegistry::new("pizza", PizzaBot).with("flaky", Flaky),
+        )
+        .await;
+        let turnstile = format!("http://{}", server.addr);
+        let mut stops = Vec::new();
+        let mut gateway = |bot: &str, secrets: &[&str]| {
+            let mut config = GatewayConfig::development(turnstile.clone());
+            config.bot = bot.to_owned();
+            config.direct_line_secrets = secrets.iter().map(|s| Secret::new(*s)).collect();
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            listener.set_nonblocking(true).unwrap();
+            let addr = listener.local_addr().unwrap();
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            let (stop, stopped) = oneshot::channel::<()>();
+            tokio::spawn(turnstile::gateway::serve(config, listener, async {
+                let _ = stopped.await;
+            }));
+            stops.push(stop);
+            addr
+        };
+        let pizza = gateway("", &[SECRET, OLD_SECRET]);
+        let flaky = gateway("flaky", &[SECRET]);
+        let open = gateway("", &[]);
+        World {
+            pizza,
+            flaky,
+            open,
+            http: reqwest::Client::new(),
+            _server: server,
+            _stops: stops,
+        }
+    }
+
+    async fn call(
+        &self,
+        gateway: SocketAddr,
+        method: reqwest::Method,
+        path: &str,
+        bearer: Option<&str>,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        let mut request = self
+            .http
+            .request(method, format!("http://{gateway}/v3/directline{path}"));
+        if let Some(bearer) = bearer {
+            request = request.bearer_auth(bearer);
+        }
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.unwrap();
+        let status = response.status();
+        let text = response.text().await.unwrap();
+        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    /// Starts a conversation with `bearer`; returns (conversationId, token, streamUrl).
+    async fn start_conversation(
+        &self,
+        gateway: SocketAddr,
+        bearer: Option<&str>,
+    ) -> (String, String, String) {
+        let (status, body) = self
+            .call(
+                gateway,
+                reqwest::Method::POST,
+                "/conversations",
+                bearer,
+                None,
+            )
+            .await;
+        assert!(status.is_success(), "{status} {body}");
+        (
+            body["conversationId"].as_str().unwrap().to_owned(),
+            body["token"].as_str().unwrap().to_owned(),
+            body["streamUrl"].as_str().unwrap().to_owned(),
+        )
+    }
+
+    async fn say(
+        &self,
+        gateway: SocketAddr,
+        conversation: &str,
+        bearer: &str,
+        text: &str,
+    ) -> (StatusCode, Value) {
+        self.call(
+            gateway,
+            reqwest::Method::POST,
+            &format!("/conversations/{conversation}/activities"),
+            Some(bearer),
+            Some(json!({"type": "message", "from": {"id": "user1", "role": "user"}, "text": text})),
+        )
+        .await
+    }
+
+    async fn read(
+        &self,
+        gateway: SocketAddr,
+        conversation: &str,
+        bearer: &str,
+        watermark: &str,
+    ) -> (Vec<Value>, String) {
+        let (status, body) = self
+            .call(
+                gateway,
+                reqwest::Method::GET,
+                &format!("/conversations/{conversation}/activities?watermark={watermark}"),
+                Some(bearer),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        (
+            body["activities"].as_array().unwrap().clone(),
+            body["watermark"].as_str().unwrap().to_owned(),
+        )
+    }
+}
+
+fn texts(activities: &[Value]) -> Vec<&str> {
+    activities
+        .iter()
+        .map(|a| a["text"].as_str().unwrap_or_default())
+        .collect()
+}
+
+#[tokio::test]
+async fn tokens_are_made_from_a_secret_refreshed_and_bound_to_their_conversation() {
+    let world = World::start().await;
+    let gw = world.pizza;
+    let post = reqwest::Method::POST;
+
+    // No credentials, a wrong secret, a token another key signed: refused, nothing started.
+    let (status, _) = world
+        .call(gw, post.clone(), "/tokens/generate", None, None)
+        .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, _) = world
+        .call(
+            gw,
+            post.clone(),
+            "/conversations",
+            Some("wrong-secret"),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let forge = |key: &str, conv: &str, exp: u64| {
+        let claims = json!({"iss": "turnstile-directline", "aud": "turnstile-directline",
+                            "conv": conv, "user": "dl_x", "iat": now, "nbf": now, "exp": exp});
+        jsonwebtoken::encode(
+            &Header::new(Algorithm::HS256),
+            &claims,
+            &EncodingKey::from_secret(key.as_bytes()),
+        )
+        .unwrap()
+    };
+
+    // A token from the secret; the rotated-out secret still works.
+    let (status, generated) = world
+        .call(
+            gw,
+            post.clone(),
+            "/tokens/generate",
+            Some(OLD_SECRET),
+            Some(json!({"user": {"id": "dl_ada"}})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{generated}");
+    let conversation = generated["conversationId"].as_str().unwrap().to_owned();
+    let token = generated["token"].as_str().unwrap().to_owned();
+    assert_eq!(generated["expires_in"], 1800);
+
+    // Starting the conversation with the token gives that conversation back.
+    let (status, started) = world
+        .call(gw, post.clone(), "/conversations", Some(&token), None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{started}");
+    assert_eq!(started["conversationId"], conversation.as_str());
+    assert!(started["streamUrl"].as_str().unwrap().starts_with(&format!(
+        "ws://{gw}/v3/directline/conversations/{conversation}/stream?t="
+    )));
+
+    // The token's holder posts as the token's user, whatever it claims.
+    let (status, posted) = world.say(gw, &conversation, &token, "add ham").await;
+    assert_eq!(status, StatusCode::OK, "{posted}");
+    assert_eq!(posted["id"], format!("{conversation}|0000001"));
+    let (activities, _) = world.read(gw, &conversation, &token, "").await;
+    assert_eq!(activities[0]["from"]["id"], "dl_ada");
+    assert_eq!(activities[0]["channelId"], "directline");
+    assert_eq!(activities[1]["text"], "Added ham. Your pizza has: ham.");
+
+    // Refreshing gives a new token for the same conversation; a secret cannot be refreshed.
+    let (status, refreshed) = world
+        .call(gw, post.clone(), "/tokens/refresh", Some(&token), None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{refreshed}");
+    assert_eq!(refreshed["conversationId"], conversation.as_str());
+    let fresh = refreshed["token"].as_str().unwrap();
+    let (activities, _) = world.read(gw, &conversation, fresh, "").await;
+    assert_eq!(activities.len(), 2);
+    let (status, _) = world
+        .call(gw, post.clone(), "/tokens/refresh", Some(SECRET), None)
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+
+    // A token is for its own conversation only, cannot mint tokens, and must be ours and fresh.
+    let (other, _, _) = world.start_conversation(gw, Some(SECRET)).await;
+    let wrong_conversation = world
+        .call(
+            gw,
+            reqwest::Method::GET,
+            &format!("/conversations/{other}/activities"),
+            Some(&token),
+            None,
+        )
+        .await;
+    assert_eq!(wrong_conversation.0, StatusCode::FORBIDDEN);
+    let (status, _) = world.say(gw, &other, &token, "add olives").await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    let (status, _) = world
+        .call(gw, post.clone(), "/tokens/generate", Some(&token), None)
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    let forged = forge("not-the-secret", &conversation, now + 600);
+    let (status, _) = world.say(gw, &conversation, &forged, "add olives").await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    let expired = forge(SECRET, &conversation, now - 3600);
+    let (status, body) = world.say(gw, &conversation, &expired, "add olives").await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert_eq!(body["error"]["code"], "TokenExpired");
+    let (activities, _) = world.read(gw, &conversation, SECRET, "").await;
+    assert_eq!(
+        texts(&activities),
+        ["add ham", "Added ham. Your pizza has: ham."],
+        "no refused post ran a turn"
+    );
+
+    // A conversation nobody started.
+    let (status, _) = world.say(gw, "no-such-conversation", SECRET, "hi").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let valid_elsewhere = forge(SECRET, "no-such-conversation", now + 600);
+    let (status, _) = world
+        .call(
+            gw,
+            reqwest::Method::GET,
+            "/conversations/no-such-conversation",
+            Some(&valid_elsewhere),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    // Development: no credentials needed.
+    let (_, open_token, _) = world.start_conversation(world.open, None).await;
+    assert!(!open_token.is_empty());
+}
+
+#[tokio::test]
+async fn the_transcript_pages_by_watermark_and_conversations_are_kept_apart() {
+    let world = World::start().await;
+    let gw = world.pizza;
+    let (a, token_a, _) = world.start_conversation(gw, Some(SECRET)).await;
+    let (b, token_b, _) = world.start_conversation(gw, Some(SECRET)).await;
+    assert_ne!(a, b);
+    for topping in ["ham", "mushroom", "olives"] {
+        let (status, _) = world.say(gw, &a, &token_a, &format!("add {topping}")).await;
+        assert_eq!(status, StatusCode::OK);
+    }
+    let (status, _) = world.say(gw, &b, &token_b, "add pineapple").await;
+    assert_eq!(status, StatusCode::OK);
+
+    let (all, watermark) = world.read(gw, &a, &token_a, "").await;
+    assert_eq!(
+        texts(&all),
+        [
+            "add ham",
+            "Added ham. Your pizza has: ham.",
+            "add mushroom",
+            "Added mushroom. Your pizza has: ham, mushroom.",
+            "add olives",
+            "Added olives. Your pizza has: ham, mushroom, olives.",
+        ]
+    );
+    assert_eq!(watermark, "6");
+    let ids: Vec<&str> = all.iter().map(|a| a["id"].as_str().unwrap()).collect();
+    assert_eq!(ids[0], format!("{a}|0000001"));
+    assert_eq!(all[1]["replyToId"], ids[0], "a reply names what it answers");
+    assert_eq!(all[1]["from"]["role"], "bot");
+    let mut sorted = ids.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert_eq!(sorted.len(), 6, "every activity has its own id");
+
+    let (rest, watermark) = world.read(gw, &a, &token_a, "4").await;
+    assert_eq!(
+        texts(&rest),
+        [
+            "add olives",
+            "Added olives. Your pizza has: ham, mushroom, olives."
+        ]
+    );
+    assert_eq!(watermark, "6");
+    let (none, watermark) = world.read(gw, &a, &token_a, "6").await;
+    assert!(none.is_empty());
+    assert_eq!(watermark, "6");
+
+    // B saw none of A's turns, and its pizza is its own.
+    let (only_b, _) = world.read(gw, &b, &token_b, "").await;
+    assert_eq!(
+        texts(&only_b),
+        [
+            "add pineapple",
+            "Added pineapple. Your pizza has: pineapple."
+        ]
+    );
+    let (status, _) = world.say(gw, &b, &token_b, "show").await;
+    assert_eq!(status, StatusCode::OK);
+    let (shown, _) = world.read(gw, &b, &token_b, "2").await;
+    assert_eq!(texts(&shown)[1], "Your pizza has: pineapple.");
+}
+
+#[tokio::test]
+async fn a_failed_turn_leaves_nothing_in_the_transcript() {
+    let world = World::start().await;
+    let gw = world.flaky;
+    let (conversation, token, _) = world.start_conversation(gw, Some(SECRET)).await;
+    let (status, _) = world.say(gw, &conversation, &token, "first").await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, body) = world.say(gw, &conversation, &token, "fail").await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
+    assert_eq!(body["error"]["code"], "BotError");
+    let (status, _) = world.say(gw, &conversation, &token, "third").await;
+    assert_eq!(status, StatusCode::OK);
+    let (activities, watermark) = world.read(gw, &conversation, &token, "").await;
+    assert_eq!(
+        texts(&activities),
+        [
+            "first",
+            "about to handle: first",
+            "third",
+            "about to handle: third"
+        ],
+        "neither the failed turn's message nor its reply"
+    );
+    assert_eq!(watermark, "4");
+}
+
+#[tokio::test]
+async fn the_stream_pushes_each_committed_turn_as_an_activity_group() {
+    let world = World::start().await;
+    let gw = world.pizza;
+    let (conversation, token, stream_url) = world.start_conversation(gw, Some(SECRET)).await;
+    let (status, _) = world.say(gw, &conversation, &token, "add ham").await;
+    assert_eq!(status, StatusCode::OK);
+
+    // A stream without a valid token is refused before the upgrade.
+    let refused = tokio_tungstenite::connect_async(stream_url.replace("?t=", "?t=x")).await;
+    assert!(refused.is_err(), "a bad token opens no stream");
+
+    let (mut socket, _) = tokio_tungstenite::connect_async(&stream_url).await.unwrap();
+    let mut next_group = async || loop {
+        let message = tokio::time::timeout(Duration::from_secs(30), socket.next())
+            .await
+            .expect("an activity group within 30 s")
+            .unwrap()
+            .unwrap();
+        if let tokio_tungstenite::tungstenite::Message::Text(text) = message {
+            return serde_json::from_str::<Value>(&text).unwrap();
+        }
+    };
+    // What was there before the stream opened comes first.
+    let group = next_group().await;
+    assert_eq!(
+        texts(group["activities"].as_array().unwrap()),
+        ["add ham", "Added ham. Your pizza has: ham."]
+    );
+    assert_eq!(group["watermark"], "2");
+    let (status, _) = world.say(gw, &conversation, &token, "add olives").await;
+    assert_eq!(status, StatusCode::OK);
+    let group = next_group().await;
+    assert_eq!(
+        texts(group["activities"].as_array().unwrap()),
+        ["add olives", "Added olives. Your pizza has: ham, olives."]
+    );
+    assert_eq!(group["watermark"], "4");
+    socket
+        .send(tokio_tungstenite::tungstenite::Message::Close(None))
+        .await
+        .unwrap();
+
+    // Reconnecting at watermark 2 gives a fresh token and a stream that resumes there.
+    let (status, resumed) = world
+        .call(
+            gw,
+            reqwest::Method::GET,
+            &format!("/conversations/{conversation}?watermark=2"),
+            Some(&token),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{resumed}");
+    assert_eq!(resumed["conversationId"], conversation.as_str());
+    let (mut socket, _) = tokio_tungstenite::connect_async(resumed["streamUrl"].as_str().unwrap())
+        .await
+        .unwrap();
+    let message = tokio::time::timeout(Duration::from_secs(30), socket.next())
+        .await
+        .expect("an activity group within 30 s")
+        .unwrap()
+        .unwrap();
+    let group: Value = serde_json::from_str(message.to_text().unwrap()).unwrap();
+    assert_eq!(
+        texts(group["activities"].as_array().unwrap()),
+        ["add olives", "Added olives. Your pizza has: ham, olives."]
+    );
+}
+
+#[tokio::test]
+async fn with_an_app_id_and_no_secret_there_is_no_direct_line_and_no_page() {
+    // Nothing is ever fetched from these: no call reaches `/api/messages`.
+    let mut config = GatewayConfig::development("http://127.0.0.1:9");
+    config.credentials = Some(turnstile::gateway::AppCredentials {
+        app_id: "app".into(),
+        password: Secret::new("password"),
+        app_type: turnstile::gateway::AppType::MultiTenant,
+        tenant_id: None,
+        openid_metadata_url: "http://127.0.0.1:9/openid".into(),
+        token_issuer: "https://api.botframework.com".into(),
+        login_url: "http://127.0.0.1:9/tenant".into(),
+        oauth_scope: "https://api.botframework.com".into(),
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (_stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(turnstile::gateway::serve(config, listener, async {
+        let _ = stopped.await;
+    }));
+    let http = reqwest::Client::new();
+    let started = http
+        .post(format!("http://{addr}/v3/directline/conversations"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(started.status(), StatusCode::NOT_FOUND);
+    let page = http.get(format!("http://{addr}/")).send().await.unwrap();
+    assert_eq!(page.status(), StatusCode::NOT_FOUND);
+    let messages = http
+        .post(format!("http://{addr}/api/messages"))
+        .json(&json!({"type": "message"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        messages.status(),
+        StatusCode::UNAUTHORIZED,
+        "the channel endpoint is there"
+    );
+}
