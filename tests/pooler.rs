@@ -296,7 +296,11 @@ async fn two_replicas_through_pgbouncer_in_transaction_mode_are_exact_without_pr
         replays += usize::from(reply.attempts > 1);
         // A conflict sends the replay to the conversation lock, a transaction-scoped one that
         // works through the pooler: the replay commits.
-        assert!(reply.attempts <= 2, "add t{i:02} ran {} times", reply.attempts);
+        assert!(
+            reply.attempts <= 2,
+            "add t{i:02} ran {} times",
+            reply.attempts
+        );
     }
     orders.sort_by_key(BTreeSet::len);
     for pair in orders.windows(2) {
