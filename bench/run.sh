@@ -9,6 +9,11 @@
 #   bench/run.sh --workers the --quick workload on the counter bot in process, then on the same bot
 #                          as a Python bot worker (sdk/python/examples/counter.py) through the same
 #                          server, back to back in each round (about 90 s after the build)
+#   bench/run.sh --hot     hot conversations (about 2 minutes after the build): one conversation at
+#                          64 concurrent calls on one replica, then on three; then the `slow` bot
+#                          (200 ms per run), 8 concurrent on one conversation over three replicas,
+#                          optimistic and serialized. TURNSTILE_BEFORE=/path/to/turnstile adds the
+#                          same workloads served by that binary (an earlier build, for comparison).
 #
 # Two layouts of the machine's cores. "split": PostgreSQL on one half, the clients (pgbench, or the
 # service and its load generator) on the other, as in a deployment where the database has its own
@@ -23,11 +28,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-QUICK=0; SOAK=0; UNPREPARED=0; WORKERS=0
+QUICK=0; SOAK=0; UNPREPARED=0; WORKERS=0; HOT=0
 [ "${1:-}" = "--quick" ] && QUICK=1
 [ "${1:-}" = "--soak" ] && SOAK=1
 [ "${1:-}" = "--unprepared" ] && UNPREPARED=1
 [ "${1:-}" = "--workers" ] && WORKERS=1
+[ "${1:-}" = "--hot" ] && HOT=1
 if [ "$QUICK" = 1 ] || [ "$UNPREPARED" = 1 ] || [ "$WORKERS" = 1 ]; then SECS=8; WARMUP=2; ROUNDS=3; else SECS=10; WARMUP=2; ROUNDS=3; fi
 [ "$SOAK" = 1 ] && SECS=${SOAK_SECONDS:-600}
 KEYS=10000
@@ -163,13 +169,14 @@ PY
 
 # --- the service ---------------------------------------------------------------------------------
 SERVE_ARGS=()  # further `turnstile serve` options
+SERVER=${SERVER:-}  # the server binary; empty: this build's
 start_servers() {  # N -> sets TARGETS
     local n=$1 i port
     TARGETS=""
     CPU_OF=(--cpu-of "postgres=$PGPID")
     for i in $(seq 1 "$n"); do
         port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-        RUST_LOG=warn "${CLIENT[@]}" "$BIN/turnstile" serve --listen "127.0.0.1:$port" \
+        RUST_LOG=warn "${CLIENT[@]}" "${SERVER:-$BIN/turnstile}" serve --listen "127.0.0.1:$port" \
             --database-url "postgres://postgres@127.0.0.1:$PORT/service" "${SERVE_ARGS[@]}" \
             >>"$WORK/service.log" 2>&1 &
         PIDS+=($!)
@@ -247,11 +254,53 @@ hot() {  # REPLICAS
     start_servers "$n"
     json=$(bench --conversations 1 --hot-share 1 --concurrency 64)
     stop_servers
+    HOT_TPS=$(echo "$json" | field 'd["turns_per_second"]')
+    HOT_P99=$(echo "$json" | field 'd["latency_ms"]["p99"]')
     echo "1 hot conversation, 64 concurrent, $n replica(s), $LAYOUT cores: $(echo "$json" | field 'round(d["turns_per_second"])') turns/s, p99 $(echo "$json" | field 'round(d["latency_ms"]["p99"], 2)') ms; attempts $(echo "$json" | field 'd["attempts"]'); statuses $(echo "$json" | field 'd["statuses"]'); check $(echo "$json" | field 'd["verification"]'); peak RSS $((PEAK_KB / 1024)) MiB"
     echo "  CPU µs per turn: $(cpu_of "$json"); $(echo "$json" | field "f'{d[\"turns_per_second\"] / $HOT_ANCHOR:.2f}'") of one commit per round trip"
 }
 
+# runs_per_turn JSON -> "runs per committed turn, committed, other statuses"
+runs_per_turn() {
+    echo "$1" | field '(lambda a, s: f"{sum(int(k) * v for k, v in a.items()) / max(sum(a.values()), 1):.2f} runs per committed turn ({sum(a.values())} committed; attempts {a}; statuses {s})")(d["attempts"], d["statuses"])'
+}
+
+# Hot conversations: one replica against three in the same run, then the slow bot's wasted runs.
+hot_conversations() {  # LABEL -- SERVER/SERVE_ARGS set by the caller
+    local one_tps one_p99 json
+    hot 1
+    one_tps=$HOT_TPS; one_p99=$HOT_P99
+    hot 3
+    echo "  $1: three replicas / one: throughput $(python3 -c "print(f'{$HOT_TPS/$one_tps:.2f}')"), p99 $(python3 -c "print(f'{$HOT_P99/$one_p99:.2f}')")"
+}
+slow_bot() {  # LABEL -- SERVER/SERVE_ARGS set by the caller
+    local json
+    start_servers 3
+    json=$(bench --bot slow --conversations 1 --hot-share 1 --concurrency 8)
+    stop_servers
+    echo "slow bot (200 ms per run), 1 conversation, 8 concurrent, 3 replicas, $1: $(echo "$json" | field 'round(d["turns_per_second"], 1)') turns/s, p99 $(echo "$json" | field 'round(d["latency_ms"]["p99"])') ms; $(runs_per_turn "$json"); check $(echo "$json" | field 'd["verification"]')"
+}
+
 [ "$NCPU" -ge 2 ] || { echo "the split layout needs at least 2 cores" >&2; exit 1; }
+if [ "$HOT" = 1 ]; then
+    layout shared
+    read -r htps hp99 _ _ <<<"$(pgbench_run hot_own.sql 1)"
+    echo "pgbench, 1 client on 1 key (the service's commit statement: one commit per round trip), $LAYOUT cores: $htps turns/s, p99 $hp99 ms"
+    HOT_ANCHOR=$htps
+    hot_conversations "this build"
+    SERVE_ARGS=(--slow-bot-delay-ms 200)
+    slow_bot "optimistic"
+    SERVE_ARGS=(--slow-bot-delay-ms 200 --serialized-bots slow)
+    slow_bot "serialized"
+    if [ -n "${TURNSTILE_BEFORE:-}" ]; then
+        SERVER=$TURNSTILE_BEFORE; SERVE_ARGS=()
+        echo "served by $TURNSTILE_BEFORE:"
+        hot_conversations "$TURNSTILE_BEFORE"
+        slow_bot "$TURNSTILE_BEFORE"
+        SERVER=""
+    fi
+    exit 0
+fi
 if [ "$SOAK" = 1 ]; then
     layout shared
     start_servers 1

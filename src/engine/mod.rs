@@ -1111,6 +1111,78 @@ mod tests {
         assert_eq!(text(&again), "count: 4");
     }
 
+    /// A store shared by replicas whose conversation lock another replica always holds.
+    struct LockAlwaysHeld(MemoryStore);
+
+    #[async_trait]
+    impl Store for LockAlwaysHeld {
+        async fn load(
+            &self,
+            keys: &[StateKey],
+            receipt: Option<&StateKey>,
+        ) -> Result<Snapshot, StoreError> {
+            self.0.load(keys, receipt).await
+        }
+        async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
+            self.0.commit(commit).await
+        }
+        async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
+            self.0.prune_receipts(age).await
+        }
+        async fn lock_conversation(
+            &self,
+            _conversation: &StateKey,
+            _wait: Duration,
+        ) -> Result<ConversationLock, StoreError> {
+            Ok(ConversationLock::NotGranted)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_serialized_bot_whose_lock_never_comes_fails_without_running() {
+        let (engine, runs) = engine(LockAlwaysHeld(MemoryStore::new()), RetryPolicy::default());
+        let engine = Engine {
+            bots: engine
+                .bots
+                .clone()
+                .with_policy("counter", ConcurrencyPolicy::Serialized)
+                .expect("hosted"),
+            ..engine
+        };
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let result = engine.run_turn(None, &incoming("hi"), Some(deadline)).await;
+        assert!(
+            matches!(result, Err(TurnError::DeadlineExceeded { attempts: 0 })),
+            "{result:?}"
+        );
+        let result = engine.run_turn(None, &incoming("hi"), None).await;
+        assert!(
+            matches!(result, Err(TurnError::Aborted { attempts: 0 })),
+            "{result:?}"
+        );
+        assert_eq!(runs.0.load(Ordering::SeqCst), 0, "the bot never ran");
+    }
+
+    #[tokio::test]
+    async fn on_a_store_of_one_replica_a_serialized_bot_runs_as_usual() {
+        let (engine, runs) = engine(MemoryStore::new(), RetryPolicy::default());
+        let engine = Engine {
+            bots: engine
+                .bots
+                .clone()
+                .with_policy("counter", ConcurrencyPolicy::Serialized)
+                .expect("hosted"),
+            ..engine
+        };
+        let outcome = engine
+            .run_turn(None, &incoming("hi"), None)
+            .await
+            .expect("committed");
+        assert_eq!(outcome.attempts, 1);
+        assert_eq!(outcome.activities[0].text.as_deref(), Some("count: 1"));
+        assert_eq!(runs.0.load(Ordering::SeqCst), 1);
+    }
+
     #[tokio::test]
     async fn an_unknown_bot_is_refused_before_anything_runs() {
         let (engine, runs) = engine(MemoryStore::new(), RetryPolicy::default());
