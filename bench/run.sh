@@ -200,7 +200,7 @@ stop_servers() {
 }
 # bench ARGS... -> JSON on stdout
 bench() {
-    "${CLIENT[@]}" "$BIN/turnstile-bench" --target "$TARGETS" --duration "$SECS" --warmup "$WARMUP" \
+    "${CLIENT[@]}" "$BIN/turnstile-bench" --target "$TARGETS" --duration "${BENCH_SECS:-$SECS}" --warmup "$WARMUP" \
         --state-bytes "$PAD" --json "${CPU_OF[@]}" "$@"
 }
 field() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
@@ -382,15 +382,23 @@ if [ "$WORKERS" = 1 ]; then
             line="$line $bot $tps turns/s p50 $p50 ms p99 $p99 ms ($(cpu_of "$JSON") µs CPU/turn), check $(echo "$JSON" | field 'd["verification"]');"
             [ "$bot" = counter ] && { itps=$tps; ip50=$p50; ip99=$p99; } || { wtps=$tps; wp50=$p50; wp99=$p99; }
         done
+        # One call at a time: the latencies without queueing, so the difference is the hop alone.
+        for bot in counter counter-py; do
+            JSON=$(BENCH_SECS=4 bench --conversations "$KEYS" --concurrency 1 --bot "$bot" --no-verify)
+            p50=$(echo "$JSON" | field 'round(d["latency_ms"]["p50"], 3)')
+            line="$line $bot alone p50 $p50 ms;"
+            [ "$bot" = counter ] && i1=$p50 || w1=$p50
+        done
         stop_servers
         echo "  round $r:$line"
-        ratios+=("$(python3 -c "print(f'{$wtps/$itps:.3f} $itps $wtps $ip50 $wp50 $ip99 $wp99')")")
+        ratios+=("$(python3 -c "print(f'{$wtps/$itps:.3f} $itps $wtps $ip50 $wp50 $ip99 $wp99 $i1 $w1')")")
     done
     printf '%s\n' "${ratios[@]}" | sort -n | sed -n "$(( (ROUNDS + 1) / 2 ))p" | python3 -c '
 import sys
-r, itps, wtps, ip50, wp50, ip99, wp99 = map(float, sys.stdin.read().split())
+r, itps, wtps, ip50, wp50, ip99, wp99, i1, w1 = map(float, sys.stdin.read().split())
 print(f"median round: worker/in-process throughput {r:.2f} ({wtps:.0f} vs {itps:.0f} turns/s); "
-      f"p99 {wp99} vs {ip99} ms; the hop at p50: {wp50 - ip50:.3f} ms ({wp50} vs {ip50} ms)")'
+      f"p99 {wp99} vs {ip99} ms; p50 {wp50} vs {ip50} ms; the hop at p50, one call at a time: "
+      f"{w1 - i1:.3f} ms ({w1} vs {i1} ms)")'
     exit 0
 fi
 layout shared

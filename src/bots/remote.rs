@@ -343,7 +343,15 @@ impl RemoteBot {
     /// The error for a call that ended with `status`.
     fn status_error(&self, status: &tonic::Status) -> BotError {
         let message = shortened(status.message());
+        // A status the client made from a failed connection (reset, broken pipe, the worker
+        // killed mid-call) carries the transport error as its source and often says UNKNOWN; one
+        // the worker sent carries none.
+        let transport = std::error::Error::source(status).is_some();
         match status.code() {
+            Code::Unknown if transport => self.fail(
+                BotErrorKind::Unavailable,
+                format_args!("is unavailable (the connection failed: {message})"),
+            ),
             Code::Unavailable => self.fail(
                 BotErrorKind::Unavailable,
                 format_args!("is unavailable ({message})"),

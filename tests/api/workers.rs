@@ -624,6 +624,23 @@ async fn a_worker_raising_slow_or_down_fails_the_turn_with_its_status_and_commit
         !after.redelivered,
         "the turn was not committed while the worker was down"
     );
+
+    // Killed in the middle of a call: the connection breaks under it, and that is UNAVAILABLE
+    // too (the client library says UNKNOWN with a transport error).
+    let mut back = back;
+    let cut = {
+        let mut client = other.client().await;
+        tokio::spawn(async move {
+            let mut slow = tonic::Request::new(to_bot("moody", "m", "slow-2", "slow"));
+            slow.set_timeout(Duration::from_secs(30));
+            client.process_turn(slow).await
+        })
+    };
+    assert_eq!(back.calls_settled("slow-2", 1).await, [1]);
+    back.kill();
+    let cut = cut.await.unwrap().unwrap_err();
+    assert_eq!(cut.code(), Code::Unavailable, "{cut:?}");
+    assert_eq!(reason(&cut), "BOT_UNAVAILABLE");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
