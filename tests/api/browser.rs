@@ -14,7 +14,7 @@ use crate::support;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -95,10 +95,8 @@ fn tools() -> &'static Tools {
         if !Path::new(CHROMIUM).exists() {
             install_chromium();
         }
-        let dir = target_dir().join("tools");
-        std::fs::create_dir_all(&dir).unwrap();
-        let puppeteer = install(&dir, "puppeteer-core-24.43.1", |into| {
-            run_tool(
+        let puppeteer = support::tools::installed("puppeteer-core-24.43.1", |into| {
+            support::tools::run(
                 Command::new("npm")
                     .args(["install", "--no-audit", "--no-fund", "--silent", "--prefix"])
                     .arg(into)
@@ -106,14 +104,14 @@ fn tools() -> &'static Tools {
                 "npm install puppeteer-core (is npm installed and the registry reachable?)",
             );
         });
-        let webchat = install(&dir, "botframework-webchat-4.18.1", |into| {
-            run_tool(
+        let webchat = support::tools::installed("botframework-webchat-4.18.1", |into| {
+            support::tools::run(
                 Command::new("npm")
                     .args(["pack", "--silent", WEBCHAT])
                     .current_dir(into),
                 "npm pack botframework-webchat (is npm installed and the registry reachable?)",
             );
-            run_tool(
+            support::tools::run(
                 Command::new("tar")
                     .args([
                         "xzf",
@@ -159,49 +157,6 @@ fn install_chromium() {
         Path::new(CHROMIUM).exists(),
         "chromium installed no {CHROMIUM}"
     );
-}
-
-/// `<target dir>`, found from this test binary's path (`<target>/<profile>/deps/…`).
-fn target_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.ancestors()
-        .nth(3)
-        .expect("test binary lives in <target>/<profile>/deps")
-        .to_path_buf()
-}
-
-/// `dir/name`, created by `fill` in a scratch directory first when it does not exist yet, so
-/// that concurrent test processes never see a half-installed tool.
-fn install(dir: &Path, name: &str, fill: fn(&Path)) -> PathBuf {
-    let done = dir.join(name);
-    if done.exists() {
-        return done;
-    }
-    let started = Instant::now();
-    let scratch = dir.join(format!("{name}.partial-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&scratch);
-    std::fs::create_dir_all(&scratch).unwrap();
-    fill(&scratch);
-    if std::fs::rename(&scratch, &done).is_err() {
-        assert!(done.exists(), "could not move {scratch:?} to {done:?}");
-        let _ = std::fs::remove_dir_all(&scratch);
-    }
-    eprintln!("installed {name} in {:.1?}", started.elapsed());
-    done
-}
-
-fn run_tool(command: &mut Command, what: &str) -> Output {
-    let output = command
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: cannot start {command:?}: {e}"));
-    assert!(
-        output.status.success(),
-        "{what} failed ({}):\n{}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    output
 }
 
 /// Starts a gateway with `config` on a free port.
@@ -288,7 +243,7 @@ async fn a_pizza_is_ordered_on_the_own_page_and_in_web_chat() {
     let site_addr = site_listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(site_listener, site).await.unwrap() });
 
-    let artifacts = target_dir().join("artifacts/browser");
+    let artifacts = support::tools::target_dir().join("artifacts/browser");
     std::fs::create_dir_all(&artifacts).unwrap();
     let driven = {
         let puppeteer = tools.puppeteer.clone();

@@ -167,43 +167,7 @@ print(json.dumps(out))
 /// A `pip install --target` directory holding [`PYTHON_PACKAGES`], installed once under
 /// `<target>/tools`.
 fn python_grpc() -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let tools = exe
-        .ancestors()
-        .nth(3)
-        .expect("test binary lives in <target>/<profile>/deps")
-        .join("tools");
-    let done = tools.join("python-grpcio-1.76.0");
-    if done.exists() {
-        return done;
-    }
-    let scratch = tools.join(format!("python-grpcio.partial-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&scratch);
-    std::fs::create_dir_all(&scratch).unwrap();
-    let output = std::process::Command::new("python3")
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--no-input",
-            "--target",
-        ])
-        .arg(&scratch)
-        .args(PYTHON_PACKAGES)
-        .output()
-        .expect("python3 is needed for the grpcio client test");
-    assert!(
-        output.status.success(),
-        "pip install {PYTHON_PACKAGES:?} failed (needs python3 with pip and PyPI):\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    if std::fs::rename(&scratch, &done).is_err() {
-        assert!(done.exists(), "could not move {scratch:?} to {done:?}");
-        let _ = std::fs::remove_dir_all(&scratch);
-    }
-    done
+    support::tools::pip("python-grpcio-1.76.0", &PYTHON_PACKAGES)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

