@@ -5,6 +5,7 @@
 #   bench/instructions.sh            3,000 measured turns and 3,000 measured health checks
 #   TURNS=N CHECKS=M bench/instructions.sh
 #   KEEP=1 bench/instructions.sh     keeps the callgrind files (for callgrind_annotate) and says where
+#   NO_BUILD=1 bench/instructions.sh measures target/release as it is
 #
 # The workload: the release server, PostgreSQL in a throwaway cluster, the metrics endpoint on (as
 # deployed), the counter bot with ~1 KB of conversation state, 32 concurrent calls over 4 HTTP/2
@@ -30,7 +31,8 @@ CONVERSATIONS=1000
 PAD=1024
 
 command -v valgrind >/dev/null || { echo "valgrind not found (apt-get install valgrind)" >&2; exit 1; }
-cargo build --release --bins -q
+# NO_BUILD=1 measures the binaries as they are, without building them first.
+[ -n "${NO_BUILD:-}" ] || cargo build --release --bins -q
 BIN=$PWD/target/release
 
 # --- a throwaway PostgreSQL cluster (as bench/run.sh starts one) ---------------------------------

@@ -262,7 +262,7 @@ pub async fn serve(
         builder = builder.tls_config(tls_config(tls)?)?;
     }
     let server = builder
-        .layer(RpcTelemetryLayer)
+        .layer(RpcTelemetryLayer::default())
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)

@@ -106,6 +106,37 @@ pub struct Engine {
     retry: RetryPolicy,
     queue: Arc<queue::KeyQueue>,
     hot: Arc<hot::HotConversations>,
+    metrics: Arc<TurnMetrics>,
+}
+
+/// The engine's metric handles, taken once when it is built rather than looked up by name and
+/// labels at every turn (each lookup hashes the key and searches the recorder's registry).
+struct TurnMetrics {
+    /// [`TURNS`], one handle per entry of [`OUTCOMES`].
+    turns: [metrics::Counter; OUTCOMES.len()],
+    duration: metrics::Histogram,
+    attempts: metrics::Histogram,
+    conflicts: metrics::Counter,
+    redeliveries: metrics::Counter,
+}
+
+impl TurnMetrics {
+    fn new() -> Self {
+        Self {
+            turns: OUTCOMES.map(|outcome| metrics::counter!(TURNS, "outcome" => outcome)),
+            duration: metrics::histogram!(TURN_DURATION),
+            attempts: metrics::histogram!(TURN_ATTEMPTS),
+            conflicts: metrics::counter!(CONFLICTS),
+            redeliveries: metrics::counter!(REDELIVERIES),
+        }
+    }
+
+    fn turn(&self, outcome: &str) {
+        match OUTCOMES.iter().position(|o| *o == outcome) {
+            Some(i) => self.turns[i].increment(1),
+            None => metrics::counter!(TURNS, "outcome" => outcome.to_owned()).increment(1),
+        }
+    }
 }
 
 impl std::fmt::Debug for Engine {
@@ -126,6 +157,7 @@ impl Engine {
             retry,
             queue: Arc::new(queue::KeyQueue::new()),
             hot: Arc::new(hot::HotConversations::default()),
+            metrics: Arc::new(TurnMetrics::new()),
         }
     }
 
@@ -165,8 +197,8 @@ impl Engine {
         let result = self.turn(bot, incoming, deadline).await;
         let outcome = outcome_name(&result);
         tracing::Span::current().record("outcome", outcome);
-        metrics::counter!(TURNS, "outcome" => outcome).increment(1);
-        metrics::histogram!(TURN_DURATION).record(started.elapsed());
+        self.metrics.turn(outcome);
+        self.metrics.duration.record(started.elapsed());
         let attempts = match &result {
             Ok(o) if o.redelivered => None,
             Ok(o) => Some(o.attempts),
@@ -176,10 +208,10 @@ impl Engine {
             Err(_) => None,
         };
         if let Some(attempts) = attempts.filter(|&a| a > 0) {
-            metrics::histogram!(TURN_ATTEMPTS).record(f64::from(attempts));
+            self.metrics.attempts.record(f64::from(attempts));
         }
         if matches!(&result, Ok(o) if o.redelivered) {
-            metrics::counter!(REDELIVERIES).increment(1);
+            self.metrics.redeliveries.increment(1);
         }
         result
     }
@@ -240,7 +272,7 @@ impl Engine {
                     return Ok(outcome);
                 }
                 AttemptOutcome::Conflict(key) => {
-                    metrics::counter!(CONFLICTS).increment(1);
+                    self.metrics.conflicts.increment(1);
                     tracing::debug!(attempt, %key, "conflict; replaying the turn under the lock");
                     self.hot.conflicted(&plan.keys.conversation);
                     if !serialized {
@@ -545,6 +577,17 @@ fn attempt_name(ended: &Result<AttemptOutcome, TurnError>) -> &'static str {
         Err(_) => "store_failed",
     }
 }
+
+/// Every outcome [`outcome_name`] gives.
+const OUTCOMES: [&str; 7] = [
+    "committed",
+    "redelivered",
+    "invalid",
+    "aborted",
+    "deadline_exceeded",
+    "unavailable",
+    "failed",
+];
 
 /// A turn's outcome as the `outcome` span field and metric label name it.
 fn outcome_name(result: &Result<TurnOutcome, TurnError>) -> &'static str {

@@ -33,6 +33,7 @@ use crate::state::StateKey;
 
 mod group_commit;
 mod lock;
+mod jsonb;
 pub mod tls;
 
 pub use group_commit::GroupCommitStats;
@@ -550,11 +551,15 @@ impl PostgresStore {
             })
             .collect::<Result<Vec<i64>, _>>()
             .map_err(|e| StoreError::Unexpected(e.into()))?;
-        let states: Vec<Option<Json<&JsonMap>>> =
-            changes.iter().map(|c| c.write.as_ref().map(Json)).collect();
+        let states: Vec<Option<jsonb::Jsonb<'_>>> = changes
+            .iter()
+            .map(|c| c.write.as_ref().map(jsonb::Jsonb::Map))
+            .collect();
 
         let receipt_key = commit.receipt().map(|(k, _)| k.as_str());
-        let receipt = commit.receipt().map(|(_, payload)| Json(payload));
+        let receipt = commit
+            .receipt()
+            .map(|(_, payload)| jsonb::Jsonb::Value(payload));
 
         let params: [&(dyn ToSql + Sync); 5] = [&keys, &expected, &states, &receipt_key, &receipt];
         let rows = match COMMIT.query(client, statements, &params).await {

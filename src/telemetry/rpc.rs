@@ -17,6 +17,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 
 use http_body::{Body, Frame};
@@ -60,22 +61,79 @@ const METHODS: &[(&str, &str, &str)] = &[
     ),
 ];
 
+/// gRPC status codes as labels: `OK` is 0, `UNAUTHENTICATED` 16.
+const CODES: [&str; 17] = [
+    "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16",
+];
+
 /// The layer: wraps a service in [`RpcTelemetry`].
-#[derive(Debug, Clone, Copy, Default)]
-pub struct RpcTelemetryLayer;
+#[derive(Debug, Clone, Default)]
+pub struct RpcTelemetryLayer {
+    durations: Arc<Durations>,
+}
 
 impl<S> Layer<S> for RpcTelemetryLayer {
     type Service = RpcTelemetry<S>;
 
     fn layer(&self, inner: S) -> RpcTelemetry<S> {
-        RpcTelemetry { inner }
+        RpcTelemetry {
+            inner,
+            durations: Arc::clone(&self.durations),
+        }
     }
+}
+
+/// The [`RPC_SERVER_DURATION`] handles of the hosted methods, one per method and status code,
+/// each taken on its first use (by then `serve` has installed the recorder) and kept: a lookup
+/// by name and labels at every call hashed three labels, one of them formatted, and searched
+/// the recorder's registry.
+#[derive(Debug)]
+struct Durations([[OnceLock<metrics::Histogram>; CODES.len()]; METHODS.len()]);
+
+impl Default for Durations {
+    fn default() -> Self {
+        Self(std::array::from_fn(|_| {
+            std::array::from_fn(|_| OnceLock::new())
+        }))
+    }
+}
+
+impl Durations {
+    fn record(&self, service: &'static str, method: &'static str, code: Code, seconds: f64) {
+        let number = code as usize;
+        let index = METHODS
+            .iter()
+            .position(|&(s, m, _)| s == service && m == method);
+        match (index, CODES.get(number)) {
+            (Some(index), Some(&label)) => self.0[index][number]
+                .get_or_init(|| histogram(service, method, label))
+                .record(seconds),
+            (_, label) => {
+                let label = label.map_or_else(|| number.to_string(), |l| (*l).to_owned());
+                histogram(service, method, label).record(seconds);
+            }
+        }
+    }
+}
+
+fn histogram(
+    service: &'static str,
+    method: &'static str,
+    code: impl Into<metrics::SharedString>,
+) -> metrics::Histogram {
+    metrics::histogram!(
+        RPC_SERVER_DURATION,
+        "rpc_service" => service,
+        "rpc_method" => method,
+        "rpc_grpc_status_code" => code.into(),
+    )
 }
 
 /// A gRPC server (or part of one) whose calls are traced and timed.
 #[derive(Debug, Clone)]
 pub struct RpcTelemetry<S> {
     inner: S,
+    durations: Arc<Durations>,
 }
 
 impl<S, B, ResBody> Service<http::Request<B>> for RpcTelemetry<S>
@@ -91,7 +149,11 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let call = Call::start(request.uri().path(), request.headers());
+        let call = Call::start(
+            request.uri().path(),
+            request.headers(),
+            Arc::clone(&self.durations),
+        );
         // Entered while the inner service starts the call, so that the handler's spans are
         // children of this one.
         let inner = call.span.in_scope(|| self.inner.call(request));
@@ -110,10 +172,11 @@ struct Call {
     method: &'static str,
     started: Instant,
     finished: bool,
+    durations: Arc<Durations>,
 }
 
 impl Call {
-    fn start(path: &str, headers: &http::HeaderMap) -> Self {
+    fn start(path: &str, headers: &http::HeaderMap, durations: Arc<Durations>) -> Self {
         let (service, method, name) = names(path);
         let span = tracing::info_span!(
             "rpc",
@@ -133,6 +196,7 @@ impl Call {
             method,
             started: Instant::now(),
             finished: false,
+            durations,
         }
     }
 
@@ -155,13 +219,12 @@ impl Call {
         ) {
             self.span.record("otel.status_code", "error");
         }
-        metrics::histogram!(
-            RPC_SERVER_DURATION,
-            "rpc_service" => self.service,
-            "rpc_method" => self.method,
-            "rpc_grpc_status_code" => number.to_string(),
-        )
-        .record(self.started.elapsed().as_secs_f64());
+        self.durations.record(
+            self.service,
+            self.method,
+            code,
+            self.started.elapsed().as_secs_f64(),
+        );
     }
 }
 

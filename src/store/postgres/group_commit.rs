@@ -27,8 +27,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use anyhow::anyhow;
 use deadpool_postgres::Pool;
 use tokio::sync::{Semaphore, mpsc, oneshot};
-use tokio_postgres::types::{Json, Type};
+use tokio_postgres::types::Type;
 
+use super::jsonb::Jsonb;
 use super::{Sql, Statements, classify, client_of, is_conflict, taken_receipt, unexpected};
 use crate::activity::JsonMap;
 use crate::state::StateKey;
@@ -424,7 +425,7 @@ enum Together {
 /// Commits `writes` by [`WRITE_MANY`].
 async fn commit_together(db: &Db, writes: &[&SingleWrite]) -> Result<Together, StoreError> {
     let keys: Vec<&str> = writes.iter().map(|w| w.key.as_str()).collect();
-    let states: Vec<Json<&JsonMap>> = writes.iter().map(|w| Json(&w.state)).collect();
+    let states: Vec<Jsonb<'_>> = writes.iter().map(|w| Jsonb::Map(&w.state)).collect();
     let expected = writes
         .iter()
         .map(|w| expected_version(w.expected))
@@ -433,9 +434,9 @@ async fn commit_together(db: &Db, writes: &[&SingleWrite]) -> Result<Together, S
         .iter()
         .map(|w| w.receipt.as_ref().map(|(key, _)| key.as_str()))
         .collect();
-    let receipts: Vec<Option<Json<&serde_json::Value>>> = writes
+    let receipts: Vec<Option<Jsonb<'_>>> = writes
         .iter()
-        .map(|w| w.receipt.as_ref().map(|(_, payload)| Json(payload)))
+        .map(|w| w.receipt.as_ref().map(|(_, payload)| Jsonb::Value(payload)))
         .collect();
     let client = client_of(&db.pool).await?;
     let rows = match WRITE_MANY
@@ -473,9 +474,12 @@ async fn commit_together(db: &Db, writes: &[&SingleWrite]) -> Result<Together, S
 /// Commits `write` by itself, by [`UPDATE_ONE`] or [`CREATE_ONE`].
 async fn commit_alone(db: &Db, write: &SingleWrite) -> Result<CommitOutcome, StoreError> {
     let key = write.key.as_str();
-    let state = Json(&write.state);
+    let state = Jsonb::Map(&write.state);
     let receipt_key = write.receipt.as_ref().map(|(key, _)| key.as_str());
-    let receipt = write.receipt.as_ref().map(|(_, payload)| Json(payload));
+    let receipt = write
+        .receipt
+        .as_ref()
+        .map(|(_, payload)| Jsonb::Value(payload));
     let client = client_of(&db.pool).await?;
     let rows = match write.expected {
         Expected::Absent => {
