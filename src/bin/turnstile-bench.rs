@@ -495,7 +495,7 @@ async fn post(
     let Some(pb::process_turn_request::Input::Activity(activity)) = request.input.clone() else {
         return Err(("no activity".into(), true));
     };
-    let mut json = turnstile::activity::Activity::from(activity).to_json();
+    let mut json = turnstile::activity::Activity::from(*activity).to_json();
     json["deliveryMode"] = json!("expectReplies");
     json["serviceUrl"] = json!("http://127.0.0.1:9/bench");
     let response = http

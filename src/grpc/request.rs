@@ -22,7 +22,7 @@ impl pb::ProcessTurnRequest {
     /// A request carrying `activity` typed, for the hosted bot named `bot` (empty: the default).
     pub fn typed(activity: pb::Activity, bot: impl Into<String>) -> Self {
         Self {
-            input: Some(Input::Activity(activity)),
+            input: Some(Input::Activity(Box::new(activity))),
             bot: bot.into(),
             json_replies: false,
         }
@@ -61,7 +61,7 @@ pub fn read_activity(input: Option<Input>, limits: &Limits) -> Result<Activity, 
         )),
         Some(Input::Activity(activity)) => {
             limits.check(&activity)?;
-            Ok(Activity::from(activity))
+            Ok(Activity::from(*activity))
         }
         Some(Input::ActivityJson(text)) => {
             let activity = parse_json(&text, limits)?;
