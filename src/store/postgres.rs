@@ -32,8 +32,8 @@ use crate::activity::JsonMap;
 use crate::state::StateKey;
 
 mod group_commit;
-mod lock;
 mod jsonb;
+mod lock;
 pub mod tls;
 
 pub use group_commit::GroupCommitStats;
