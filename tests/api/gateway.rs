@@ -699,3 +699,81 @@ async fn a_multi_tenant_app_refuses_entra_id_tokens() {
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     assert_eq!(world.runs.load(Ordering::SeqCst), 0);
 }
+
+/// A `TurnService` that answers every turn with no replies and keeps the conversation metadata
+/// each call carried, so that a test sees what a mesh in front of Turnstile would hash on.
+#[derive(Default, Clone)]
+struct MetadataRecorder(Arc<Mutex<Vec<Option<String>>>>);
+
+#[tonic::async_trait]
+impl turnstile::grpc::pb::turn_service_server::TurnService for MetadataRecorder {
+    async fn process_turn(
+        &self,
+        request: tonic::Request<turnstile::grpc::pb::ProcessTurnRequest>,
+    ) -> Result<tonic::Response<turnstile::grpc::pb::ProcessTurnResponse>, tonic::Status> {
+        let seen = request
+            .metadata()
+            .get(turnstile::grpc::affinity::CONVERSATION_METADATA)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        self.0.lock().unwrap().push(seen);
+        Ok(tonic::Response::new(Default::default()))
+    }
+}
+
+#[tokio::test]
+async fn every_turn_carries_its_conversation_as_metadata_a_mesh_can_hash_on() {
+    let recorder = MetadataRecorder::default();
+    let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let grpc_addr = grpc.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(
+                turnstile::grpc::pb::turn_service_server::TurnServiceServer::new(recorder.clone()),
+            )
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(grpc)),
+    );
+    let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http_addr = http.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(turnstile::gateway::serve(
+        GatewayConfig::development(format!("http://{grpc_addr}")),
+        http,
+        async {
+            let _ = stopped.await;
+        },
+    ));
+
+    for (id, conversation) in [("a1", "room/42"), ("a2", "café 7")] {
+        let activity = json!({
+            "type": "message", "id": id, "channelId": "msteams",
+            "serviceUrl": "http://127.0.0.1:9", "deliveryMode": "expectReplies",
+            "conversation": {"id": conversation}, "from": {"id": "alice"},
+            "recipient": {"id": "bot"}, "text": "hi"
+        });
+        let status = reqwest::Client::new()
+            .post(format!("http://{http_addr}/api/messages"))
+            .json(&activity)
+            .send()
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status, StatusCode::OK);
+    }
+    let _ = stop.send(());
+    served.await.unwrap().unwrap();
+
+    let seen = recorder.0.lock().unwrap().clone();
+    let expected: Vec<Option<String>> = [("msteams", "room/42"), ("msteams", "café 7")]
+        .iter()
+        .map(|(channel, conversation)| {
+            turnstile::grpc::affinity::conversation_value(channel, conversation)
+                .map(|v| v.to_str().unwrap().to_owned())
+        })
+        .collect();
+    assert_eq!(
+        seen, expected,
+        "one header per turn, naming its conversation"
+    );
+    assert_ne!(seen[0], seen[1], "different conversations hash apart");
+}
