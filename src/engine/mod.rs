@@ -399,14 +399,19 @@ impl Engine {
             let left = d.saturating_duration_since(Instant::now());
             left.saturating_sub(LOCK_ANSWER_MARGIN.min(left / 4))
         });
-        let mut locked = match self
+        let (snapshot, locked) = match self
             .store
-            .lock_conversation(&plan.keys.conversation, wait)
+            .lock_conversation(
+                &plan.keys.conversation,
+                &plan.key_list,
+                plan.receipt.as_ref(),
+                wait,
+            )
             .await?
         {
-            ConversationLock::Held(locked) => {
+            ConversationLock::Held { snapshot, turn } => {
                 metrics::counter!(LOCK_WAITS, "outcome" => "granted").increment(1);
-                locked
+                (snapshot, turn)
             }
             ConversationLock::NotNeeded => return self.attempt(plan, attempt).await,
             ConversationLock::NotGranted => {
@@ -419,7 +424,6 @@ impl Engine {
                 });
             }
         };
-        let snapshot = locked.load(&plan.key_list, plan.receipt.as_ref()).await?;
         if let Some(receipt) = snapshot.receipt() {
             locked.release().await;
             return receipt::decode(receipt).map(AttemptOutcome::Answered);
@@ -701,9 +705,13 @@ mod tests {
         async fn lock_conversation(
             &self,
             conversation: &StateKey,
+            keys: &[StateKey],
+            receipt: Option<&StateKey>,
             wait: Duration,
         ) -> Result<ConversationLock, StoreError> {
-            self.0.lock_conversation(conversation, wait).await
+            self.0
+                .lock_conversation(conversation, keys, receipt, wait)
+                .await
         }
         async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
             Ok(CommitOutcome::Conflict {
@@ -743,9 +751,13 @@ mod tests {
         async fn lock_conversation(
             &self,
             conversation: &StateKey,
+            keys: &[StateKey],
+            receipt: Option<&StateKey>,
             wait: Duration,
         ) -> Result<ConversationLock, StoreError> {
-            self.inner.lock_conversation(conversation, wait).await
+            self.inner
+                .lock_conversation(conversation, keys, receipt, wait)
+                .await
         }
     }
 
@@ -845,9 +857,13 @@ mod tests {
         async fn lock_conversation(
             &self,
             conversation: &StateKey,
+            keys: &[StateKey],
+            receipt: Option<&StateKey>,
             wait: Duration,
         ) -> Result<ConversationLock, StoreError> {
-            self.0.lock_conversation(conversation, wait).await
+            self.0
+                .lock_conversation(conversation, keys, receipt, wait)
+                .await
         }
         async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
             Ok(match self.0.commit(commit).await? {
@@ -1175,6 +1191,8 @@ mod tests {
         async fn lock_conversation(
             &self,
             _conversation: &StateKey,
+            _keys: &[StateKey],
+            _receipt: Option<&StateKey>,
             _wait: Duration,
         ) -> Result<ConversationLock, StoreError> {
             Ok(ConversationLock::NotGranted)

@@ -223,10 +223,14 @@ impl<S: Store> Store for CachedStore<S> {
     async fn lock_conversation(
         &self,
         conversation: &StateKey,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
         wait: std::time::Duration,
     ) -> Result<ConversationLock, StoreError> {
         self.cache.forget([conversation]);
-        self.inner.lock_conversation(conversation, wait).await
+        self.inner
+            .lock_conversation(conversation, keys, receipt, wait)
+            .await
     }
 
     fn pool_status(&self) -> Option<PoolStatus> {

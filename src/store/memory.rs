@@ -113,6 +113,8 @@ impl Store for MemoryStore {
     async fn lock_conversation(
         &self,
         _conversation: &StateKey,
+        _keys: &[StateKey],
+        _receipt: Option<&StateKey>,
         _wait: Duration,
     ) -> Result<ConversationLock, StoreError> {
         Ok(ConversationLock::NotNeeded)

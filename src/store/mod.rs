@@ -270,9 +270,14 @@ pub trait Store: Send + Sync + 'static {
     async fn prune_receipts(&self, age: std::time::Duration) -> Result<u64, StoreError>;
 
     /// Holds `conversation` against the serialized turns of every replica until the returned
-    /// [`ConversationLock::Held`] is committed or released, waiting at most `wait` for it; the
-    /// held turn loads and commits through the lock. A store that serves one replica answers
-    /// [`ConversationLock::NotNeeded`]: the engine's per-replica queue serializes already.
+    /// [`ConversationLock::Held`] is committed or released, waiting at most `wait` for it, and
+    /// loads `keys` (and `receipt`) under the lock, as [`Store::load`] would. A store that
+    /// serves one replica answers [`ConversationLock::NotNeeded`]: the engine's per-replica
+    /// queue serializes already.
+    ///
+    /// The lock and the load are one request, so that a store across a network can send them
+    /// together: the load runs the moment the lock is granted, without another round trip
+    /// while the conversation is held.
     ///
     /// # Errors
     /// [`StoreError`] when the store cannot answer; a lock not granted in time is
@@ -280,6 +285,8 @@ pub trait Store: Send + Sync + 'static {
     async fn lock_conversation(
         &self,
         conversation: &StateKey,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
         wait: std::time::Duration,
     ) -> Result<ConversationLock, StoreError>;
 
@@ -306,7 +313,12 @@ pub enum ConversationLock {
     /// turn runs as an ordinary one.
     NotNeeded,
     /// The conversation is held for this turn until it commits or releases.
-    Held(Box<dyn LockedTurn>),
+    Held {
+        /// What the turn loaded under the lock.
+        snapshot: Snapshot,
+        /// The turn holding the lock, which commits or releases it.
+        turn: Box<dyn LockedTurn>,
+    },
     /// Another turn held the conversation for all of the wait allowed; nothing was done.
     NotGranted,
 }
@@ -315,27 +327,17 @@ impl fmt::Debug for ConversationLock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Self::NotNeeded => "NotNeeded",
-            Self::Held(_) => "Held",
+            Self::Held { .. } => "Held",
             Self::NotGranted => "NotGranted",
         })
     }
 }
 
-/// One turn holding its conversation: a load and at most one commit, both under the lock, which
-/// ends with the commit, with [`LockedTurn::release`], or when this is dropped (a replica that
-/// dies releases it with its connection).
+/// One turn holding its conversation, which loaded under the lock: at most one commit, which
+/// ends the lock, as [`LockedTurn::release`] does, or dropping this (a replica that dies releases
+/// it with its connection).
 #[async_trait]
 pub trait LockedTurn: Send {
-    /// [`Store::load`], under the lock.
-    ///
-    /// # Errors
-    /// [`StoreError`] when the store cannot answer.
-    async fn load(
-        &mut self,
-        keys: &[StateKey],
-        receipt: Option<&StateKey>,
-    ) -> Result<Snapshot, StoreError>;
-
     /// [`Store::commit`], under the lock, which it then releases.
     ///
     /// # Errors

@@ -146,6 +146,21 @@ impl Sql {
             .collect()
     }
 
+    /// Prepares the statement on `client` now, if `statements` says to prepare, so that a later
+    /// call sends it the moment it is first polled. Calls on one connection that are polled
+    /// together (`futures::join!`) then reach PostgreSQL in the order they are polled, in one
+    /// round trip, and it runs them in that order.
+    async fn ready(
+        &self,
+        client: &deadpool_postgres::ClientWrapper,
+        statements: Statements,
+    ) -> Result<(), tokio_postgres::Error> {
+        if let Statements::Prepared = statements {
+            client.prepare_cached(self.text).await?;
+        }
+        Ok(())
+    }
+
     /// Runs the statement on `client` the way `statements` says.
     async fn query(
         &self,
@@ -439,9 +454,11 @@ impl Store for PostgresStore {
     async fn lock_conversation(
         &self,
         conversation: &StateKey,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
         wait: Duration,
     ) -> Result<ConversationLock, StoreError> {
-        lock::lock_conversation(self, conversation, wait).await
+        lock::lock_conversation(self, conversation, keys, receipt, wait).await
     }
 
     #[tracing::instrument(skip_all)]

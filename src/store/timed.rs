@@ -80,14 +80,20 @@ impl Store for TimedStore {
         self.inner.prune_receipts(age).await
     }
 
-    /// Times the wait for the lock; the locked turn's load and commit are not timed.
+    /// Times the wait for the lock with the load under it; the locked turn's commit is not
+    /// timed.
     async fn lock_conversation(
         &self,
         conversation: &StateKey,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
         wait: Duration,
     ) -> Result<ConversationLock, StoreError> {
         let started = Instant::now();
-        let locked = self.inner.lock_conversation(conversation, wait).await;
+        let locked = self
+            .inner
+            .lock_conversation(conversation, keys, receipt, wait)
+            .await;
         self.lock.record(started.elapsed());
         locked
     }

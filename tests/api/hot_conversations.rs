@@ -260,6 +260,60 @@ async fn a_lock_not_granted_in_time_ends_the_turn_with_nothing_committed() {
     assert_eq!(toppings(&texts(&added)[0]), ["ham"]);
 }
 
+/// The lock and the load under it go to PostgreSQL together; the load must still run after the
+/// lock is granted, so that a waiting turn sees what the turn before it committed — here a
+/// conversation that did not exist when the waiter asked — and runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_turn_waiting_for_the_lock_loads_what_was_committed_while_it_waited() {
+    let url = support::pg::fresh_database().await;
+    let runs = Arc::new(AtomicU32::new(0));
+    let serialized = BotRegistry::new("pizza", Counted(Arc::clone(&runs)))
+        .with_policy("pizza", ConcurrencyPolicy::Serialized)
+        .unwrap();
+    let waiter = TestServer::start(postgres_config(&url), serialized).await;
+    // Another replica whose first attempt is optimistic, so it commits without the lock.
+    let other = TestServer::start(postgres_config(&url), BotRegistry::new("pizza", PizzaBot)).await;
+
+    let holder = session(&url).await;
+    holder.batch_execute("BEGIN").await.unwrap();
+    holder
+        .execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+            &[&conversation_key("pizza", "queued")],
+        )
+        .await
+        .unwrap();
+    let observer = session(&url).await;
+
+    let mut client = waiter.client().await;
+    let waiting = tokio::spawn(async move {
+        client
+            .process_turn(request(message("queued", "alice", "add olives")))
+            .await
+            .map(tonic::Response::into_inner)
+    });
+    let asked = Instant::now() + Duration::from_secs(20);
+    while lock_waiters(&observer).await == 0 {
+        assert!(Instant::now() < asked, "the turn never waited for the lock");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // While it waits, the conversation comes into being elsewhere.
+    let mut other_client = other.client().await;
+    let added = say(&mut other_client, "queued", "add ham").await;
+    assert_eq!(toppings(&texts(&added)[0]), ["ham"]);
+    holder.batch_execute("COMMIT").await.unwrap();
+
+    let response = waiting.await.unwrap().unwrap();
+    let mut order = toppings(&texts(&response)[0]);
+    order.sort();
+    assert_eq!(order, ["ham", "olives"], "{:?}", texts(&response));
+    assert_eq!(
+        response.attempts, 1,
+        "the waiter ran on state loaded before the lock"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 /// A `slow` turn on the given conversation, through `addr`, with a deadline of `timeout`.
 async fn slow_turn(
     addr: std::net::SocketAddr,

@@ -22,6 +22,14 @@
 //! group commit that carries such a losing write waits for the holder's bot; a replica sends a
 //! conversation's turns to the lock for a few seconds after a conflict, so that is rare.
 //!
+//! Two round trips, and the conversation is held for about one of them: the transaction's start,
+//! the lock and the load are sent together, and so are the commit and `COMMIT`. PostgreSQL runs
+//! each batch in order, so the load runs the moment the lock is granted and the lock ends the
+//! moment the commit has run; what the holder adds is the time its answers take to travel and
+//! its bot's run. (Sent one at a time, as five round trips, the holder kept the conversation for
+//! two and a half of them, and the replicas' queue moved at less than half the speed of one
+//! replica's own.)
+//!
 //! The wait is bounded by the turn's deadline (`lock_timeout`); a lock not granted in time
 //! (SQLSTATE 55P03, or 57014 when the statement timeout ends the wait first) is an ordinary
 //! outcome, [`ConversationLock::NotGranted`]. A replica alive but stuck while holding the lock
@@ -34,9 +42,12 @@ use async_trait::async_trait;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
-use super::{CALL_TIMEOUT, PostgresStore, Sql, Statements, classify, within_call_timeout};
+use super::{
+    CALL_TIMEOUT, COMMIT, LOAD_HOLDING, PostgresStore, Sql, Statements, classify,
+    within_call_timeout,
+};
 use crate::state::StateKey;
-use crate::store::{Commit, CommitOutcome, ConversationLock, LockedTurn, Snapshot, StoreError};
+use crate::store::{Commit, CommitOutcome, ConversationLock, LockedTurn, StoreError};
 
 /// Waits until this transaction holds the conversation, or `lock_timeout` ends the wait.
 const LOCK: Sql = Sql {
@@ -48,50 +59,81 @@ const LOCK: Sql = Sql {
 /// PostgreSQL ends the session: only a replica that stopped without dying gets there.
 const HOLD_GRACE: Duration = Duration::from_secs(30);
 
-/// Locks `conversation` in a new transaction on a connection of `store`'s pool.
+/// Locks `conversation` in a new transaction on a connection of `store`'s pool, and loads
+/// `keys` and `receipt` under the lock.
+///
+/// The transaction's start, the lock and the load go to PostgreSQL together, in one round trip:
+/// it runs them in order, so the load runs the moment the lock is granted, and the conversation
+/// is held for the time it takes the answer to reach the turn rather than for another round
+/// trip.
 pub(super) async fn lock_conversation(
     store: &PostgresStore,
     conversation: &StateKey,
+    keys: &[StateKey],
+    receipt: Option<&StateKey>,
     wait: Duration,
 ) -> Result<ConversationLock, StoreError> {
     let asked = std::time::Instant::now();
     let client = store.client().await?;
+    let statements = store.statements;
+    // Prepared before anything is sent (at once when the connection has them), so that the
+    // three requests below leave in the order they are written.
+    within_call_timeout(async {
+        LOCK.ready(&client, statements).await.map_err(classify)?;
+        LOAD_HOLDING
+            .ready(&client, statements)
+            .await
+            .map_err(classify)
+    })
+    .await?;
     // The wait for a pooled connection counts against the wait allowed.
     let wait = wait.saturating_sub(asked.elapsed());
     // Whole milliseconds, at least one: 0 would mean "wait forever".
     let wait_ms = wait.as_millis().clamp(1, u128::from(u32::MAX));
     let hold_ms = (wait + HOLD_GRACE).as_millis().min(u128::from(u32::MAX));
-    // Numbers only in this text, so it can go as one simple query (one round trip), which a
-    // transaction-mode pooler passes through like any other.
+    // Numbers only in this text, so it can go as one simple query, which a transaction-mode
+    // pooler passes through like any other.
     let begin = format!(
         "BEGIN; SET LOCAL lock_timeout = {wait_ms}; \
          SET LOCAL idle_in_transaction_session_timeout = {hold_ms}"
     );
-    within_call_timeout(async { client.batch_execute(&begin).await.map_err(classify) }).await?;
     let turn = PgLockedTurn {
         client: Some(client),
-        statements: store.statements,
-        conversation: conversation.clone(),
+        statements,
     };
     let key = conversation.as_str();
     let params: [&(dyn ToSql + Sync); 1] = [&key];
-    let locked = tokio::time::timeout(
-        wait + CALL_TIMEOUT,
-        LOCK.execute(turn.client()?, turn.statements, &params),
-    )
+    let client = turn.client()?;
+    // `join!` polls in the order written, and each request is sent when first polled.
+    let answered = tokio::time::timeout(wait + CALL_TIMEOUT, async {
+        futures::join!(
+            client.batch_execute(&begin),
+            LOCK.execute(client, statements, &params),
+            PostgresStore::load_on(client, statements, keys, receipt, Some(conversation)),
+        )
+    })
     .await;
+    let Ok((began, locked, loaded)) = answered else {
+        // Dropping `turn` rolls back.
+        return Err(StoreError::Unavailable(anyhow!(
+            "no answer from PostgreSQL within {:?} of asking for a conversation lock",
+            wait + CALL_TIMEOUT
+        )));
+    };
+    began.map_err(classify)?;
     match locked {
-        Ok(Ok(_)) => Ok(ConversationLock::Held(Box::new(turn))),
-        Ok(Err(e)) if not_granted(&e) => {
+        Ok(_) => Ok(ConversationLock::Held {
+            // A load after a lock not granted fails too, as the transaction has: the lock's
+            // error is the one that says what happened.
+            snapshot: loaded?,
+            turn: Box::new(turn),
+        }),
+        Err(e) if not_granted(&e) => {
             Box::new(turn).release().await;
             Ok(ConversationLock::NotGranted)
         }
         // Dropping `turn` rolls back.
-        Ok(Err(e)) => Err(classify(e)),
-        Err(_) => Err(StoreError::Unavailable(anyhow!(
-            "no answer from PostgreSQL within {:?} of asking for a conversation lock",
-            wait + CALL_TIMEOUT
-        ))),
+        Err(e) => Err(classify(e)),
     }
 }
 
@@ -108,8 +150,6 @@ struct PgLockedTurn {
     /// `None` once the transaction has ended.
     client: Option<deadpool_postgres::Object>,
     statements: Statements,
-    /// The conversation held, whose row the load locks too.
-    conversation: StateKey,
 }
 
 impl PgLockedTurn {
@@ -119,61 +159,60 @@ impl PgLockedTurn {
             .ok_or_else(|| StoreError::Unexpected(anyhow!("the locked turn has ended")))
     }
 
-    /// Ends the transaction with `end` (`COMMIT` or `ROLLBACK`). A connection on which that
-    /// failed is not given back to the pool: its session may still be in the transaction.
+    /// Ends the transaction with `end` (`COMMIT` or `ROLLBACK`).
     async fn end(&mut self, end: &str) -> Result<(), StoreError> {
-        let Some(client) = self.client.take() else {
+        let Some(client) = self.client.as_ref() else {
             return Ok(());
         };
-        match within_call_timeout(async { client.batch_execute(end).await.map_err(classify) }).await
-        {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                drop(deadpool_postgres::Object::take(client));
-                Err(e)
-            }
+        let ended =
+            within_call_timeout(async { client.batch_execute(end).await.map_err(classify) }).await;
+        self.ended(ended)
+    }
+
+    /// Gives the connection back to the pool once its transaction ended, as `ended` says. A
+    /// connection on which ending it failed is not given back: its session may still be in the
+    /// transaction.
+    fn ended(&mut self, ended: Result<(), StoreError>) -> Result<(), StoreError> {
+        let Some(client) = self.client.take() else {
+            return ended;
+        };
+        if ended.is_err() {
+            drop(deadpool_postgres::Object::take(client));
         }
+        ended
     }
 }
 
 #[async_trait]
 impl LockedTurn for PgLockedTurn {
-    async fn load(
-        &mut self,
-        keys: &[StateKey],
-        receipt: Option<&StateKey>,
-    ) -> Result<Snapshot, StoreError> {
-        let client = self.client()?;
-        let held = Some(&self.conversation);
-        within_call_timeout(PostgresStore::load_on(
-            client,
-            self.statements,
-            keys,
-            receipt,
-            held,
-        ))
-        .await
-    }
-
+    /// The commit and `COMMIT` go together, in one round trip. After a conflict (nothing
+    /// written) or an error (the transaction failed, so `COMMIT` rolls back) the `COMMIT` ends
+    /// the transaction just as a `ROLLBACK` would.
     async fn commit(mut self: Box<Self>, commit: Commit) -> Result<CommitOutcome, StoreError> {
         let client = self.client()?;
-        let outcome =
-            within_call_timeout(PostgresStore::commit_on(client, self.statements, &commit)).await;
+        let statements = self.statements;
+        let answered = within_call_timeout(async {
+            // Prepared first, so that it leaves before the `COMMIT`.
+            COMMIT.ready(client, statements).await.map_err(classify)?;
+            Ok(futures::join!(
+                PostgresStore::commit_on(client, statements, &commit),
+                client.batch_execute("COMMIT"),
+            ))
+        })
+        .await;
+        let (outcome, ended) = match answered {
+            Ok(answers) => answers,
+            // Dropping `self` rolls back, or closes the connection.
+            Err(e) => return Err(e),
+        };
+        let ended = self.ended(ended.map_err(classify));
         match outcome {
+            // Until COMMIT answered, the outcome was unknown: its failure is `Unavailable`,
+            // which the engine resolves through the receipt.
             Ok(CommitOutcome::Committed(versions)) => {
-                // Until COMMIT answers, the outcome is unknown: a failure here is `Unavailable`,
-                // which the engine resolves through the receipt.
-                self.end("COMMIT").await?;
-                Ok(CommitOutcome::Committed(versions))
+                ended.map(|()| CommitOutcome::Committed(versions))
             }
-            Ok(conflict @ CommitOutcome::Conflict { .. }) => {
-                let _ = self.end("ROLLBACK").await;
-                Ok(conflict)
-            }
-            Err(e) => {
-                let _ = self.end("ROLLBACK").await;
-                Err(e)
-            }
+            other => other,
         }
     }
 
