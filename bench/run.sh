@@ -2,7 +2,9 @@
 # Turnstile's benchmark, anchored on pgbench in the same run on the same machine.
 #
 #   bench/run.sh           every workload (about 10 minutes after the release build)
-#   bench/run.sh --quick   10,000 conversations at 32 calls, split layout (about 80 s after the build)
+#   bench/run.sh --quick   10,000 conversations at 32 calls, split layout (about 80 s after the build);
+#                          QUICK_LAYOUT=shared and QUICK_CALLS=N run it in the other layout or at
+#                          another concurrency
 #   bench/run.sh --soak    10 minutes of the 32-call workload, the server's memory sampled every 30 s
 #   bench/run.sh --unprepared  the --quick workload with --prepared-statements true, then false,
 #                          back to back in each round (about 90 s after the build)
@@ -319,8 +321,8 @@ if [ "$SOAK" = 1 ]; then
     exit 0
 fi
 if [ "$QUICK" = 1 ]; then
-    layout split
-    uniform 32
+    layout "${QUICK_LAYOUT:-split}"
+    uniform "${QUICK_CALLS:-32}"
     echo "$LINE"
     exit 0
 fi
