@@ -172,14 +172,20 @@ PY
 # --- the service ---------------------------------------------------------------------------------
 SERVE_ARGS=()  # further `turnstile serve` options
 SERVER=${SERVER:-}  # the server binary; empty: this build's
-start_servers() {  # N -> sets TARGETS
-    local n=$1 i port
+start_servers() {  # N [metrics] -> sets TARGETS, and METRICS_URLS with "metrics"
+    local n=$1 i port mport metrics=()
     TARGETS=""
+    METRICS_URLS=()
     CPU_OF=(--cpu-of "postgres=$PGPID")
     for i in $(seq 1 "$n"); do
         port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+        if [ "${2:-}" = metrics ]; then
+            mport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+            metrics=(--metrics-listen "127.0.0.1:$mport")
+            METRICS_URLS+=("http://127.0.0.1:$mport/metrics")
+        fi
         RUST_LOG=warn "${CLIENT[@]}" "${SERVER:-$BIN/turnstile}" serve --listen "127.0.0.1:$port" \
-            --database-url "postgres://postgres@127.0.0.1:$PORT/service" "${SERVE_ARGS[@]}" \
+            --database-url "postgres://postgres@127.0.0.1:$PORT/service" "${metrics[@]}" "${SERVE_ARGS[@]}" \
             >>"$WORK/service.log" 2>&1 &
         PIDS+=($!)
         CPU_OF+=(--cpu-of "server$i=$!")
@@ -275,12 +281,38 @@ hot_conversations() {  # LABEL -- SERVER/SERVE_ARGS set by the caller
     hot 3
     echo "  $1: three replicas / one: throughput $(python3 -c "print(f'{$HOT_TPS/$one_tps:.2f}')"), p99 $(python3 -c "print(f'{$HOT_P99/$one_p99:.2f}')")"
 }
+# server_runs -> "R runs for C committed turns (F failed: outcomes), per replica ..." from every
+# server's own counters, warm-up included: the load generator sees only the calls it measured,
+# and not the runs of a turn that failed and that it then sent again.
+server_runs() {
+    local url
+    for url in "${METRICS_URLS[@]}"; do curl -s "$url"; echo "# end of replica"; done | python3 -c '
+import re, sys
+replicas, cur = [], {"runs": 0, "committed": 0, "failed": {}}
+for line in sys.stdin:
+    if line.startswith("# end of replica"):
+        replicas.append(cur); cur = {"runs": 0, "committed": 0, "failed": {}}; continue
+    m = re.match(r"turnstile_turn_attempts_sum (\S+)", line)
+    if m: cur["runs"] += float(m.group(1))
+    m = re.match(r"turnstile_turns_total\{outcome=\"(\w+)\"\} (\S+)", line)
+    if m and m.group(1) == "committed": cur["committed"] += float(m.group(2))
+    elif m and m.group(1) in ("aborted", "deadline_exceeded", "unavailable", "failed") and float(m.group(2)):
+        cur["failed"][m.group(1)] = cur["failed"].get(m.group(1), 0) + int(float(m.group(2)))
+runs = sum(r["runs"] for r in replicas); committed = sum(r["committed"] for r in replicas)
+failed = {}
+for r in replicas:
+    for k, v in r["failed"].items(): failed[k] = failed.get(k, 0) + v
+per_replica = [int(r["committed"]) for r in replicas]
+print(f"servers: {runs / max(committed, 1):.2f} runs per committed turn ({int(runs)} runs, {int(committed)} committed, failed {failed or 0}; committed per replica {per_replica})")'
+}
 slow_bot() {  # LABEL -- SERVER/SERVE_ARGS set by the caller
-    local json
-    start_servers 3
-    json=$(bench --bot slow --conversations 1 --hot-share 1 --concurrency 8)
+    local json runs
+    start_servers 3 metrics
+    # One connection per replica, so that the 8 calls spread over all three (3, 3, 2).
+    json=$(bench --bot slow --conversations 1 --hot-share 1 --concurrency 8 --connections 1)
+    runs=$(server_runs)
     stop_servers
-    echo "slow bot (200 ms per run), 1 conversation, 8 concurrent, 3 replicas, $1: $(echo "$json" | field 'round(d["turns_per_second"], 1)') turns/s, p99 $(echo "$json" | field 'round(d["latency_ms"]["p99"])') ms; $(runs_per_turn "$json"); check $(echo "$json" | field 'd["verification"]')"
+    echo "slow bot (200 ms per run), 1 conversation, 8 concurrent, 3 replicas, $1: $(echo "$json" | field 'round(d["turns_per_second"], 1)') turns/s, p99 $(echo "$json" | field 'round(d["latency_ms"]["p99"])') ms; $runs; load generator: $(runs_per_turn "$json"); check $(echo "$json" | field 'd["verification"]')"
 }
 
 [ "$NCPU" -ge 2 ] || { echo "the split layout needs at least 2 cores" >&2; exit 1; }
@@ -298,6 +330,7 @@ if [ "$HOT" = 1 ]; then
         SERVER=$TURNSTILE_BEFORE; SERVE_ARGS=()
         echo "served by $TURNSTILE_BEFORE:"
         hot_conversations "$TURNSTILE_BEFORE"
+        SERVE_ARGS=(--slow-bot-delay-ms 200)
         slow_bot "$TURNSTILE_BEFORE"
         SERVER=""
     fi
