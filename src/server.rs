@@ -106,7 +106,11 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServeError> {
             );
             Arc::new(MemoryStore::new())
         }
-        StoreConfig::Postgres { url, pool_size } => {
+        StoreConfig::Postgres {
+            url,
+            pool_size,
+            commits_in_flight,
+        } => {
             if config.migrate_on_start {
                 let migration_url = config.migration_url.as_ref().unwrap_or(url);
                 let applied = postgres::migrate(migration_url)
@@ -116,7 +120,8 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServeError> {
             }
             Arc::new(
                 PostgresStore::connect_with(url, *pool_size, config.statements)
-                    .map_err(ServeError::Store)?,
+                    .map_err(ServeError::Store)?
+                    .with_commits_in_flight(*commits_in_flight),
             )
         }
         StoreConfig::Shared(shared) => Arc::clone(&shared.0),

@@ -400,6 +400,19 @@ impl PostgresStore {
         })
     }
 
+    /// This store with at most `commits_in_flight` group-commit statements in flight at once,
+    /// or as many as suit its pool size for `None`.
+    #[must_use]
+    pub fn with_commits_in_flight(self, commits_in_flight: Option<usize>) -> Self {
+        let Some(slots) = commits_in_flight else {
+            return self;
+        };
+        Self {
+            group: Arc::new(GroupCommit::new(self.pool.clone(), self.statements, slots)),
+            ..self
+        }
+    }
+
     /// The connection pool's current size and waiters.
     pub fn pool_status(&self) -> deadpool_postgres::Status {
         self.pool.status()

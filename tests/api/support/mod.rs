@@ -94,6 +94,7 @@ pub fn postgres_config(url: &str) -> Config {
         store: StoreConfig::Postgres {
             url: DatabaseUrl::new(url),
             pool_size: 8,
+            commits_in_flight: None,
         },
         ..Config::default()
     }
