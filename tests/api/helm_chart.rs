@@ -334,6 +334,10 @@ fn default_values_render_a_valid_single_replica_server_and_migration_hook() {
         !has_env(server, "TURNSTILE_MAX_IN_FLIGHT"),
         "the server derives its own limit from the pool size"
     );
+    assert!(
+        !has_env(server, "TURNSTILE_COMMITS_IN_FLIGHT"),
+        "the server derives its group commit's statements in flight from the pool size"
+    );
     // Connections age out, so that a scale-out gets traffic from gateways already connected.
     assert_eq!(
         env_value(server, "TURNSTILE_MAX_CONNECTION_AGE_SECS"),
@@ -532,6 +536,7 @@ fn ci_values_render_every_optional_object() {
     );
     assert_eq!(env_value(server, "TURNSTILE_PREPARED_STATEMENTS"), "false");
     assert_eq!(env_value(server, "TURNSTILE_MAX_IN_FLIGHT"), "256");
+    assert_eq!(env_value(server, "TURNSTILE_COMMITS_IN_FLIGHT"), "1");
     assert_eq!(
         env_value(server, "TURNSTILE_MAX_CONNECTION_AGE_SECS"),
         "600"
@@ -703,6 +708,7 @@ fn values_schema_rejects_mistakes() {
         ("replicaCuont=2", "replicaCuont"),
         ("database.tls.sslMode=verify", "/database/tls/sslMode"),
         ("config.maxInFlight=-5", "/config/maxInFlight"),
+        ("database.commitsInFlight=65", "/database/commitsInFlight"),
         ("gateway.turnTimeoutMs=20000", "/gateway/turnTimeoutMs"),
         ("config.serializedBots={a b}", "/config/serializedBots"),
         ("conversationAffinity.istio.enabld=true", "enabld"),

@@ -759,6 +759,30 @@ async fn group_commit_isolates_a_receipt_that_exists() {
     );
 }
 
+/// `--commits-in-flight`: with one statement in flight, the commits that arrive while it runs all
+/// wait for the next, however large the pool (whose default would let four go at once).
+#[tokio::test]
+async fn one_commit_in_flight_puts_every_waiting_commit_in_the_next_batch() {
+    let url = DatabaseUrl::new(support::pg::fresh_database().await);
+    postgres::migrate(&url).await.unwrap();
+    let store = PostgresStore::connect(&url, 16)
+        .unwrap()
+        .with_commits_in_flight(Some(1));
+    let commits = (0..8).map(|i| {
+        let key = conversation(&format!("one-in-flight-{i}"));
+        store.commit(Commit::new(vec![write(&key, Expected::Absent, json!({}))]))
+    });
+    for outcome in futures::future::join_all(commits).await {
+        committed(outcome.unwrap());
+    }
+    let stats = store.group_commit_stats();
+    assert_eq!(stats.commits, 8, "{stats:?}");
+    assert!(
+        stats.largest >= 6,
+        "the commits behind the first did not wait for one batch: {stats:?}"
+    );
+}
+
 /// The committer task lives on the runtime that first needed it. A store that outlives that
 /// runtime starts a new one on the next, instead of failing every commit that has to queue.
 #[test]
