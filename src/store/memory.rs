@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 
 use super::{
-    Commit, CommitOutcome, ConversationLock, Expected, Snapshot, Store, StoreError, Versioned,
+    Commit, CommitOutcome, ConversationLock, Expected, Receipt, Snapshot, Store, StoreError,
+    Versioned,
 };
 use crate::state::StateKey;
 
@@ -26,7 +27,7 @@ pub struct MemoryStore {
 #[derive(Debug, Default)]
 struct Tables {
     rows: HashMap<StateKey, Versioned>,
-    receipts: HashMap<StateKey, (serde_json::Value, Instant)>,
+    receipts: HashMap<StateKey, (Receipt, Instant)>,
 }
 
 impl MemoryStore {

@@ -21,6 +21,7 @@
 pub mod cached;
 pub mod memory;
 pub mod postgres;
+mod receipt;
 pub mod timed;
 
 use std::collections::HashMap;
@@ -30,6 +31,8 @@ use async_trait::async_trait;
 
 use crate::activity::JsonMap;
 use crate::state::StateKey;
+
+pub use receipt::Receipt;
 
 /// A row's version: 1 when first written, one more at every change.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -75,17 +78,17 @@ pub struct Versioned {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Snapshot {
     rows: HashMap<StateKey, Versioned>,
-    receipt: Option<serde_json::Value>,
+    receipt: Option<Receipt>,
 }
 
 impl Snapshot {
     /// A snapshot of `rows`, and of the receipt asked for if it exists.
-    pub fn new(rows: HashMap<StateKey, Versioned>, receipt: Option<serde_json::Value>) -> Self {
+    pub fn new(rows: HashMap<StateKey, Versioned>, receipt: Option<Receipt>) -> Self {
         Self { rows, receipt }
     }
 
     /// The receipt the load asked for, if that turn committed already.
-    pub fn receipt(&self) -> Option<&serde_json::Value> {
+    pub fn receipt(&self) -> Option<&Receipt> {
         self.receipt.as_ref()
     }
 
@@ -140,7 +143,7 @@ impl KeyChange {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Commit {
     changes: Vec<KeyChange>,
-    receipt: Option<(StateKey, serde_json::Value)>,
+    receipt: Option<(StateKey, Receipt)>,
 }
 
 impl Commit {
@@ -156,8 +159,8 @@ impl Commit {
     /// The same commit, also creating receipt `key` with `payload`; it conflicts if that receipt
     /// exists.
     #[must_use]
-    pub fn with_receipt(mut self, key: StateKey, payload: serde_json::Value) -> Self {
-        self.receipt = Some((key, payload));
+    pub fn with_receipt(mut self, key: StateKey, payload: impl Into<Receipt>) -> Self {
+        self.receipt = Some((key, payload.into()));
         self
     }
 
@@ -167,12 +170,12 @@ impl Commit {
     }
 
     /// The receipt to create, if any.
-    pub fn receipt(&self) -> Option<&(StateKey, serde_json::Value)> {
+    pub fn receipt(&self) -> Option<&(StateKey, Receipt)> {
         self.receipt.as_ref()
     }
 
     /// The changes, sorted by key, and the receipt.
-    pub fn into_parts(self) -> (Vec<KeyChange>, Option<(StateKey, serde_json::Value)>) {
+    pub fn into_parts(self) -> (Vec<KeyChange>, Option<(StateKey, Receipt)>) {
         (self.changes, self.receipt)
     }
 

@@ -25,8 +25,8 @@ use tokio_postgres::types::{Json, ToSql, Type};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{
-    Commit, CommitOutcome, ConversationLock, Expected, Snapshot, Store, StoreError, Version,
-    Versioned,
+    Commit, CommitOutcome, ConversationLock, Expected, Receipt, Snapshot, Store, StoreError,
+    Version, Versioned,
 };
 use crate::activity::JsonMap;
 use crate::state::StateKey;
@@ -525,7 +525,9 @@ impl PostgresStore {
         for row in &rows {
             let is_receipt: bool = row.try_get(0).map_err(unexpected)?;
             if is_receipt {
-                let Json(payload): Json<serde_json::Value> = row.try_get(2).map_err(unexpected)?;
+                let jsonb::JsonbText(payload) = row.try_get(2).map_err(unexpected)?;
+                let payload = Receipt::from_text(payload)
+                    .map_err(|e| StoreError::Unexpected(anyhow::Error::new(e)))?;
                 found_receipt = Some(payload);
             } else {
                 let (key, versioned) = read_row(row).map_err(StoreError::Unexpected)?;
@@ -559,7 +561,7 @@ impl PostgresStore {
         let receipt_key = commit.receipt().map(|(k, _)| k.as_str());
         let receipt = commit
             .receipt()
-            .map(|(_, payload)| jsonb::Jsonb::Value(payload));
+            .map(|(_, payload)| jsonb::Jsonb::Text(payload.text()));
 
         let params: [&(dyn ToSql + Sync); 5] = [&keys, &expected, &states, &receipt_key, &receipt];
         let rows = match COMMIT.query(client, statements, &params).await {
@@ -620,7 +622,7 @@ fn is_conflict(e: &tokio_postgres::Error) -> bool {
 /// The key of `receipt`, when `e` says it exists already.
 fn taken_receipt<'a>(
     e: &tokio_postgres::Error,
-    receipt: Option<&'a (StateKey, serde_json::Value)>,
+    receipt: Option<&'a (StateKey, Receipt)>,
 ) -> Option<&'a StateKey> {
     let (key, _) = receipt?;
     e.as_db_error().is_some_and(is_receipt_taken).then_some(key)

@@ -13,7 +13,7 @@ use turnstile::activity::incoming::{ChannelId, ConversationId, UserId};
 use turnstile::state::StateKey;
 use turnstile::store::memory::MemoryStore;
 use turnstile::store::postgres::{self, DatabaseUrl, PostgresStore, Statements};
-use turnstile::store::{Commit, CommitOutcome, Expected, KeyChange, Store, Version};
+use turnstile::store::{Commit, CommitOutcome, Expected, KeyChange, Receipt, Store, Version};
 
 fn conversation(id: &str) -> StateKey {
     StateKey::conversation(
@@ -354,7 +354,7 @@ async fn receipts(store: Arc<dyn Store>) {
     let store = store.as_ref();
     let state_key = conversation("r");
     let first = receipt("act-1");
-    let payload = json!({"activities": [{"type": "message", "text": "count: 1"}]});
+    let payload = Receipt::from(json!({"activities": [{"type": "message", "text": "count: 1"}]}));
 
     let snapshot = store
         .load(std::slice::from_ref(&state_key), Some(&first))
@@ -601,7 +601,9 @@ async fn a_silent_database_is_unavailable_within_a_bound() {
 /// The receipt stored for activity `act`, if any.
 async fn stored_receipt(store: &dyn Store, act: &str) -> Option<serde_json::Value> {
     let snapshot = store.load(&[], Some(&receipt(act))).await.unwrap();
-    snapshot.receipt().cloned()
+    snapshot
+        .receipt()
+        .map(|r| r.to_value().expect("a stored receipt is JSON"))
 }
 
 /// PostgreSQL's group commit: single-scope commits that arrive together are applied by one

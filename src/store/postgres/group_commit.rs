@@ -33,6 +33,7 @@ use super::jsonb::Jsonb;
 use super::{Sql, Statements, classify, client_of, is_conflict, taken_receipt, unexpected};
 use crate::activity::JsonMap;
 use crate::state::StateKey;
+use crate::store::Receipt;
 use crate::store::{Commit, CommitOutcome, Expected, KeyChange, StoreError, Version};
 use crate::telemetry::metrics::COMMIT_BATCH_SIZE;
 
@@ -124,7 +125,7 @@ pub(super) struct SingleWrite {
     pub key: StateKey,
     pub expected: Expected,
     pub state: JsonMap,
-    pub receipt: Option<(StateKey, serde_json::Value)>,
+    pub receipt: Option<(StateKey, Receipt)>,
 }
 
 impl TryFrom<Commit> for SingleWrite {
@@ -436,7 +437,11 @@ async fn commit_together(db: &Db, writes: &[&SingleWrite]) -> Result<Together, S
         .collect();
     let receipts: Vec<Option<Jsonb<'_>>> = writes
         .iter()
-        .map(|w| w.receipt.as_ref().map(|(_, payload)| Jsonb::Value(payload)))
+        .map(|w| {
+            w.receipt
+                .as_ref()
+                .map(|(_, payload)| Jsonb::Text(payload.text()))
+        })
         .collect();
     let client = client_of(&db.pool).await?;
     let rows = match WRITE_MANY
@@ -479,7 +484,7 @@ async fn commit_alone(db: &Db, write: &SingleWrite) -> Result<CommitOutcome, Sto
     let receipt = write
         .receipt
         .as_ref()
-        .map(|(_, payload)| Jsonb::Value(payload));
+        .map(|(_, payload)| Jsonb::Text(payload.text()));
     let client = client_of(&db.pool).await?;
     let rows = match write.expected {
         Expected::Absent => {
