@@ -34,6 +34,19 @@ use crate::state::StateKey;
 
 pub use receipt::Receipt;
 
+/// The hasher of every map keyed by [`StateKey`]s: the state cache, the conversation queue, the
+/// hot conversations, a snapshot's rows and a commit's versions.
+///
+/// foldhash (`quality`, seeded at random per process and map) rather than std's SipHash-1-3:
+/// these keys are conversation ids that callers choose, so the hash must be keyed, or a caller
+/// could send ids that all land in one bucket of the long-lived maps; a random seed is what
+/// foldhash gives, at a fraction of SipHash's cost for keys of this length (about 5,000 of a
+/// turn's instructions went to SipHash, `bench/RESULTS.md`).
+pub type KeyHasher = foldhash::quality::RandomState;
+
+/// A map keyed by [`StateKey`]s, with [`KeyHasher`].
+pub type KeyMap<V> = HashMap<StateKey, V, KeyHasher>;
+
 /// A row's version: 1 when first written, one more at every change.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Version(u64);
@@ -77,13 +90,13 @@ pub struct Versioned {
 /// What one consistent read found; keys not present have never been written.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Snapshot {
-    rows: HashMap<StateKey, Versioned>,
+    rows: KeyMap<Versioned>,
     receipt: Option<Receipt>,
 }
 
 impl Snapshot {
     /// A snapshot of `rows`, and of the receipt asked for if it exists.
-    pub fn new(rows: HashMap<StateKey, Versioned>, receipt: Option<Receipt>) -> Self {
+    pub fn new(rows: KeyMap<Versioned>, receipt: Option<Receipt>) -> Self {
         Self { rows, receipt }
     }
 
@@ -198,7 +211,7 @@ impl Commit {
 #[derive(Debug, Clone, PartialEq)]
 pub enum CommitOutcome {
     /// Everything applied; the version of every key in the commit afterwards.
-    Committed(HashMap<StateKey, Version>),
+    Committed(KeyMap<Version>),
     /// Some key no longer matched what the turn saw; nothing was applied.
     Conflict {
         /// The first key found changed.

@@ -11,7 +11,6 @@
 //! ([`Statements`]). Connections use TLS as libpq's `sslmode` and `sslrootcert` say ([`tls`]).
 //! A serialized turn holds its conversation in a transaction of its own ([`lock`]).
 
-use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,8 +24,8 @@ use tokio_postgres::types::{Json, ToSql, Type};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{
-    Commit, CommitOutcome, ConversationLock, Expected, Receipt, Snapshot, Store, StoreError,
-    Version, Versioned,
+    Commit, CommitOutcome, ConversationLock, Expected, KeyHasher, KeyMap, Receipt, Snapshot, Store,
+    StoreError, Version, Versioned,
 };
 use crate::activity::JsonMap;
 use crate::state::StateKey;
@@ -520,7 +519,7 @@ impl PostgresStore {
             }
         }
         .map_err(classify)?;
-        let mut states = HashMap::with_capacity(rows.len());
+        let mut states = KeyMap::with_capacity_and_hasher(rows.len(), KeyHasher::default());
         let mut found_receipt = None;
         for row in &rows {
             let is_receipt: bool = row.try_get(0).map_err(unexpected)?;
@@ -594,7 +593,7 @@ impl PostgresStore {
             .zip(versions)
             .filter(|(_, v)| *v > 0)
             .map(|(c, v)| Ok((c.key.clone(), Version::new(u64::try_from(v)?))))
-            .collect::<Result<HashMap<_, _>, std::num::TryFromIntError>>()
+            .collect::<Result<KeyMap<_>, std::num::TryFromIntError>>()
             .map_err(|e| StoreError::Unexpected(e.into()))?;
         Ok(CommitOutcome::Committed(versions))
     }

@@ -4,7 +4,6 @@
 
 use crate::support;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use serde_json::json;
@@ -13,7 +12,9 @@ use turnstile::activity::incoming::{ChannelId, ConversationId, UserId};
 use turnstile::state::StateKey;
 use turnstile::store::memory::MemoryStore;
 use turnstile::store::postgres::{self, DatabaseUrl, PostgresStore, Statements};
-use turnstile::store::{Commit, CommitOutcome, Expected, KeyChange, Receipt, Store, Version};
+use turnstile::store::{
+    Commit, CommitOutcome, Expected, KeyChange, KeyMap, Receipt, Store, Version,
+};
 
 fn conversation(id: &str) -> StateKey {
     StateKey::conversation(
@@ -58,7 +59,7 @@ async fn commit(store: &dyn Store, changes: Vec<KeyChange>) -> CommitOutcome {
     store.commit(Commit::new(changes)).await.unwrap()
 }
 
-fn committed(outcome: CommitOutcome) -> HashMap<StateKey, Version> {
+fn committed(outcome: CommitOutcome) -> KeyMap<Version> {
     match outcome {
         CommitOutcome::Committed(versions) => versions,
         CommitOutcome::Conflict { key } => panic!("unexpected conflict on {key}"),

@@ -20,7 +20,7 @@
 //! that each gets the outcome that is its own. A batch never holds two writes of one key, nor two
 //! receipts of one activity: the second waits for the next batch.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -33,8 +33,8 @@ use super::jsonb::Jsonb;
 use super::{Sql, Statements, classify, client_of, is_conflict, taken_receipt, unexpected};
 use crate::activity::JsonMap;
 use crate::state::StateKey;
-use crate::store::Receipt;
 use crate::store::{Commit, CommitOutcome, Expected, KeyChange, StoreError, Version};
+use crate::store::{KeyHasher, Receipt};
 use crate::telemetry::metrics::COMMIT_BATCH_SIZE;
 
 /// The most turns in one batch.
@@ -344,7 +344,7 @@ async fn committer(
 #[derive(Default)]
 struct Batch {
     commits: Vec<Queued>,
-    keys: HashSet<StateKey>,
+    keys: HashSet<StateKey, KeyHasher>,
 }
 
 impl Batch {
@@ -525,7 +525,9 @@ async fn commit_alone(db: &Db, write: &SingleWrite) -> Result<CommitOutcome, Sto
 /// The outcome of `write`, given the version its key has now if the write applied.
 fn outcome_of(write: &SingleWrite, version: Option<Version>) -> CommitOutcome {
     match version {
-        Some(version) => CommitOutcome::Committed(HashMap::from([(write.key.clone(), version)])),
+        Some(version) => {
+            CommitOutcome::Committed(std::iter::once((write.key.clone(), version)).collect())
+        }
         None => CommitOutcome::Conflict {
             key: write.key.clone(),
         },
