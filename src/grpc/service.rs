@@ -91,7 +91,10 @@ impl TurnApi {
         let engine = self.engine.clone();
         Ok(tokio::spawn(
             async move {
-                let outcome = engine.run_turn(Some(&bot), &incoming, deadline).await;
+                // Boxed: the turn's future is several kilobytes, and unboxed it made this task's
+                // future as large, which `spawn` and the span wrapper then copied whole; boxed,
+                // the task stays a few words (`bench/RESULTS.md`).
+                let outcome = Box::pin(engine.run_turn(Some(&bot), &incoming, deadline)).await;
                 // Only now, committed or not, has this turn left the drain.
                 drop(in_flight);
                 outcome
