@@ -9,12 +9,12 @@
 //! one round trip. The table is small and forgets on its own: entries expire, and when it is full
 //! the expired ones go (or, if none has, all of them, which only costs a conflict each).
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::state::StateKey;
+use crate::store::KeyMap;
 
 /// How long a conflict keeps a conversation's turns serialized on this replica.
 const REMEMBERED_FOR: Duration = Duration::from_secs(5);
@@ -24,7 +24,7 @@ const CAPACITY: usize = 4096;
 /// Conversation keys with the time their last conflict here stops counting.
 #[derive(Debug, Default)]
 pub(crate) struct HotConversations {
-    until: Mutex<HashMap<StateKey, Instant>>,
+    until: Mutex<KeyMap<Instant>>,
     /// Whether the table may have entries: the uncontended turn skips the lock entirely.
     any: AtomicBool,
 }

@@ -9,26 +9,26 @@
 //! The table holds an entry only while some turn holds or awaits it: the last guard to go removes
 //! it, so the table never outgrows the number of conversations with a turn in flight.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::OwnedMutexGuard;
 
 use crate::state::StateKey;
+use crate::store::KeyMap;
 
 type Slot = Arc<tokio::sync::Mutex<()>>;
 
 /// Per-key async locks that exist only while in use.
 #[derive(Debug, Default)]
 pub(crate) struct KeyQueue {
-    slots: Arc<Mutex<HashMap<StateKey, Slot>>>,
+    slots: Arc<Mutex<KeyMap<Slot>>>,
 }
 
 /// Holds a key's turn; releases it, and forgets the key when nobody else wants it, on drop.
 #[derive(Debug)]
 pub(crate) struct KeyTurn {
     key: StateKey,
-    slots: Arc<Mutex<HashMap<StateKey, Slot>>>,
+    slots: Arc<Mutex<KeyMap<Slot>>>,
     guard: Option<OwnedMutexGuard<()>>,
 }
 
@@ -74,7 +74,7 @@ impl Drop for KeyTurn {
 
 /// The table's lock guards plain map operations only, never an `.await`; a panic cannot leave the
 /// map inconsistent, so a poisoned lock is used as is.
-fn lock(slots: &Mutex<HashMap<StateKey, Slot>>) -> MutexGuard<'_, HashMap<StateKey, Slot>> {
+fn lock(slots: &Mutex<KeyMap<Slot>>) -> MutexGuard<'_, KeyMap<Slot>> {
     slots
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())

@@ -1,28 +1,51 @@
 //! A committed turn's answer, as stored with its commit so that a redelivered activity gets the
 //! same answer without running the bot again.
 //!
-//! The store keeps it as opaque JSON; this is its one reader and writer. Activities are kept in
-//! Bot Framework JSON, the lossless form, so a redelivered activity's answer is the original to the field.
+//! The store keeps it as opaque JSON text; this is its one reader and writer. Activities are kept
+//! in Bot Framework JSON, the lossless form, so a redelivered activity's answer is the original to
+//! the field. The text is written once, straight from the replies (their `Serialize`, the same
+//! JSON as `Activity::to_json`), and parsed only when a redelivery reads it.
 
 use anyhow::{Context as _, anyhow};
-use serde_json::{Value, json};
+use serde::Serialize;
+use serde_json::Value;
 
 use super::TurnOutcome;
 use crate::activity::Activity;
-use crate::store::{StoreError, Version};
+use crate::store::{Receipt, StoreError, Version};
+
+/// What a receipt holds, as written.
+#[derive(Serialize)]
+struct Written<'a> {
+    activities: &'a [Activity],
+    attempts: u32,
+    version: u64,
+}
 
 /// The receipt of `outcome`.
-pub(super) fn encode(outcome: &TurnOutcome) -> Value {
-    json!({
-        "activities": outcome.activities.iter().map(Activity::to_json).collect::<Vec<_>>(),
-        "attempts": outcome.attempts,
-        "version": outcome.conversation_version.map_or(0, Version::get),
+pub(super) fn encode(outcome: &TurnOutcome) -> Receipt {
+    let written = Written {
+        activities: &outcome.activities,
+        attempts: outcome.attempts,
+        version: outcome.conversation_version.map_or(0, Version::get),
+    };
+    // Activities write only string keys and `Value`s, which serde_json always writes; the `Value`
+    // route below gives the same JSON and cannot fail, so no turn is lost to this step.
+    Receipt::write(&written).unwrap_or_else(|_| {
+        Receipt::from(serde_json::json!({
+            "activities": outcome.activities.iter().map(Activity::to_json).collect::<Vec<_>>(),
+            "attempts": written.attempts,
+            "version": written.version,
+        }))
     })
 }
 
 /// The outcome a receipt recorded, marked as a redelivery's.
-pub(super) fn decode(receipt: &Value) -> Result<TurnOutcome, super::TurnError> {
-    read(receipt)
+pub(super) fn decode(receipt: &Receipt) -> Result<TurnOutcome, super::TurnError> {
+    receipt
+        .to_value()
+        .map_err(anyhow::Error::from)
+        .and_then(|value| read(&value))
         .context("a stored turn receipt is unreadable")
         .map_err(|e| super::TurnError::Store(StoreError::Unexpected(e)))
 }
@@ -54,6 +77,8 @@ fn read(receipt: &Value) -> anyhow::Result<TurnOutcome> {
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
 
     #[test]
@@ -80,7 +105,7 @@ mod tests {
 
     #[test]
     fn an_unreadable_receipt_is_an_unexpected_store_error() {
-        let err = decode(&json!({"activities": "nope"})).expect_err("unreadable");
+        let err = decode(&json!({"activities": "nope"}).into()).expect_err("unreadable");
         assert!(matches!(
             err,
             super::super::TurnError::Store(StoreError::Unexpected(_))

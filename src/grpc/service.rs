@@ -19,7 +19,9 @@ use crate::engine::{Engine, TurnError, TurnOutcome};
 /// The `TurnService` implementation.
 #[derive(Debug, Clone)]
 pub struct TurnApi {
-    engine: Engine,
+    /// Shared, not cloned per turn: an `Engine` clone copies its bot registry's maps, and its
+    /// drop frees them (3,600 instructions per turn, `bench/RESULTS.md`).
+    engine: Arc<Engine>,
     limits: Limits,
     drain: Arc<Drain>,
 }
@@ -29,7 +31,7 @@ impl TurnApi {
     /// `drain` has started.
     pub fn new(engine: Engine, limits: Limits, drain: Arc<Drain>) -> Self {
         Self {
-            engine,
+            engine: Arc::new(engine),
             limits,
             drain,
         }
@@ -88,10 +90,13 @@ impl TurnApi {
             metrics::counter!(crate::telemetry::metrics::TURNS, "outcome" => "invalid")
                 .increment(1);
         })?;
-        let engine = self.engine.clone();
+        let engine = Arc::clone(&self.engine);
         Ok(tokio::spawn(
             async move {
-                let outcome = engine.run_turn(Some(&bot), &incoming, deadline).await;
+                // Boxed: the turn's future is several kilobytes, and unboxed it made this task's
+                // future as large, which `spawn` and the span wrapper then copied whole; boxed,
+                // the task stays a few words (`bench/RESULTS.md`).
+                let outcome = Box::pin(engine.run_turn(Some(&bot), &incoming, deadline)).await;
                 // Only now, committed or not, has this turn left the drain.
                 drop(in_flight);
                 outcome

@@ -18,15 +18,14 @@
 //! map and the previous old map is dropped. A hit in the old map moves the entry back. That is a
 //! cheap approximation of least-recently-used that never scans.
 
-use std::collections::HashMap;
 use std::mem;
 use std::sync::{Mutex, MutexGuard};
 
 use async_trait::async_trait;
 
 use super::{
-    Commit, CommitOutcome, Consistency, ConversationLock, PoolStatus, Snapshot, Store, StoreError,
-    Version, Versioned,
+    Commit, CommitOutcome, Consistency, ConversationLock, KeyHasher, KeyMap, PoolStatus, Snapshot,
+    Store, StoreError, Version, Versioned,
 };
 use crate::activity::JsonMap;
 use crate::state::StateKey;
@@ -43,8 +42,8 @@ pub(crate) struct StateCache {
 
 #[derive(Debug, Default)]
 struct Generations {
-    young: HashMap<StateKey, Entry>,
-    old: HashMap<StateKey, Entry>,
+    young: KeyMap<Entry>,
+    old: KeyMap<Entry>,
 }
 
 impl StateCache {
@@ -67,7 +66,7 @@ impl StateCache {
             return None;
         }
         let mut maps = self.lock();
-        let mut rows = HashMap::with_capacity(keys.len());
+        let mut rows = KeyMap::with_capacity_and_hasher(keys.len(), KeyHasher::default());
         for key in keys {
             let entry = match maps.young.get(key) {
                 Some(entry) => entry.clone(),

@@ -6,14 +6,14 @@
 //! `.await` inside, so holding it never blocks the runtime for long, and it is never held across
 //! a suspension point.
 
-use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
 use super::{
-    Commit, CommitOutcome, ConversationLock, Expected, Snapshot, Store, StoreError, Versioned,
+    Commit, CommitOutcome, ConversationLock, Expected, KeyHasher, KeyMap, Receipt, Snapshot, Store,
+    StoreError, Versioned,
 };
 use crate::state::StateKey;
 
@@ -25,8 +25,8 @@ pub struct MemoryStore {
 
 #[derive(Debug, Default)]
 struct Tables {
-    rows: HashMap<StateKey, Versioned>,
-    receipts: HashMap<StateKey, (serde_json::Value, Instant)>,
+    rows: KeyMap<Versioned>,
+    receipts: KeyMap<(Receipt, Instant)>,
 }
 
 impl MemoryStore {
@@ -81,7 +81,8 @@ impl Store for MemoryStore {
                 });
             }
         }
-        let mut versions = HashMap::with_capacity(commit.changes().len());
+        let mut versions =
+            KeyMap::with_capacity_and_hasher(commit.changes().len(), KeyHasher::default());
         for change in commit.changes() {
             let version = match (&change.write, change.version_after()) {
                 (Some(state), Some(version)) => {

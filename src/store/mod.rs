@@ -21,6 +21,7 @@
 pub mod cached;
 pub mod memory;
 pub mod postgres;
+mod receipt;
 pub mod timed;
 
 use std::collections::HashMap;
@@ -30,6 +31,21 @@ use async_trait::async_trait;
 
 use crate::activity::JsonMap;
 use crate::state::StateKey;
+
+pub use receipt::Receipt;
+
+/// The hasher of every map keyed by [`StateKey`]s: the state cache, the conversation queue, the
+/// hot conversations, a snapshot's rows and a commit's versions.
+///
+/// foldhash (`quality`, seeded at random per process and map) rather than std's SipHash-1-3:
+/// these keys are conversation ids that callers choose, so the hash must be keyed, or a caller
+/// could send ids that all land in one bucket of the long-lived maps; a random seed is what
+/// foldhash gives, at a fraction of SipHash's cost for keys of this length (about 5,000 of a
+/// turn's instructions went to SipHash, `bench/RESULTS.md`).
+pub type KeyHasher = foldhash::quality::RandomState;
+
+/// A map keyed by [`StateKey`]s, with [`KeyHasher`].
+pub type KeyMap<V> = HashMap<StateKey, V, KeyHasher>;
 
 /// A row's version: 1 when first written, one more at every change.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -74,18 +90,18 @@ pub struct Versioned {
 /// What one consistent read found; keys not present have never been written.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Snapshot {
-    rows: HashMap<StateKey, Versioned>,
-    receipt: Option<serde_json::Value>,
+    rows: KeyMap<Versioned>,
+    receipt: Option<Receipt>,
 }
 
 impl Snapshot {
     /// A snapshot of `rows`, and of the receipt asked for if it exists.
-    pub fn new(rows: HashMap<StateKey, Versioned>, receipt: Option<serde_json::Value>) -> Self {
+    pub fn new(rows: KeyMap<Versioned>, receipt: Option<Receipt>) -> Self {
         Self { rows, receipt }
     }
 
     /// The receipt the load asked for, if that turn committed already.
-    pub fn receipt(&self) -> Option<&serde_json::Value> {
+    pub fn receipt(&self) -> Option<&Receipt> {
         self.receipt.as_ref()
     }
 
@@ -140,7 +156,7 @@ impl KeyChange {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Commit {
     changes: Vec<KeyChange>,
-    receipt: Option<(StateKey, serde_json::Value)>,
+    receipt: Option<(StateKey, Receipt)>,
 }
 
 impl Commit {
@@ -156,8 +172,8 @@ impl Commit {
     /// The same commit, also creating receipt `key` with `payload`; it conflicts if that receipt
     /// exists.
     #[must_use]
-    pub fn with_receipt(mut self, key: StateKey, payload: serde_json::Value) -> Self {
-        self.receipt = Some((key, payload));
+    pub fn with_receipt(mut self, key: StateKey, payload: impl Into<Receipt>) -> Self {
+        self.receipt = Some((key, payload.into()));
         self
     }
 
@@ -167,12 +183,12 @@ impl Commit {
     }
 
     /// The receipt to create, if any.
-    pub fn receipt(&self) -> Option<&(StateKey, serde_json::Value)> {
+    pub fn receipt(&self) -> Option<&(StateKey, Receipt)> {
         self.receipt.as_ref()
     }
 
     /// The changes, sorted by key, and the receipt.
-    pub fn into_parts(self) -> (Vec<KeyChange>, Option<(StateKey, serde_json::Value)>) {
+    pub fn into_parts(self) -> (Vec<KeyChange>, Option<(StateKey, Receipt)>) {
         (self.changes, self.receipt)
     }
 
@@ -195,7 +211,7 @@ impl Commit {
 #[derive(Debug, Clone, PartialEq)]
 pub enum CommitOutcome {
     /// Everything applied; the version of every key in the commit afterwards.
-    Committed(HashMap<StateKey, Version>),
+    Committed(KeyMap<Version>),
     /// Some key no longer matched what the turn saw; nothing was applied.
     Conflict {
         /// The first key found changed.

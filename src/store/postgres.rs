@@ -11,7 +11,6 @@
 //! ([`Statements`]). Connections use TLS as libpq's `sslmode` and `sslrootcert` say ([`tls`]).
 //! A serialized turn holds its conversation in a transaction of its own ([`lock`]).
 
-use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,8 +24,8 @@ use tokio_postgres::types::{Json, ToSql, Type};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{
-    Commit, CommitOutcome, ConversationLock, Expected, Snapshot, Store, StoreError, Version,
-    Versioned,
+    Commit, CommitOutcome, ConversationLock, Expected, KeyHasher, KeyMap, Receipt, Snapshot, Store,
+    StoreError, Version, Versioned,
 };
 use crate::activity::JsonMap;
 use crate::state::StateKey;
@@ -550,12 +549,14 @@ impl PostgresStore {
             }
         }
         .map_err(classify)?;
-        let mut states = HashMap::with_capacity(rows.len());
+        let mut states = KeyMap::with_capacity_and_hasher(rows.len(), KeyHasher::default());
         let mut found_receipt = None;
         for row in &rows {
             let is_receipt: bool = row.try_get(0).map_err(unexpected)?;
             if is_receipt {
-                let Json(payload): Json<serde_json::Value> = row.try_get(2).map_err(unexpected)?;
+                let jsonb::JsonbText(payload) = row.try_get(2).map_err(unexpected)?;
+                let payload = Receipt::from_text(payload)
+                    .map_err(|e| StoreError::Unexpected(anyhow::Error::new(e)))?;
                 found_receipt = Some(payload);
             } else {
                 let (key, versioned) = read_row(row).map_err(StoreError::Unexpected)?;
@@ -589,7 +590,7 @@ impl PostgresStore {
         let receipt_key = commit.receipt().map(|(k, _)| k.as_str());
         let receipt = commit
             .receipt()
-            .map(|(_, payload)| jsonb::Jsonb::Value(payload));
+            .map(|(_, payload)| jsonb::Jsonb::Text(payload.text()));
 
         let params: [&(dyn ToSql + Sync); 5] = [&keys, &expected, &states, &receipt_key, &receipt];
         let rows = match COMMIT.query(client, statements, &params).await {
@@ -622,7 +623,7 @@ impl PostgresStore {
             .zip(versions)
             .filter(|(_, v)| *v > 0)
             .map(|(c, v)| Ok((c.key.clone(), Version::new(u64::try_from(v)?))))
-            .collect::<Result<HashMap<_, _>, std::num::TryFromIntError>>()
+            .collect::<Result<KeyMap<_>, std::num::TryFromIntError>>()
             .map_err(|e| StoreError::Unexpected(e.into()))?;
         Ok(CommitOutcome::Committed(versions))
     }
@@ -650,7 +651,7 @@ fn is_conflict(e: &tokio_postgres::Error) -> bool {
 /// The key of `receipt`, when `e` says it exists already.
 fn taken_receipt<'a>(
     e: &tokio_postgres::Error,
-    receipt: Option<&'a (StateKey, serde_json::Value)>,
+    receipt: Option<&'a (StateKey, Receipt)>,
 ) -> Option<&'a StateKey> {
     let (key, _) = receipt?;
     e.as_db_error().is_some_and(is_receipt_taken).then_some(key)

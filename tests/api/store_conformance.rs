@@ -4,7 +4,6 @@
 
 use crate::support;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use serde_json::json;
@@ -13,7 +12,9 @@ use turnstile::activity::incoming::{ChannelId, ConversationId, UserId};
 use turnstile::state::StateKey;
 use turnstile::store::memory::MemoryStore;
 use turnstile::store::postgres::{self, DatabaseUrl, PostgresStore, Statements};
-use turnstile::store::{Commit, CommitOutcome, Expected, KeyChange, Store, Version};
+use turnstile::store::{
+    Commit, CommitOutcome, Expected, KeyChange, KeyMap, Receipt, Store, Version,
+};
 
 fn conversation(id: &str) -> StateKey {
     StateKey::conversation(
@@ -58,7 +59,7 @@ async fn commit(store: &dyn Store, changes: Vec<KeyChange>) -> CommitOutcome {
     store.commit(Commit::new(changes)).await.unwrap()
 }
 
-fn committed(outcome: CommitOutcome) -> HashMap<StateKey, Version> {
+fn committed(outcome: CommitOutcome) -> KeyMap<Version> {
     match outcome {
         CommitOutcome::Committed(versions) => versions,
         CommitOutcome::Conflict { key } => panic!("unexpected conflict on {key}"),
@@ -354,7 +355,7 @@ async fn receipts(store: Arc<dyn Store>) {
     let store = store.as_ref();
     let state_key = conversation("r");
     let first = receipt("act-1");
-    let payload = json!({"activities": [{"type": "message", "text": "count: 1"}]});
+    let payload = Receipt::from(json!({"activities": [{"type": "message", "text": "count: 1"}]}));
 
     let snapshot = store
         .load(std::slice::from_ref(&state_key), Some(&first))
@@ -601,7 +602,9 @@ async fn a_silent_database_is_unavailable_within_a_bound() {
 /// The receipt stored for activity `act`, if any.
 async fn stored_receipt(store: &dyn Store, act: &str) -> Option<serde_json::Value> {
     let snapshot = store.load(&[], Some(&receipt(act))).await.unwrap();
-    snapshot.receipt().cloned()
+    snapshot
+        .receipt()
+        .map(|r| r.to_value().expect("a stored receipt is JSON"))
 }
 
 /// PostgreSQL's group commit: single-scope commits that arrive together are applied by one

@@ -20,7 +20,7 @@
 //! that each gets the outcome that is its own. A batch never holds two writes of one key, nor two
 //! receipts of one activity: the second waits for the next batch.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -34,6 +34,7 @@ use super::{Sql, Statements, classify, client_of, is_conflict, taken_receipt, un
 use crate::activity::JsonMap;
 use crate::state::StateKey;
 use crate::store::{Commit, CommitOutcome, Expected, KeyChange, StoreError, Version};
+use crate::store::{KeyHasher, Receipt};
 use crate::telemetry::metrics::COMMIT_BATCH_SIZE;
 
 /// The most turns in one batch.
@@ -124,7 +125,7 @@ pub(super) struct SingleWrite {
     pub key: StateKey,
     pub expected: Expected,
     pub state: JsonMap,
-    pub receipt: Option<(StateKey, serde_json::Value)>,
+    pub receipt: Option<(StateKey, Receipt)>,
 }
 
 impl TryFrom<Commit> for SingleWrite {
@@ -343,7 +344,7 @@ async fn committer(
 #[derive(Default)]
 struct Batch {
     commits: Vec<Queued>,
-    keys: HashSet<StateKey>,
+    keys: HashSet<StateKey, KeyHasher>,
 }
 
 impl Batch {
@@ -436,7 +437,11 @@ async fn commit_together(db: &Db, writes: &[&SingleWrite]) -> Result<Together, S
         .collect();
     let receipts: Vec<Option<Jsonb<'_>>> = writes
         .iter()
-        .map(|w| w.receipt.as_ref().map(|(_, payload)| Jsonb::Value(payload)))
+        .map(|w| {
+            w.receipt
+                .as_ref()
+                .map(|(_, payload)| Jsonb::Text(payload.text()))
+        })
         .collect();
     let client = client_of(&db.pool).await?;
     let rows = match WRITE_MANY
@@ -479,7 +484,7 @@ async fn commit_alone(db: &Db, write: &SingleWrite) -> Result<CommitOutcome, Sto
     let receipt = write
         .receipt
         .as_ref()
-        .map(|(_, payload)| Jsonb::Value(payload));
+        .map(|(_, payload)| Jsonb::Text(payload.text()));
     let client = client_of(&db.pool).await?;
     let rows = match write.expected {
         Expected::Absent => {
@@ -520,7 +525,9 @@ async fn commit_alone(db: &Db, write: &SingleWrite) -> Result<CommitOutcome, Sto
 /// The outcome of `write`, given the version its key has now if the write applied.
 fn outcome_of(write: &SingleWrite, version: Option<Version>) -> CommitOutcome {
     match version {
-        Some(version) => CommitOutcome::Committed(HashMap::from([(write.key.clone(), version)])),
+        Some(version) => {
+            CommitOutcome::Committed(std::iter::once((write.key.clone(), version)).collect())
+        }
         None => CommitOutcome::Conflict {
             key: write.key.clone(),
         },

@@ -10,7 +10,7 @@
 
 use bytes::{BufMut as _, BytesMut};
 use serde_json::Value;
-use tokio_postgres::types::{IsNull, ToSql, Type, to_sql_checked};
+use tokio_postgres::types::{FromSql, IsNull, ToSql, Type, to_sql_checked};
 
 use crate::activity::JsonMap;
 
@@ -19,8 +19,8 @@ use crate::activity::JsonMap;
 pub(super) enum Jsonb<'a> {
     /// A state object.
     Map(&'a JsonMap),
-    /// Any value (a receipt).
-    Value(&'a Value),
+    /// JSON text written already (a receipt), sent as it is.
+    Text(&'a str),
 }
 
 impl ToSql for Jsonb<'_> {
@@ -35,7 +35,7 @@ impl ToSql for Jsonb<'_> {
         }
         match self {
             Jsonb::Map(map) => write_object(map, out)?,
-            Jsonb::Value(value) => write_value(value, out)?,
+            Jsonb::Text(text) => out.put_slice(text.as_bytes()),
         }
         Ok(IsNull::No)
     }
@@ -45,6 +45,31 @@ impl ToSql for Jsonb<'_> {
     }
 
     to_sql_checked!();
+}
+
+/// A `jsonb` (or `json`) column read as its JSON text, unparsed: a receipt, which the store keeps
+/// opaque and only a redelivery parses.
+#[derive(Debug)]
+pub(super) struct JsonbText(pub String);
+
+impl<'a> FromSql<'a> for JsonbText {
+    fn from_sql(
+        ty: &Type,
+        mut raw: &'a [u8],
+    ) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
+        if *ty == Type::JSONB {
+            // The jsonb binary format: a version byte, then the text.
+            match raw.split_first() {
+                Some((1, text)) => raw = text,
+                _ => return Err("unsupported jsonb encoding version".into()),
+            }
+        }
+        Ok(Self(std::str::from_utf8(raw)?.to_owned()))
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        matches!(*ty, Type::JSONB | Type::JSON)
+    }
 }
 
 fn write_value(value: &Value, out: &mut BytesMut) -> serde_json::Result<()> {
@@ -114,7 +139,7 @@ mod tests {
 
     fn text(value: &Value) -> Vec<u8> {
         let mut out = BytesMut::new();
-        Jsonb::Value(value)
+        Jsonb::Map(value.as_object().expect("an object"))
             .to_sql(&Type::JSON, &mut out)
             .expect("serializable");
         out.to_vec()
