@@ -27,8 +27,10 @@
 //! each batch in order, so the load runs the moment the lock is granted and the lock ends the
 //! moment the commit has run; what the holder adds is the time its answers take to travel and
 //! its bot's run. (Sent one at a time, as five round trips, the holder kept the conversation for
-//! two and a half of them, and the replicas' queue moved at less than half the speed of one
-//! replica's own.)
+//! two and a half of them.) What still separates this queue from one replica's own, where a
+//! turn costs one statement and hands over to the next without leaving the process, is the
+//! database's work per locked turn (five statements and a lock hand-over between backends):
+//! `bench/RESULTS.md` measures both.
 //!
 //! The wait is bounded by the turn's deadline (`lock_timeout`); a lock not granted in time
 //! (SQLSTATE 55P03, or 57014 when the statement timeout ends the wait first) is an ordinary
