@@ -29,7 +29,7 @@
 //! its bot's run. (Sent one at a time, as five round trips, the holder kept the conversation for
 //! two and a half of them.) What still separates this queue from one replica's own, where a
 //! turn costs one statement and hands over to the next without leaving the process, is the
-//! database's work per locked turn (five statements and a lock hand-over between backends):
+//! database's work per locked turn (seven statements and a lock hand-over between backends):
 //! `bench/RESULTS.md` measures both.
 //!
 //! The wait is bounded by the turn's deadline (`lock_timeout`); a lock not granted in time
