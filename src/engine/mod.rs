@@ -687,48 +687,42 @@ mod tests {
     use crate::bot::Bot;
     use crate::store::memory::MemoryStore;
 
-    /// A store where every commit loses: another replica always got there first.
-    struct AlwaysBeaten(MemoryStore);
-
-    #[async_trait]
-    impl Store for AlwaysBeaten {
-        async fn load(
-            &self,
-            keys: &[StateKey],
-            receipt: Option<&StateKey>,
-        ) -> Result<Snapshot, StoreError> {
-            self.0.load(keys, receipt).await
-        }
-        async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
-            self.0.prune_receipts(age).await
-        }
-        async fn lock_conversation(
-            &self,
-            conversation: &StateKey,
-            keys: &[StateKey],
-            receipt: Option<&StateKey>,
-            wait: Duration,
-        ) -> Result<ConversationLock, StoreError> {
-            self.0
-                .lock_conversation(conversation, keys, receipt, wait)
-                .await
-        }
-        async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
-            Ok(CommitOutcome::Conflict {
-                key: commit.changes()[0].key.clone(),
-            })
-        }
+    /// What a [`Faulty`] store does wrong; everything else is a [`MemoryStore`]'s.
+    enum Fault {
+        /// Every commit loses: another replica always got there first.
+        AlwaysBeaten,
+        /// The connection breaks right after the first commit applied: the engine cannot know
+        /// whether it landed. The flag says whether that answer was lost already.
+        LosesTheFirstAnswer(std::sync::atomic::AtomicBool),
+        /// Commits apply, but every written key is reported one version ahead.
+        MisreportsVersions,
+        /// Another party always holds the conversation lock.
+        LockAlwaysHeld,
     }
 
-    /// A store whose connection breaks right after its first commit applied: the engine cannot
-    /// know whether the commit landed.
-    struct LosesTheFirstAnswer {
+    /// A memory store with one [`Fault`].
+    struct Faulty {
         inner: MemoryStore,
-        lost: std::sync::atomic::AtomicBool,
+        fault: Fault,
+    }
+
+    impl Faulty {
+        fn new(fault: Fault) -> Self {
+            Self {
+                inner: MemoryStore::new(),
+                fault,
+            }
+        }
+
+        fn losing_the_first_answer() -> Self {
+            Self::new(Fault::LosesTheFirstAnswer(
+                std::sync::atomic::AtomicBool::new(false),
+            ))
+        }
     }
 
     #[async_trait]
-    impl Store for LosesTheFirstAnswer {
+    impl Store for Faulty {
         async fn load(
             &self,
             keys: &[StateKey],
@@ -737,13 +731,27 @@ mod tests {
             self.inner.load(keys, receipt).await
         }
         async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
-            let outcome = self.inner.commit(commit).await?;
-            if !self.lost.swap(true, Ordering::SeqCst) {
-                return Err(StoreError::Unavailable(anyhow::anyhow!(
-                    "connection reset during COMMIT"
-                )));
+            match &self.fault {
+                Fault::AlwaysBeaten => Ok(CommitOutcome::Conflict {
+                    key: commit.changes()[0].key.clone(),
+                }),
+                Fault::LosesTheFirstAnswer(lost) => {
+                    let outcome = self.inner.commit(commit).await?;
+                    if !lost.swap(true, Ordering::SeqCst) {
+                        return Err(StoreError::Unavailable(anyhow::anyhow!(
+                            "connection reset during COMMIT"
+                        )));
+                    }
+                    Ok(outcome)
+                }
+                Fault::MisreportsVersions => Ok(match self.inner.commit(commit).await? {
+                    CommitOutcome::Committed(versions) => CommitOutcome::Committed(
+                        versions.into_iter().map(|(k, v)| (k, v.next())).collect(),
+                    ),
+                    conflict => conflict,
+                }),
+                Fault::LockAlwaysHeld => self.inner.commit(commit).await,
             }
-            Ok(outcome)
         }
         async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
             self.inner.prune_receipts(age).await
@@ -755,9 +763,14 @@ mod tests {
             receipt: Option<&StateKey>,
             wait: Duration,
         ) -> Result<ConversationLock, StoreError> {
-            self.inner
-                .lock_conversation(conversation, keys, receipt, wait)
-                .await
+            match self.fault {
+                Fault::LockAlwaysHeld => Ok(ConversationLock::NotGranted),
+                _ => {
+                    self.inner
+                        .lock_conversation(conversation, keys, receipt, wait)
+                        .await
+                }
+            }
         }
     }
 
@@ -826,7 +839,7 @@ mod tests {
             base_delay: Duration::from_millis(1),
             max_delay: Duration::from_millis(1),
         };
-        let (engine, runs) = engine(AlwaysBeaten(MemoryStore::new()), retry);
+        let (engine, runs) = engine(Faulty::new(Fault::AlwaysBeaten), retry);
         let result = engine.run_turn(None, &incoming("hi"), None).await;
         assert!(
             matches!(result, Err(TurnError::Aborted { attempts: 3 })),
@@ -839,46 +852,10 @@ mod tests {
         );
     }
 
-    /// A store that applies commits but reports every written key one version ahead.
-    struct MisreportsVersions(MemoryStore);
-
-    #[async_trait]
-    impl Store for MisreportsVersions {
-        async fn load(
-            &self,
-            keys: &[StateKey],
-            receipt: Option<&StateKey>,
-        ) -> Result<Snapshot, StoreError> {
-            self.0.load(keys, receipt).await
-        }
-        async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
-            self.0.prune_receipts(age).await
-        }
-        async fn lock_conversation(
-            &self,
-            conversation: &StateKey,
-            keys: &[StateKey],
-            receipt: Option<&StateKey>,
-            wait: Duration,
-        ) -> Result<ConversationLock, StoreError> {
-            self.0
-                .lock_conversation(conversation, keys, receipt, wait)
-                .await
-        }
-        async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
-            Ok(match self.0.commit(commit).await? {
-                CommitOutcome::Committed(versions) => CommitOutcome::Committed(
-                    versions.into_iter().map(|(k, v)| (k, v.next())).collect(),
-                ),
-                conflict => conflict,
-            })
-        }
-    }
-
     #[tokio::test]
     async fn a_store_reporting_another_version_than_the_commit_implied_fails_the_turn() {
         let (engine, _) = engine(
-            MisreportsVersions(MemoryStore::new()),
+            Faulty::new(Fault::MisreportsVersions),
             RetryPolicy::default(),
         );
         let result = engine.run_turn(None, &incoming("hi"), None).await;
@@ -975,7 +952,7 @@ mod tests {
             max_delay: Duration::from_millis(1),
         };
         let turns = || async {
-            let (beaten, _) = engine(AlwaysBeaten(MemoryStore::new()), retry);
+            let (beaten, _) = engine(Faulty::new(Fault::AlwaysBeaten), retry);
             let _ = beaten.run_turn(None, &incoming("secret words"), None).await;
             let (winning, _) = engine(MemoryStore::new(), RetryPolicy::default());
             winning
@@ -1019,7 +996,7 @@ mod tests {
             base_delay: Duration::from_secs(5),
             max_delay: Duration::from_secs(5),
         };
-        let (engine, runs) = engine(AlwaysBeaten(MemoryStore::new()), retry);
+        let (engine, runs) = engine(Faulty::new(Fault::AlwaysBeaten), retry);
         let deadline = Instant::now() + Duration::from_millis(50);
         let started = Instant::now();
         // A 5 s wait would overrun a 50 ms deadline, unless the jitter drew a tiny one; either way
@@ -1079,10 +1056,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_unknown_commit_outcome_is_resolved_by_the_receipt_not_a_second_run() {
-        let store = LosesTheFirstAnswer {
-            inner: MemoryStore::new(),
-            lost: std::sync::atomic::AtomicBool::new(false),
-        };
+        let store = Faulty::losing_the_first_answer();
         let (engine, runs) = engine(store, RetryPolicy::default());
         let outcome = engine
             .run_turn(None, &incoming("hi"), None)
@@ -1101,10 +1075,7 @@ mod tests {
 
     #[tokio::test]
     async fn without_an_activity_id_an_unknown_outcome_is_unavailable() {
-        let store = LosesTheFirstAnswer {
-            inner: MemoryStore::new(),
-            lost: std::sync::atomic::AtomicBool::new(false),
-        };
+        let store = Faulty::losing_the_first_answer();
         let (engine, _) = engine(store, RetryPolicy::default());
         let mut activity = incoming("hi").activity().clone();
         activity.id = None;
@@ -1170,38 +1141,9 @@ mod tests {
         assert_eq!(text(&again), "count: 4");
     }
 
-    /// A store shared by replicas whose conversation lock another replica always holds.
-    struct LockAlwaysHeld(MemoryStore);
-
-    #[async_trait]
-    impl Store for LockAlwaysHeld {
-        async fn load(
-            &self,
-            keys: &[StateKey],
-            receipt: Option<&StateKey>,
-        ) -> Result<Snapshot, StoreError> {
-            self.0.load(keys, receipt).await
-        }
-        async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
-            self.0.commit(commit).await
-        }
-        async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
-            self.0.prune_receipts(age).await
-        }
-        async fn lock_conversation(
-            &self,
-            _conversation: &StateKey,
-            _keys: &[StateKey],
-            _receipt: Option<&StateKey>,
-            _wait: Duration,
-        ) -> Result<ConversationLock, StoreError> {
-            Ok(ConversationLock::NotGranted)
-        }
-    }
-
     #[tokio::test]
     async fn a_serialized_bot_whose_lock_never_comes_fails_without_running() {
-        let (engine, runs) = engine(LockAlwaysHeld(MemoryStore::new()), RetryPolicy::default());
+        let (engine, runs) = engine(Faulty::new(Fault::LockAlwaysHeld), RetryPolicy::default());
         let engine = Engine {
             bots: engine
                 .bots
