@@ -125,6 +125,21 @@ fn transcripts_fill_the_typed_fields() {
     }
 }
 
+/// The members an activity's JSON has from its typed fields alone.
+fn typed_members(activity: &Activity) -> BTreeSet<String> {
+    let typed_only = Activity {
+        properties: JsonMap::new(),
+        ..activity.clone()
+    }
+    .to_json();
+    typed_only
+        .as_object()
+        .expect("activities are written as objects")
+        .keys()
+        .cloned()
+        .collect()
+}
+
 fn full() -> Value {
     read_json(&fixtures().join("activities/full.json"))
 }
@@ -191,18 +206,10 @@ fn full_activity_round_trips_through_protobuf_bytes() {
 #[test]
 fn full_activity_uses_every_typed_field() {
     let activity = from_json(&full());
-    let typed_only = Activity {
-        properties: JsonMap::new(),
-        ..activity.clone()
-    }
-    .to_json();
-    let typed: BTreeSet<&str> = typed_only
-        .as_object()
-        .expect("activities are written as objects")
-        .keys()
-        .map(String::as_str)
-        .collect();
-    assert_eq!(typed, BTreeSet::from(ACTIVITY_MEMBERS));
+    assert_eq!(
+        typed_members(&activity),
+        BTreeSet::from(ACTIVITY_MEMBERS.map(String::from))
+    );
 
     let leftovers: BTreeSet<&str> = activity.properties.keys().map(String::as_str).collect();
     assert_eq!(
@@ -355,27 +362,20 @@ fn ill_shaped_known_members_are_kept_verbatim() {
 
     // Only `type`, `from`, `suggestedActions`, `textHighlights`, `semanticAction` and `relatesTo`
     // fit their typed fields; everything else is left as it came.
-    let typed_only = Activity {
-        properties: JsonMap::new(),
-        ..activity.clone()
-    }
-    .to_json();
-    let typed: BTreeSet<&str> = typed_only
-        .as_object()
-        .expect("object")
-        .keys()
-        .map(String::as_str)
-        .collect();
+    let typed = typed_members(&activity);
     assert_eq!(
         typed,
-        BTreeSet::from([
-            "type",
-            "from",
-            "suggestedActions",
-            "textHighlights",
-            "semanticAction",
-            "relatesTo"
-        ])
+        BTreeSet::from(
+            [
+                "type",
+                "from",
+                "suggestedActions",
+                "textHighlights",
+                "semanticAction",
+                "relatesTo"
+            ]
+            .map(String::from)
+        )
     );
     assert_eq!(activity.properties["historyDisclosed"], json!("yes"));
     assert_eq!(activity.properties["membersAdded"], json!([]));

@@ -243,6 +243,11 @@ fn assert_valid(rendered: &str, docs: &[Value]) {
     );
 }
 
+/// The first container of a workload's pod template (a Deployment's or a Job's).
+fn first_container(workload: &Value) -> &Value {
+    &workload["spec"]["template"]["spec"]["containers"][0]
+}
+
 fn env<'a>(container: &'a Value, name: &str) -> &'a Value {
     container["env"]
         .as_array()
@@ -402,7 +407,7 @@ fn default_values_render_a_valid_single_replica_server_and_migration_hook() {
         "before-hook-creation,hook-succeeded"
     );
     assert!(annotations["helm.sh/hook-weight"].is_string());
-    let migrate = &job["spec"]["template"]["spec"]["containers"][0];
+    let migrate = first_container(job);
     assert_eq!(migrate["args"], serde_json::json!(["migrate"]));
     assert_eq!(
         env(migrate, "DATABASE_URL")["valueFrom"]["secretKeyRef"],
@@ -460,7 +465,7 @@ fn ci_values_render_every_optional_object() {
         deployment["spec"]["replicas"].is_null(),
         "the HPA owns the replica count"
     );
-    let server = &deployment["spec"]["template"]["spec"]["containers"][0];
+    let server = first_container(deployment);
     assert_eq!(env_value(server, "RUST_BACKTRACE"), "1", "extraEnv");
     assert_eq!(server["resources"]["limits"]["cpu"], "2");
     let ports: Vec<&Value> = server["ports"].as_array().unwrap().iter().collect();
@@ -633,7 +638,7 @@ fn ci_values_render_every_optional_object() {
 
     let job = one(&docs, "Job");
     assert_eq!(job["metadata"]["annotations"]["helm.sh/hook-weight"], "-10");
-    let migrate = &job["spec"]["template"]["spec"]["containers"][0];
+    let migrate = first_container(job);
     // Migrations take a session lock: straight to PostgreSQL, past the pooler.
     assert_eq!(
         env(migrate, "DATABASE_URL")["valueFrom"]["secretKeyRef"],
@@ -860,7 +865,7 @@ fn the_gateway_is_off_by_default_and_refuses_to_run_unauthenticated_unless_asked
     let docs = documents(&rendered);
     assert_valid(&rendered, &docs);
     let gateway = named(&docs, "Deployment", "turnstile-gateway");
-    let container = &gateway["spec"]["template"]["spec"]["containers"][0];
+    let container = first_container(gateway);
     assert_eq!(
         env_value(container, "TURNSTILE_URL"),
         "http://turnstile.default.svc:50051"
@@ -903,7 +908,7 @@ fn conversation_affinity_renders_an_istio_destination_rule_and_serialized_bots_a
     );
 
     let deployment = one(&docs, "Deployment");
-    let server = &deployment["spec"]["template"]["spec"]["containers"][0];
+    let server = first_container(deployment);
     assert_eq!(env_value(server, "TURNSTILE_SERIALIZED_BOTS"), "slow,pizza");
     assert_eq!(
         env_value(server, "TURNSTILE_GATEWAY_LISTEN"),
@@ -911,7 +916,7 @@ fn conversation_affinity_renders_an_istio_destination_rule_and_serialized_bots_a
         "no embedded development gateway in a pod"
     );
     let plain = documents(&template(&[]));
-    let server = &one(&plain, "Deployment")["spec"]["template"]["spec"]["containers"][0];
+    let server = first_container(one(&plain, "Deployment"));
     assert!(!has_env(server, "TURNSTILE_SERIALIZED_BOTS"));
 }
 
@@ -929,7 +934,7 @@ fn remote_bots_become_the_servers_worker_settings() {
     ]);
     let docs = documents(&rendered);
     assert_valid(&rendered, &docs);
-    let container = &one(&docs, "Deployment")["spec"]["template"]["spec"]["containers"][0];
+    let container = first_container(one(&docs, "Deployment"));
     assert_eq!(
         env_value(container, "TURNSTILE_REMOTE_BOTS"),
         "counter=https://counter-worker:50062,pizza-py=http://pizza-worker:50061"
@@ -944,7 +949,7 @@ fn remote_bots_become_the_servers_worker_settings() {
     );
 
     let plain = documents(&template(&["-s", "templates/deployment.yaml"]));
-    let container = &one(&plain, "Deployment")["spec"]["template"]["spec"]["containers"][0];
+    let container = first_container(one(&plain, "Deployment"));
     assert!(!has_env(container, "TURNSTILE_REMOTE_BOTS"));
     assert!(!has_env(container, "TURNSTILE_REMOTE_BOT_TOKEN"));
 
