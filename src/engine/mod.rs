@@ -320,7 +320,7 @@ impl Engine {
             return receipt::decode(receipt).map(AttemptOutcome::Answered);
         }
         let (scopes, activities) = run_bot(plan.bot, plan.context(attempt, &snapshot)).await?;
-        let (commit, outcome) = plan.commit(scopes, activities, attempt, &snapshot);
+        let (commit, outcome) = plan.commit(scopes, activities, attempt, &snapshot)?;
         if !commit.writes_anything() {
             // A read-only turn of an activity without id, answered from one consistent
             // snapshot: nothing to commit.
@@ -428,14 +428,16 @@ impl Engine {
             locked.release().await;
             return receipt::decode(receipt).map(AttemptOutcome::Answered);
         }
-        let (scopes, activities) = match run_bot(plan.bot, plan.context(attempt, &snapshot)).await {
-            Ok(ran) => ran,
+        let built = run_bot(plan.bot, plan.context(attempt, &snapshot))
+            .await
+            .and_then(|(scopes, activities)| plan.commit(scopes, activities, attempt, &snapshot));
+        let (commit, outcome) = match built {
+            Ok(built) => built,
             Err(e) => {
                 locked.release().await;
                 return Err(e);
             }
         };
-        let (commit, outcome) = plan.commit(scopes, activities, attempt, &snapshot);
         if !commit.writes_anything() {
             locked.release().await;
             return Ok(AttemptOutcome::NothingToCommit(outcome));
@@ -538,7 +540,7 @@ impl<'a> TurnPlan<'a> {
         activities: Vec<Activity>,
         attempt: u32,
         snapshot: &Snapshot,
-    ) -> (Commit, TurnOutcome) {
+    ) -> Result<(Commit, TurnOutcome), TurnError> {
         let mut commit = commit_of(&self.keys, scopes, snapshot);
         let outcome = TurnOutcome {
             conversation_version: version_after(&commit, &self.keys.conversation, snapshot),
@@ -547,9 +549,9 @@ impl<'a> TurnPlan<'a> {
             redelivered: false,
         };
         if let Some(key) = &self.receipt {
-            commit = commit.with_receipt(key.clone(), receipt::encode(&outcome));
+            commit = commit.with_receipt(key.clone(), receipt::encode(&outcome)?);
         }
-        (commit, outcome)
+        Ok((commit, outcome))
     }
 }
 

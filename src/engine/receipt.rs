@@ -22,22 +22,17 @@ struct Written<'a> {
     version: u64,
 }
 
-/// The receipt of `outcome`.
-pub(super) fn encode(outcome: &TurnOutcome) -> Receipt {
-    let written = Written {
+/// The receipt of `outcome`. Activities write only string keys and `Value`s, which serde_json
+/// always writes, so the error is one the turn fails with, before its commit, rather than one
+/// to expect.
+pub(super) fn encode(outcome: &TurnOutcome) -> Result<Receipt, super::TurnError> {
+    Receipt::write(&Written {
         activities: &outcome.activities,
         attempts: outcome.attempts,
         version: outcome.conversation_version.map_or(0, Version::get),
-    };
-    // Activities write only string keys and `Value`s, which serde_json always writes; the `Value`
-    // route below gives the same JSON and cannot fail, so no turn is lost to this step.
-    Receipt::write(&written).unwrap_or_else(|_| {
-        Receipt::from(serde_json::json!({
-            "activities": outcome.activities.iter().map(Activity::to_json).collect::<Vec<_>>(),
-            "attempts": written.attempts,
-            "version": written.version,
-        }))
     })
+    .context("the turn's receipt cannot be written as JSON")
+    .map_err(|e| super::TurnError::Store(StoreError::Unexpected(e)))
 }
 
 /// The outcome a receipt recorded, marked as a redelivery's.
@@ -93,7 +88,7 @@ mod tests {
             conversation_version: Some(Version::new(3)),
             redelivered: false,
         };
-        let back = decode(&encode(&outcome)).expect("readable");
+        let back = decode(&encode(&outcome).expect("writable")).expect("readable");
         assert_eq!(
             back,
             TurnOutcome {
