@@ -50,8 +50,9 @@ impl HotConversations {
         }
     }
 
-    /// Remembers that a turn of `conversation` just lost a conflict.
-    pub fn conflicted(&self, conversation: &StateKey) {
+    /// Remembers that a turn of `conversation` just met another replica's: it lost a conflict,
+    /// or waited for another replica's lease.
+    pub fn contended(&self, conversation: &StateKey) {
         let now = Instant::now();
         let mut until = self.until.lock().unwrap_or_else(PoisonError::into_inner);
         if until.len() >= CAPACITY && !until.contains_key(conversation) {
@@ -77,7 +78,7 @@ mod tests {
     fn a_conflict_is_remembered_and_only_for_its_conversation() {
         let hot = HotConversations::default();
         assert!(!hot.is_hot(&key(1)));
-        hot.conflicted(&key(1));
+        hot.contended(&key(1));
         assert!(hot.is_hot(&key(1)));
         assert!(!hot.is_hot(&key(2)));
     }
@@ -86,7 +87,7 @@ mod tests {
     fn the_table_stays_bounded() {
         let hot = HotConversations::default();
         for n in 0..=CAPACITY {
-            hot.conflicted(&key(n));
+            hot.contended(&key(n));
         }
         let len = hot.until.lock().map(|t| t.len()).unwrap_or_default();
         assert!(len <= CAPACITY, "{len}");

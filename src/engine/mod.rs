@@ -40,8 +40,8 @@ use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
 use crate::store::cached::CachedStore;
 use crate::store::timed::TimedStore;
 use crate::store::{
-    Commit, CommitOutcome, Consistency, ConversationLock, KeyChange, Snapshot, Store, StoreError,
-    Version,
+    Commit, CommitOutcome, Consistency, ConversationLease, ConversationLock, KeyChange, Lease,
+    LockedTurn, Snapshot, Store, StoreError, Version,
 };
 use crate::telemetry::metrics::{
     CONFLICTS, LOCK_WAITS, REDELIVERIES, TURN_ATTEMPTS, TURN_DURATION, TURNS,
@@ -104,7 +104,7 @@ pub struct Engine {
     store: Arc<CachedStore<TimedStore>>,
     bots: BotRegistry,
     retry: RetryPolicy,
-    queue: Arc<queue::KeyQueue>,
+    queue: Arc<queue::KeyQueue<Option<HeldLease>>>,
     hot: Arc<hot::HotConversations>,
     metrics: Arc<TurnMetrics>,
 }
@@ -229,32 +229,70 @@ impl Engine {
         span.record("channel", incoming.address().channel.as_str());
         span.record("bot", bot_name);
         let plan = TurnPlan::new(bot_name, handler.as_ref(), incoming, deadline);
-        let _turn = self.queue_up(&plan.keys.conversation, deadline).await?;
-        let mut serialized = self.bots.policy(bot_name) == ConcurrencyPolicy::Serialized
-            || self.hot.is_hot(&plan.keys.conversation);
+        let mut turn = self.queue_up(&plan.keys.conversation, deadline).await?;
+        let mut no_lease = None;
+        let lease = turn.held().unwrap_or(&mut no_lease);
+        let mode = if self.bots.policy(bot_name) == ConcurrencyPolicy::Serialized {
+            Mode::Locked
+        } else if lease.is_some() || self.hot.is_hot(&plan.keys.conversation) {
+            Mode::Leased
+        } else {
+            Mode::Optimistic
+        };
+        let result = self.attempts(&plan, mode, lease, deadline, &span).await;
+        if !HeldLease::serves(lease, 1) {
+            // Spent: let the other replicas' holders in now rather than at the next turn.
+            *lease = None;
+        }
+        result
+    }
 
+    /// Attempts `plan` until an attempt ends the turn, the first in `mode`.
+    async fn attempts(
+        &self,
+        plan: &TurnPlan<'_>,
+        mut mode: Mode,
+        lease: &mut Option<HeldLease>,
+        deadline: Option<Instant>,
+        span: &tracing::Span,
+    ) -> Result<TurnOutcome, TurnError> {
         let mut attempt = 0;
         let mut outcome_unknown = false;
         loop {
             attempt += 1;
             span.record("attempts", attempt);
+            // Whether this attempt runs without holding the conversation: a conflict then sends
+            // the next one to the lock at once, as the queue it is, without a blind wait.
+            let unlocked = match mode {
+                Mode::Optimistic => true,
+                Mode::Locked => false,
+                Mode::Leased => HeldLease::serves(lease, attempt),
+            };
             // One span per run of the bot, so that a trace shows what each replay cost and why
             // it ended; its store calls and the bot run are its children.
             let attempt_span = tracing::info_span!(
                 "attempt",
                 attempt,
-                serialized,
+                mode = mode.name(),
                 outcome = tracing::field::Empty,
                 version = tracing::field::Empty
             );
-            let ended = if serialized {
-                self.attempt_serialized(&plan, attempt, deadline)
-                    .instrument(attempt_span.clone())
-                    .await
-            } else {
-                self.attempt(&plan, attempt)
-                    .instrument(attempt_span.clone())
-                    .await
+            let ended = match mode {
+                Mode::Optimistic => {
+                    self.attempt(plan, attempt)
+                        .instrument(attempt_span.clone())
+                        .await
+                }
+                Mode::Locked => {
+                    self.attempt_serialized(plan, attempt, deadline)
+                        .instrument(attempt_span.clone())
+                        .await
+                }
+                Mode::Leased => {
+                    self.attempt_leased(plan, attempt, deadline, lease)
+                        .instrument(attempt_span.clone())
+                        .await
+                }
             };
             attempt_span.record("outcome", attempt_name(&ended));
             let lost = match ended? {
@@ -274,10 +312,12 @@ impl Engine {
                 AttemptOutcome::Conflict(key) => {
                     self.metrics.conflicts.increment(1);
                     tracing::debug!(attempt, %key, "conflict; replaying the turn under the lock");
-                    self.hot.conflicted(&plan.keys.conversation);
-                    if !serialized {
+                    self.hot.contended(&plan.keys.conversation);
+                    if unlocked {
                         // The lock is the queue now: no blind wait before it.
-                        serialized = true;
+                        if mode == Mode::Optimistic {
+                            mode = Mode::Leased;
+                        }
                         self.give_up_if_spent(attempt, None)?;
                         continue;
                     }
@@ -299,7 +339,7 @@ impl Engine {
         &self,
         conversation: &StateKey,
         deadline: Option<Instant>,
-    ) -> Result<queue::KeyTurn, TurnError> {
+    ) -> Result<queue::KeyTurn<Option<HeldLease>>, TurnError> {
         match deadline {
             Some(deadline) => tokio::time::timeout_at(deadline, self.queue.enter(conversation))
                 .await
@@ -395,35 +435,86 @@ impl Engine {
         attempt: u32,
         deadline: Option<Instant>,
     ) -> Result<AttemptOutcome, TurnError> {
-        let wait = deadline.map_or(LOCK_WAIT_WITHOUT_DEADLINE, |d| {
-            let left = d.saturating_duration_since(Instant::now());
-            left.saturating_sub(LOCK_ANSWER_MARGIN.min(left / 4))
-        });
-        let (snapshot, locked) = match self
+        match self
             .store
             .lock_conversation(
                 &plan.keys.conversation,
                 &plan.key_list,
                 plan.receipt.as_ref(),
-                wait,
+                lock_wait(deadline),
             )
             .await?
         {
             ConversationLock::Held { snapshot, turn } => {
                 metrics::counter!(LOCK_WAITS, "outcome" => "granted").increment(1);
-                (snapshot, turn)
+                self.run_locked(plan, attempt, snapshot, turn).await
             }
-            ConversationLock::NotNeeded => return self.attempt(plan, attempt).await,
-            ConversationLock::NotGranted => {
-                metrics::counter!(LOCK_WAITS, "outcome" => "not_granted").increment(1);
-                // The bot did not run on this attempt.
-                let attempts = attempt - 1;
-                return Err(match deadline {
-                    Some(_) => TurnError::DeadlineExceeded { attempts },
-                    None => TurnError::Aborted { attempts },
+            ConversationLock::NotNeeded => self.attempt(plan, attempt).await,
+            ConversationLock::NotGranted => Err(not_granted(attempt, deadline)),
+        }
+    }
+
+    /// One attempt of a conversation this replica leases (see [`HeldLease`]): an ordinary
+    /// attempt while the lease serves, else the first turn of a new lease, which holds the
+    /// conversation as a serialized attempt does — so a replay is never beaten again by a turn
+    /// that took no lock. A store that offers no lease locks turn by turn.
+    async fn attempt_leased(
+        &self,
+        plan: &TurnPlan<'_>,
+        attempt: u32,
+        deadline: Option<Instant>,
+        lease: &mut Option<HeldLease>,
+    ) -> Result<AttemptOutcome, TurnError> {
+        if HeldLease::serves(lease, attempt) {
+            if let Some(held) = lease.as_mut() {
+                held.turns += 1;
+            }
+            return self.attempt(plan, attempt).await;
+        }
+        // Spent, or a replay: let the other replicas' holders in first.
+        *lease = None;
+        match self
+            .store
+            .lease_conversation(
+                &plan.keys.conversation,
+                &plan.key_list,
+                plan.receipt.as_ref(),
+                lock_wait(deadline),
+            )
+            .await?
+        {
+            ConversationLease::Held {
+                lease: taken,
+                snapshot,
+                turn,
+                waited,
+            } => {
+                metrics::counter!(LOCK_WAITS, "outcome" => "granted").increment(1);
+                if waited {
+                    // Another replica is at this conversation too: keep leasing it.
+                    self.hot.contended(&plan.keys.conversation);
+                }
+                *lease = Some(HeldLease {
+                    _lease: taken,
+                    since: Instant::now(),
+                    turns: 1,
                 });
+                self.run_locked(plan, attempt, snapshot, turn).await
             }
-        };
+            ConversationLease::NotOffered => self.attempt_serialized(plan, attempt, deadline).await,
+            ConversationLease::NotGranted => Err(not_granted(attempt, deadline)),
+        }
+    }
+
+    /// Runs the bot on `snapshot`, loaded under the lock `locked` holds, and commits what it did
+    /// under the same lock (or releases it).
+    async fn run_locked(
+        &self,
+        plan: &TurnPlan<'_>,
+        attempt: u32,
+        snapshot: Snapshot,
+        locked: Box<dyn LockedTurn>,
+    ) -> Result<AttemptOutcome, TurnError> {
         if let Some(receipt) = snapshot.receipt() {
             locked.release().await;
             return receipt::decode(receipt).map(AttemptOutcome::Answered);
@@ -445,6 +536,76 @@ impl Engine {
         let implied = commit.implied_versions();
         let result = locked.commit(commit).await;
         settle(plan, implied, result, outcome)
+    }
+}
+
+/// How an attempt holds its conversation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Not at all: a guess or a load, and the conditional commit.
+    Optimistic,
+    /// The conversation lock for this attempt ([`Store::lock_conversation`]).
+    Locked,
+    /// This replica's lease on the conversation ([`HeldLease`]).
+    Leased,
+}
+
+impl Mode {
+    /// The mode as the attempt span's `mode` field names it.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Optimistic => "optimistic",
+            Self::Locked => "locked",
+            Self::Leased => "leased",
+        }
+    }
+}
+
+/// The most turns one lease serves before this replica lets the other replicas' holders in.
+const LEASE_TURNS: u32 = 16;
+/// The longest one lease serves before this replica lets the other replicas' holders in.
+const LEASE_TIME: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// A conversation this replica holds against every other replica (see
+/// [`Store::lease_conversation`]), kept with the conversation's queue (`queue`) and handed
+/// from one of its turns to the next while turns of it wait here: each then runs as on a lone
+/// replica, a guess from the cache and one commit, with nobody else's serialized turn or lease
+/// in between. The lease goes when the last waiting turn is done, or after [`LEASE_TURNS`] turns
+/// or [`LEASE_TIME`], whichever comes first, so that the replicas take turns; its first turn
+/// holds the conversation's row as well, as a serialized attempt does.
+#[derive(Debug)]
+struct HeldLease {
+    _lease: Lease,
+    since: Instant,
+    turns: u32,
+}
+
+impl HeldLease {
+    /// Whether `lease` serves attempt `attempt` of the next turn as an ordinary attempt: it is
+    /// held, not spent, and the attempt is a first one (a replay starts a new lease).
+    fn serves(lease: &Option<Self>, attempt: u32) -> bool {
+        lease.as_ref().is_some_and(|held| {
+            attempt == 1 && held.turns < LEASE_TURNS && held.since.elapsed() < LEASE_TIME
+        })
+    }
+}
+
+/// How long an attempt of a call with `deadline` may wait for its conversation's lock or lease.
+fn lock_wait(deadline: Option<Instant>) -> std::time::Duration {
+    deadline.map_or(LOCK_WAIT_WITHOUT_DEADLINE, |d| {
+        let left = d.saturating_duration_since(Instant::now());
+        left.saturating_sub(LOCK_ANSWER_MARGIN.min(left / 4))
+    })
+}
+
+/// The error of attempt `attempt`, whose lock or lease was not granted before the deadline: the
+/// bot did not run on it.
+fn not_granted(attempt: u32, deadline: Option<Instant>) -> TurnError {
+    metrics::counter!(LOCK_WAITS, "outcome" => "not_granted").increment(1);
+    let attempts = attempt - 1;
+    match deadline {
+        Some(_) => TurnError::DeadlineExceeded { attempts },
+        None => TurnError::Aborted { attempts },
     }
 }
 

@@ -7,7 +7,10 @@
 //! the waiting turns run in arrival order.
 //!
 //! The table holds an entry only while some turn holds or awaits it: the last guard to go removes
-//! it, so the table never outgrows the number of conversations with a turn in flight.
+//! it, so the table never outgrows the number of conversations with a turn in flight. Each entry
+//! carries a value of type `T` that the turns holding it hand on to each other and that goes
+//! with the entry (the engine keeps a conversation's lease there: held while this replica has
+//! turns of it queued, let go when the last one is done).
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -16,30 +19,32 @@ use tokio::sync::OwnedMutexGuard;
 use crate::state::StateKey;
 use crate::store::KeyMap;
 
-type Slot = Arc<tokio::sync::Mutex<()>>;
+type Slot<T> = Arc<tokio::sync::Mutex<T>>;
 
 /// Per-key async locks that exist only while in use.
-#[derive(Debug, Default)]
-pub(crate) struct KeyQueue {
-    slots: Arc<Mutex<KeyMap<Slot>>>,
+#[derive(Debug)]
+pub(crate) struct KeyQueue<T> {
+    slots: Arc<Mutex<KeyMap<Slot<T>>>>,
 }
 
 /// Holds a key's turn; releases it, and forgets the key when nobody else wants it, on drop.
 #[derive(Debug)]
-pub(crate) struct KeyTurn {
+pub(crate) struct KeyTurn<T> {
     key: StateKey,
-    slots: Arc<Mutex<KeyMap<Slot>>>,
-    guard: Option<OwnedMutexGuard<()>>,
+    slots: Arc<Mutex<KeyMap<Slot<T>>>>,
+    guard: Option<OwnedMutexGuard<T>>,
 }
 
-impl KeyQueue {
+impl<T: Default> KeyQueue<T> {
     /// An empty queue.
     pub fn new() -> Self {
-        Self::default()
+        Self {
+            slots: Arc::default(),
+        }
     }
 
     /// Waits until no other turn of this replica holds `key`, then holds it.
-    pub async fn enter(&self, key: &StateKey) -> KeyTurn {
+    pub async fn enter(&self, key: &StateKey) -> KeyTurn<T> {
         let slot = Arc::clone(lock(&self.slots).entry(key.clone()).or_default());
         // Built before the wait, so that a cancelled wait still cleans up its table entry.
         let mut turn = KeyTurn {
@@ -57,7 +62,14 @@ impl KeyQueue {
     }
 }
 
-impl Drop for KeyTurn {
+impl<T> KeyTurn<T> {
+    /// The value the key's turns hand on to each other.
+    pub fn held(&mut self) -> Option<&mut T> {
+        self.guard.as_deref_mut()
+    }
+}
+
+impl<T> Drop for KeyTurn<T> {
     fn drop(&mut self) {
         // Release the key before deciding whether anyone else still refers to its slot.
         self.guard.take();
@@ -74,7 +86,7 @@ impl Drop for KeyTurn {
 
 /// The table's lock guards plain map operations only, never an `.await`; a panic cannot leave the
 /// map inconsistent, so a poisoned lock is used as is.
-fn lock(slots: &Mutex<KeyMap<Slot>>) -> MutexGuard<'_, KeyMap<Slot>> {
+fn lock<T>(slots: &Mutex<KeyMap<Slot<T>>>) -> MutexGuard<'_, KeyMap<Slot<T>>> {
     slots
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -95,7 +107,7 @@ mod tests {
 
     #[tokio::test]
     async fn turns_of_one_key_take_turns_and_the_table_empties() {
-        let queue = Arc::new(KeyQueue::new());
+        let queue = Arc::new(KeyQueue::<()>::new());
         let first = queue.enter(&key("a")).await;
         let other_key = queue.enter(&key("b")).await;
         let waiting = {
@@ -115,9 +127,49 @@ mod tests {
         assert_eq!(queue.len(), 0, "no turn in flight, no entry left");
     }
 
+    /// Dropped with its entry: tells `dropped` so.
+    #[derive(Default)]
+    struct Held(Option<Arc<std::sync::atomic::AtomicBool>>);
+
+    impl Drop for Held {
+        fn drop(&mut self) {
+            if let Some(dropped) = &self.0 {
+                dropped.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn the_held_value_passes_to_the_next_turn_and_goes_with_the_last() {
+        let queue = Arc::new(KeyQueue::<Held>::new());
+        let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut first = queue.enter(&key("a")).await;
+        if let Some(held) = first.held() {
+            held.0 = Some(Arc::clone(&dropped));
+        }
+        let waiting = {
+            let queue = Arc::clone(&queue);
+            tokio::spawn(async move { queue.enter(&key("a")).await })
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        drop(first);
+        let mut second = waiting.await.expect("the waiter gets the key");
+        assert!(
+            second.held().is_some_and(|held| held.0.is_some()),
+            "the value was not handed on"
+        );
+        assert!(!dropped.load(std::sync::atomic::Ordering::SeqCst));
+        drop(second);
+        assert!(
+            dropped.load(std::sync::atomic::Ordering::SeqCst),
+            "the value outlived the last turn"
+        );
+        assert_eq!(queue.len(), 0);
+    }
+
     #[tokio::test]
     async fn a_cancelled_wait_leaves_no_entry() {
-        let queue = Arc::new(KeyQueue::new());
+        let queue = Arc::new(KeyQueue::<()>::new());
         let held = queue.enter(&key("a")).await;
         let waiting = {
             let queue = Arc::clone(&queue);

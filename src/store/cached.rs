@@ -19,13 +19,13 @@
 //! cheap approximation of least-recently-used that never scans.
 
 use std::mem;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
 
 use super::{
-    Commit, CommitOutcome, Consistency, ConversationLock, KeyHasher, KeyMap, PoolStatus, Snapshot,
-    Store, StoreError, Version, Versioned,
+    Commit, CommitOutcome, Consistency, ConversationLease, ConversationLock, KeyHasher, KeyMap,
+    LockedTurn, PoolStatus, Snapshot, Store, StoreError, Version, Versioned,
 };
 use crate::activity::JsonMap;
 use crate::state::StateKey;
@@ -131,7 +131,7 @@ impl StateCache {
 #[derive(Debug)]
 pub struct CachedStore<S> {
     inner: S,
-    cache: StateCache,
+    cache: Arc<StateCache>,
 }
 
 impl<S: Store> CachedStore<S> {
@@ -140,7 +140,7 @@ impl<S: Store> CachedStore<S> {
     pub fn new(inner: S, capacity: usize) -> Self {
         Self {
             inner,
-            cache: StateCache::new(capacity),
+            cache: Arc::new(StateCache::new(capacity)),
         }
     }
 
@@ -186,28 +186,9 @@ impl<S: Store> Store for CachedStore<S> {
         if !self.cache.is_enabled() {
             return self.inner.commit(commit).await;
         }
-        let keys: Vec<StateKey> = commit.changes().iter().map(|c| c.key.clone()).collect();
-        let written: Vec<(StateKey, Version, JsonMap)> = commit
-            .changes()
-            .iter()
-            .filter_map(|c| Some((c.key.clone(), c.version_after()?, c.write.clone()?)))
-            .collect();
+        let written = Written::of(&commit);
         let result = self.inner.commit(commit).await;
-        match &result {
-            // Remembered only when the store wrote the version the commit implied; a store that
-            // says otherwise fails the turn (the engine checks), and its rows are not guessed at.
-            Ok(CommitOutcome::Committed(versions))
-                if written
-                    .iter()
-                    .all(|(key, version, _)| versions.get(key) == Some(version)) =>
-            {
-                for (key, version, state) in written {
-                    self.cache.remember(key, Some(Versioned { state, version }));
-                }
-            }
-            // A conflict proves the guess stale; an error leaves the rows uncertain.
-            _ => self.cache.forget(&keys),
-        }
+        written.settle(&self.cache, &result);
         result
     }
 
@@ -215,10 +196,9 @@ impl<S: Store> Store for CachedStore<S> {
         self.inner.prune_receipts(age).await
     }
 
-    /// A locked turn loads and commits past the cache, so the conversation is forgotten: its
-    /// next turn here loads rather than guessing from a version the locked commit moves on. (A
-    /// user-scope key the locked turn changes may stay cached for other conversations; a guess
-    /// from it costs a conflict and a replay, as any stale guess does.)
+    /// A locked turn's load is current, and its commit moves the conversation on: both are
+    /// remembered, as an ordinary load's and commit's are, so that the next turn here (a leased
+    /// conversation's next turn, say) goes straight to its commit.
     async fn lock_conversation(
         &self,
         conversation: &StateKey,
@@ -226,14 +206,134 @@ impl<S: Store> Store for CachedStore<S> {
         receipt: Option<&StateKey>,
         wait: std::time::Duration,
     ) -> Result<ConversationLock, StoreError> {
-        self.cache.forget([conversation]);
-        self.inner
-            .lock_conversation(conversation, keys, receipt, wait)
-            .await
+        Ok(
+            match self
+                .inner
+                .lock_conversation(conversation, keys, receipt, wait)
+                .await?
+            {
+                ConversationLock::Held { snapshot, turn } => ConversationLock::Held {
+                    turn: self.remembering(keys, &snapshot, turn),
+                    snapshot,
+                },
+                other => other,
+            },
+        )
+    }
+
+    /// Remembers the lease's first turn as [`CachedStore::lock_conversation`] does.
+    async fn lease_conversation(
+        &self,
+        conversation: &StateKey,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+        wait: std::time::Duration,
+    ) -> Result<ConversationLease, StoreError> {
+        Ok(
+            match self
+                .inner
+                .lease_conversation(conversation, keys, receipt, wait)
+                .await?
+            {
+                ConversationLease::Held {
+                    lease,
+                    snapshot,
+                    turn,
+                    waited,
+                } => ConversationLease::Held {
+                    lease,
+                    turn: self.remembering(keys, &snapshot, turn),
+                    snapshot,
+                    waited,
+                },
+                other => other,
+            },
+        )
     }
 
     fn pool_status(&self) -> Option<PoolStatus> {
         self.inner.pool_status()
+    }
+}
+
+impl<S> CachedStore<S> {
+    /// Remembers `keys` as a locked load found them, and `turn`'s commit when it lands.
+    fn remembering(
+        &self,
+        keys: &[StateKey],
+        snapshot: &Snapshot,
+        turn: Box<dyn LockedTurn>,
+    ) -> Box<dyn LockedTurn> {
+        if !self.cache.is_enabled() {
+            return turn;
+        }
+        for key in keys {
+            self.cache.remember(key.clone(), snapshot.get(key).cloned());
+        }
+        Box::new(RememberingTurn {
+            inner: turn,
+            cache: Arc::clone(&self.cache),
+        })
+    }
+}
+
+/// What a commit writes, taken before the store consumes it, to remember once it landed.
+struct Written {
+    keys: Vec<StateKey>,
+    rows: Vec<(StateKey, Version, JsonMap)>,
+}
+
+impl Written {
+    fn of(commit: &Commit) -> Self {
+        Self {
+            keys: commit.changes().iter().map(|c| c.key.clone()).collect(),
+            rows: commit
+                .changes()
+                .iter()
+                .filter_map(|c| Some((c.key.clone(), c.version_after()?, c.write.clone()?)))
+                .collect(),
+        }
+    }
+
+    /// Remembers the rows written, or forgets every key of the commit when `result` leaves them
+    /// uncertain.
+    fn settle(self, cache: &StateCache, result: &Result<CommitOutcome, StoreError>) {
+        match result {
+            // Remembered only when the store wrote the version the commit implied; a store that
+            // says otherwise fails the turn (the engine checks), and its rows are not guessed at.
+            Ok(CommitOutcome::Committed(versions))
+                if self
+                    .rows
+                    .iter()
+                    .all(|(key, version, _)| versions.get(key) == Some(version)) =>
+            {
+                for (key, version, state) in self.rows {
+                    cache.remember(key, Some(Versioned { state, version }));
+                }
+            }
+            // A conflict proves the guess stale; an error leaves the rows uncertain.
+            _ => cache.forget(&self.keys),
+        }
+    }
+}
+
+/// A locked turn whose commit the cache remembers.
+struct RememberingTurn {
+    inner: Box<dyn LockedTurn>,
+    cache: Arc<StateCache>,
+}
+
+#[async_trait]
+impl LockedTurn for RememberingTurn {
+    async fn commit(self: Box<Self>, commit: Commit) -> Result<CommitOutcome, StoreError> {
+        let written = Written::of(&commit);
+        let result = self.inner.commit(commit).await;
+        written.settle(&self.cache, &result);
+        result
+    }
+
+    async fn release(self: Box<Self>) {
+        self.inner.release().await;
     }
 }
 

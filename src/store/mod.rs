@@ -306,6 +306,32 @@ pub trait Store: Send + Sync + 'static {
         wait: std::time::Duration,
     ) -> Result<ConversationLock, StoreError>;
 
+    /// Holds `conversation` for this replica — against every other replica's serialized turns
+    /// and leases — until the returned [`Lease`] is dropped, so that this replica can run several
+    /// of the conversation's turns in a row, each an ordinary one (a guess from its cache and one
+    /// commit), as a lone replica would. The lease comes with the first of those turns holding
+    /// the conversation as [`Store::lock_conversation`] does (`keys` and `receipt` loaded under
+    /// it), since that turn follows a conflict or another holder: it must not be beaten by a turn
+    /// that took no lock.
+    ///
+    /// A store that serves one replica, or whose sessions do not outlast a transaction (behind a
+    /// transaction-mode pooler), offers none: [`ConversationLease::NotOffered`], and the caller
+    /// locks turn by turn.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot answer; a lease not granted in time is
+    /// [`ConversationLease::NotGranted`], not an error.
+    async fn lease_conversation(
+        &self,
+        conversation: &StateKey,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+        wait: std::time::Duration,
+    ) -> Result<ConversationLease, StoreError> {
+        let _ = (conversation, keys, receipt, wait);
+        Ok(ConversationLease::NotOffered)
+    }
+
     /// The connection pool's occupancy, for stores that pool connections.
     fn pool_status(&self) -> Option<PoolStatus> {
         None
@@ -346,6 +372,56 @@ impl fmt::Debug for ConversationLock {
             Self::Held { .. } => "Held",
             Self::NotGranted => "NotGranted",
         })
+    }
+}
+
+/// What [`Store::lease_conversation`] got.
+pub enum ConversationLease {
+    /// The store offers no leases; lock turn by turn ([`Store::lock_conversation`]).
+    NotOffered,
+    /// The conversation is this replica's until `lease` is dropped.
+    Held {
+        /// Holds the conversation; dropping it lets the next holder in.
+        lease: Lease,
+        /// What the first turn loaded under the lease.
+        snapshot: Snapshot,
+        /// The first turn, holding the conversation as a [`ConversationLock::Held`] turn does.
+        turn: Box<dyn LockedTurn>,
+        /// Whether another holder had the conversation when this replica asked: it is contended.
+        waited: bool,
+    },
+    /// Another holder kept the conversation for all of the wait allowed; nothing was done.
+    NotGranted,
+}
+
+impl fmt::Debug for ConversationLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::NotOffered => f.write_str("NotOffered"),
+            Self::Held { waited, .. } => f.debug_struct("Held").field("waited", waited).finish(),
+            Self::NotGranted => f.write_str("NotGranted"),
+        }
+    }
+}
+
+/// A conversation held by this replica (see [`Store::lease_conversation`]), released when this is
+/// dropped: the store's guard, opaque to the holder.
+pub struct Lease {
+    _guard: Box<dyn Send + Sync>,
+}
+
+impl Lease {
+    /// A lease that `guard` releases when dropped.
+    pub fn new(guard: impl Send + Sync + 'static) -> Self {
+        Self {
+            _guard: Box::new(guard),
+        }
+    }
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Lease")
     }
 }
 

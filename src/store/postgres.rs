@@ -24,8 +24,8 @@ use tokio_postgres::types::{Json, ToSql, Type};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{
-    Commit, CommitOutcome, ConversationLock, Expected, KeyHasher, KeyMap, Receipt, Snapshot, Store,
-    StoreError, Version, Versioned,
+    Commit, CommitOutcome, ConversationLease, ConversationLock, Expected, KeyHasher, KeyMap,
+    Receipt, Snapshot, Store, StoreError, Version, Versioned,
 };
 use crate::activity::JsonMap;
 use crate::state::StateKey;
@@ -471,6 +471,17 @@ impl Store for PostgresStore {
         wait: Duration,
     ) -> Result<ConversationLock, StoreError> {
         lock::lock_conversation(self, conversation, keys, receipt, wait).await
+    }
+
+    #[tracing::instrument(skip_all)]
+    async fn lease_conversation(
+        &self,
+        conversation: &StateKey,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+        wait: Duration,
+    ) -> Result<ConversationLease, StoreError> {
+        lock::lease_conversation(self, conversation, keys, receipt, wait).await
     }
 
     #[tracing::instrument(skip_all)]

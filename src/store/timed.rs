@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 
 use super::{
-    Commit, CommitOutcome, Consistency, ConversationLock, PoolStatus, Snapshot, Store, StoreError,
+    Commit, CommitOutcome, Consistency, ConversationLease, ConversationLock, PoolStatus, Snapshot,
+    Store, StoreError,
 };
 use crate::state::StateKey;
 use crate::telemetry::metrics::STORE_DURATION;
@@ -96,6 +97,23 @@ impl Store for TimedStore {
             .await;
         self.lock.record(started.elapsed());
         locked
+    }
+
+    /// Times the wait for the lease with its first turn's load, as a lock.
+    async fn lease_conversation(
+        &self,
+        conversation: &StateKey,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+        wait: Duration,
+    ) -> Result<ConversationLease, StoreError> {
+        let started = Instant::now();
+        let leased = self
+            .inner
+            .lease_conversation(conversation, keys, receipt, wait)
+            .await;
+        self.lock.record(started.elapsed());
+        leased
     }
 
     fn pool_status(&self) -> Option<PoolStatus> {

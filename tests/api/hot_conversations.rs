@@ -24,6 +24,11 @@ use turnstile::bots::PizzaBot;
 use turnstile::grpc::pb;
 use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
 use turnstile::state::StateKey;
+use turnstile::store::postgres::{self, DatabaseUrl, PostgresStore, Statements};
+use turnstile::store::{
+    Commit, CommitOutcome, ConversationLease, ConversationLock, Expected, KeyChange, Snapshot,
+    Store, StoreError, Version,
+};
 use turnstile::{Bot, BotError, BotRegistry, ConcurrencyPolicy, TurnContext};
 
 const TURNS: usize = 40;
@@ -174,15 +179,286 @@ async fn session(url: &str) -> tokio_postgres::Client {
     client
 }
 
-/// How many sessions wait for an advisory lock right now.
+/// How many sessions wait for an advisory lock in `db`'s database right now.
 async fn lock_waiters(db: &tokio_postgres::Client) -> i64 {
+    advisory_locks(db, false).await
+}
+
+/// How many advisory locks of `db`'s database are held (`granted`) or waited for right now.
+async fn advisory_locks(db: &tokio_postgres::Client, granted: bool) -> i64 {
     db.query_one(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
-        &[],
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted = $1 \
+            AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        &[&granted],
     )
     .await
     .unwrap()
     .get(0)
+}
+
+/// Waits until no advisory lock is held in `db`'s database: every lease and lock has ended, and
+/// no connection went back to a pool still holding one.
+async fn until_nothing_is_held(db: &tokio_postgres::Client, what: &str) {
+    let until = Instant::now() + Duration::from_secs(10);
+    while advisory_locks(db, true).await > 0 {
+        assert!(Instant::now() < until, "{what}: a lock is still held");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until someone waits for an advisory lock in `db`'s database.
+async fn until_someone_waits(db: &tokio_postgres::Client, what: &str) {
+    let until = Instant::now() + Duration::from_secs(20);
+    while lock_waiters(db).await == 0 {
+        assert!(Instant::now() < until, "{what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A lease holds its conversation against every other replica's lock and lease until it is
+/// dropped — past its first turn — while its holder's own commits go through; the next holder
+/// learns that it had to wait; nothing of either is left in PostgreSQL once they are dropped;
+/// and behind a transaction-mode pooler no lease is offered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
+    let url = support::pg::fresh_database().await;
+    let db_url = DatabaseUrl::new(url.clone());
+    postgres::migrate(&db_url).await.unwrap();
+    let holder = PostgresStore::connect(&db_url, 4).unwrap();
+    let other = Arc::new(PostgresStore::connect(&db_url, 4).unwrap());
+    let observer = session(&url).await;
+    let key = StateKey::conversation(
+        "pizza",
+        &ChannelId::parse("test", "channelId").unwrap(),
+        &ConversationId::parse("leased", "conversation.id").unwrap(),
+    );
+    let keys = [key.clone()];
+    let wait = Duration::from_secs(10);
+    let short = Duration::from_millis(300);
+    let written = |expected, n: u64| {
+        Commit::new(vec![KeyChange {
+            key: key.clone(),
+            expected,
+            write: Some(serde_json::Map::from_iter([("n".to_owned(), n.into())])),
+        }])
+    };
+
+    let ConversationLease::Held {
+        lease,
+        snapshot,
+        turn,
+        waited,
+    } = holder
+        .lease_conversation(&key, &keys, None, wait)
+        .await
+        .unwrap()
+    else {
+        panic!("an idle conversation's lease was not granted");
+    };
+    assert!(!waited, "nobody else held the conversation");
+    assert!(snapshot.get(&key).is_none());
+    let first = turn.commit(written(Expected::Absent, 1)).await.unwrap();
+    assert!(matches!(first, CommitOutcome::Committed(_)), "{first:?}");
+
+    // The first turn is over; the lease is not.
+    let lock = other.lock_conversation(&key, &keys, None, short).await;
+    assert!(
+        matches!(lock, Ok(ConversationLock::NotGranted)),
+        "another replica's lock got in: {lock:?}"
+    );
+    let leased = other.lease_conversation(&key, &keys, None, short).await;
+    assert!(
+        matches!(leased, Ok(ConversationLease::NotGranted)),
+        "another replica's lease got in: {leased:?}"
+    );
+    // The holder's next turns are ordinary commits.
+    let second = holder
+        .commit(written(Expected::Version(Version::FIRST), 2))
+        .await
+        .unwrap();
+    assert!(matches!(second, CommitOutcome::Committed(_)), "{second:?}");
+
+    // The next holder waits, and the drop lets it in, on what the holder committed.
+    let waiting = tokio::spawn({
+        let (other, key) = (Arc::clone(&other), key.clone());
+        async move {
+            other
+                .lease_conversation(&key, std::slice::from_ref(&key), None, wait)
+                .await
+        }
+    });
+    until_someone_waits(&observer, "the other replica never asked for the lease").await;
+    drop(lease);
+    let ConversationLease::Held {
+        lease: next,
+        snapshot,
+        turn,
+        waited,
+    } = waiting.await.unwrap().unwrap()
+    else {
+        panic!("the lease was not handed on when its holder let go");
+    };
+    assert!(waited, "the next holder did not learn that it waited");
+    assert_eq!(
+        snapshot.get(&key).map(|row| row.version),
+        Some(Version::new(2))
+    );
+    turn.release().await;
+    drop(next);
+    until_nothing_is_held(&observer, "after both leases ended").await;
+
+    let pooled = PostgresStore::connect_with(&db_url, 2, Statements::Unprepared).unwrap();
+    let offered = pooled.lease_conversation(&key, &keys, None, short).await;
+    assert!(
+        matches!(offered, Ok(ConversationLease::NotOffered)),
+        "a session lease behind a transaction-mode pooler: {offered:?}"
+    );
+}
+
+/// The store of one replica, counting how often its engine asks for the conversation.
+struct CountingHolds {
+    inner: PostgresStore,
+    holds: AtomicU32,
+}
+
+#[async_trait]
+impl Store for CountingHolds {
+    async fn load(
+        &self,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+    ) -> Result<Snapshot, StoreError> {
+        self.inner.load(keys, receipt).await
+    }
+
+    async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
+        self.inner.commit(commit).await
+    }
+
+    async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
+        self.inner.prune_receipts(age).await
+    }
+
+    async fn lock_conversation(
+        &self,
+        conversation: &StateKey,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+        wait: Duration,
+    ) -> Result<ConversationLock, StoreError> {
+        self.holds.fetch_add(1, Ordering::SeqCst);
+        self.inner
+            .lock_conversation(conversation, keys, receipt, wait)
+            .await
+    }
+
+    async fn lease_conversation(
+        &self,
+        conversation: &StateKey,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+        wait: Duration,
+    ) -> Result<ConversationLease, StoreError> {
+        self.holds.fetch_add(1, Ordering::SeqCst);
+        self.inner
+            .lease_conversation(conversation, keys, receipt, wait)
+            .await
+    }
+}
+
+/// Turns of a hot conversation queued on one replica run on one lease, each once, rather than
+/// taking the conversation one by one; and the lease ends with the last of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hot_conversations_queued_turns_share_one_lease() {
+    const QUEUED: usize = 10;
+    let url = support::pg::fresh_database().await;
+    let db_url = DatabaseUrl::new(url.clone());
+    postgres::migrate(&db_url).await.unwrap();
+    let store = Arc::new(CountingHolds {
+        inner: PostgresStore::connect(&db_url, 8).unwrap(),
+        holds: AtomicU32::new(0),
+    });
+    let runs = Arc::new(AtomicU32::new(0));
+    let server = TestServer::start_with_store(
+        postgres_config(&url),
+        Arc::clone(&store) as Arc<dyn Store>,
+        BotRegistry::new("pizza", Counted(Arc::clone(&runs))),
+    )
+    .await;
+    let mut client = server.client().await;
+    let observer = session(&url).await;
+    let key = conversation_key("pizza", "queue");
+
+    say(&mut client, "queue", "add ham").await;
+    // Another replica moves the conversation on, and holds it.
+    observer
+        .execute(
+            "UPDATE turnstile_state SET version = version + 1 WHERE key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap();
+    let other = session(&url).await;
+    other
+        .execute("SELECT pg_advisory_lock(hashtextextended($1, 0))", &[&key])
+        .await
+        .unwrap();
+
+    // This replica's next turn conflicts, and asks for the conversation; the others queue here.
+    let started = Instant::now();
+    let send = |i: usize| {
+        let mut client = client.clone();
+        tokio::spawn(async move {
+            client
+                .process_turn(request(message("queue", "alice", &format!("add q{i:02}"))))
+                .await
+                .unwrap_or_else(|s| panic!("add q{i:02} failed: {s:?}"))
+                .into_inner()
+        })
+    };
+    let first = send(0);
+    until_someone_waits(
+        &observer,
+        "the conflicting turn never asked for the conversation",
+    )
+    .await;
+    let queued: Vec<_> = (1..=QUEUED).map(send).collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    other
+        .execute(
+            "SELECT pg_advisory_unlock(hashtextextended($1, 0))",
+            &[&key],
+        )
+        .await
+        .unwrap();
+
+    assert_eq!(
+        first.await.unwrap().attempts,
+        2,
+        "the first turn conflicted once"
+    );
+    for turn in queued {
+        assert_eq!(turn.await.unwrap().attempts, 1, "a queued turn ran twice");
+    }
+    let elapsed = started.elapsed();
+    let shown = say(&mut client, "queue", "show").await;
+    assert_eq!(toppings(&texts(&shown)[0]).len(), QUEUED + 2);
+    assert_eq!(runs.load(Ordering::SeqCst) as usize, 1 + 2 + QUEUED + 1);
+
+    // One lease for all, give or take one per `LEASE_TIME` (50 ms) the turns took; holding
+    // the conversation turn by turn would ask for it once per turn.
+    let holds = store.holds.load(Ordering::SeqCst) as usize;
+    let allowed = 2 + usize::try_from(elapsed.as_millis() / 50).unwrap();
+    eprintln!(
+        "{} turns asked for the conversation {holds} times in {elapsed:?}",
+        QUEUED + 1
+    );
+    assert!(
+        holds < QUEUED && holds <= allowed,
+        "{holds} holds for {} turns in {elapsed:?}",
+        QUEUED + 1
+    );
+    until_nothing_is_held(&observer, "after the queue emptied").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -37,6 +37,7 @@
 //! outcome, [`ConversationLock::NotGranted`]. A replica alive but stuck while holding the lock
 //! is cut off by `idle_in_transaction_session_timeout`.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::anyhow;
@@ -49,13 +50,32 @@ use super::{
     within_call_timeout,
 };
 use crate::state::StateKey;
-use crate::store::{Commit, CommitOutcome, ConversationLock, LockedTurn, StoreError};
+use crate::store::{
+    Commit, CommitOutcome, ConversationLease, ConversationLock, Lease, LockedTurn, StoreError,
+};
 
 /// Waits until this transaction holds the conversation, or `lock_timeout` ends the wait.
 const LOCK: Sql = Sql {
     text: "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
     types: &[Type::TEXT],
 };
+
+/// Waits until this session holds the conversation, or `lock_timeout` ends the wait; answers
+/// whether it had to wait (another holder had it). A session lock: it outlasts the transaction
+/// it was taken in, until `pg_advisory_unlock_all()` or the session's end.
+const LEASE: Sql = Sql {
+    text: "SELECT CASE WHEN pg_try_advisory_lock(hashtextextended($1, 0)) THEN false \
+           ELSE (SELECT true FROM pg_advisory_lock(hashtextextended($1, 0))) END",
+    types: &[Type::TEXT],
+};
+
+/// Ends a lease: its lock, and the session's time limit that came with it.
+const UNLEASE: &str = "SELECT pg_advisory_unlock_all(); RESET idle_session_timeout";
+
+/// How long a leased session may sit idle between its holder's turns before PostgreSQL ends it:
+/// a holder hands its conversation to its next turn within microseconds, so only a replica that
+/// stopped without dying gets there.
+const LEASE_IDLE_LIMIT: Duration = Duration::from_secs(30);
 
 /// How long past its lock wait a turn may hold the lock idle (its bot running) before
 /// PostgreSQL ends the session: only a replica that stopped without dying gets there.
@@ -75,13 +95,93 @@ pub(super) async fn lock_conversation(
     receipt: Option<&StateKey>,
     wait: Duration,
 ) -> Result<ConversationLock, StoreError> {
+    Ok(
+        match hold(store, Hold::Turn, conversation, keys, receipt, wait).await? {
+            Held::Granted { snapshot, turn, .. } => ConversationLock::Held { snapshot, turn },
+            Held::NotGranted => ConversationLock::NotGranted,
+        },
+    )
+}
+
+/// Leases `conversation` to this replica on a connection of `store`'s pool, which the lease
+/// keeps out of the pool until it ends: a session lock, taken in the transaction of the lease's
+/// first turn, with that turn's load (`FOR UPDATE`) in the same round trip, as in
+/// [`lock_conversation`].
+///
+/// Only with prepared statements: behind a transaction-mode pooler (`Statements::Unprepared`)
+/// a session lock would stay with whichever client the pooler lends the server connection to
+/// next, so there the store offers no lease.
+pub(super) async fn lease_conversation(
+    store: &PostgresStore,
+    conversation: &StateKey,
+    keys: &[StateKey],
+    receipt: Option<&StateKey>,
+    wait: Duration,
+) -> Result<ConversationLease, StoreError> {
+    if store.statements == Statements::Unprepared {
+        return Ok(ConversationLease::NotOffered);
+    }
+    Ok(
+        match hold(store, Hold::Lease, conversation, keys, receipt, wait).await? {
+            Held::Granted {
+                snapshot,
+                turn,
+                home,
+                waited,
+            } => ConversationLease::Held {
+                lease: Lease::new(LeaseGuard { _home: home }),
+                snapshot,
+                turn,
+                waited,
+            },
+            Held::NotGranted => ConversationLease::NotGranted,
+        },
+    )
+}
+
+/// What [`hold`] takes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    /// The conversation for one turn (a transaction lock).
+    Turn,
+    /// The conversation for a lease, and its first turn (a session lock).
+    Lease,
+}
+
+/// What [`hold`] got.
+enum Held {
+    Granted {
+        snapshot: crate::store::Snapshot,
+        turn: Box<dyn LockedTurn>,
+        /// The lease's connection, once its first turn has ended (always set for a lease).
+        home: Arc<LeaseHome>,
+        /// Whether another holder had the conversation when asked (leases only).
+        waited: bool,
+    },
+    NotGranted,
+}
+
+/// Opens a transaction on a pooled connection, takes `how`'s lock on `conversation` in it and
+/// loads `keys` and `receipt` under the lock, all in one round trip.
+async fn hold(
+    store: &PostgresStore,
+    how: Hold,
+    conversation: &StateKey,
+    keys: &[StateKey],
+    receipt: Option<&StateKey>,
+    wait: Duration,
+) -> Result<Held, StoreError> {
     let asked = std::time::Instant::now();
     let client = store.client().await?;
     let statements = store.statements;
+    let lock = match how {
+        Hold::Turn => LOCK,
+        Hold::Lease => LEASE,
+    };
     // Prepared before anything is sent (at once when the connection has them), so that the
     // three requests below leave in the order they are written.
     within_call_timeout(async {
-        LOCK.ready(&client, statements).await.map_err(classify)?;
+        lock.ready(&client, statements).await.map_err(classify)?;
         LOAD_HOLDING
             .ready(&client, statements)
             .await
@@ -94,14 +194,24 @@ pub(super) async fn lock_conversation(
     let wait_ms = wait.as_millis().clamp(1, u128::from(u32::MAX));
     let hold_ms = (wait + HOLD_GRACE).as_millis().min(u128::from(u32::MAX));
     // Numbers only in this text, so it can go as one simple query, which a transaction-mode
-    // pooler passes through like any other.
+    // pooler passes through like any other. A lease's session limit outlasts the transaction
+    // (`SET`, not `SET LOCAL`), as its lock does, until the lease ends (`UNLEASE`).
+    let idle_limit = match how {
+        Hold::Turn => String::new(),
+        Hold::Lease => format!(
+            "; SET idle_session_timeout = {}",
+            LEASE_IDLE_LIMIT.as_millis()
+        ),
+    };
     let begin = format!(
         "BEGIN; SET LOCAL lock_timeout = {wait_ms}; \
-         SET LOCAL idle_in_transaction_session_timeout = {hold_ms}"
+         SET LOCAL idle_in_transaction_session_timeout = {hold_ms}{idle_limit}"
     );
+    let home = Arc::new(LeaseHome::default());
     let turn = PgLockedTurn {
         client: Some(client),
         statements,
+        home: (how == Hold::Lease).then(|| Arc::clone(&home)),
     };
     let key = conversation.as_str();
     let params: [&(dyn ToSql + Sync); 1] = [&key];
@@ -110,7 +220,7 @@ pub(super) async fn lock_conversation(
     let answered = tokio::time::timeout(wait + CALL_TIMEOUT, async {
         futures::join!(
             client.batch_execute(&begin),
-            LOCK.execute(client, statements, &params),
+            lock.query(client, statements, &params),
             PostgresStore::load_on(client, statements, keys, receipt, Some(conversation)),
         )
     })
@@ -124,15 +234,28 @@ pub(super) async fn lock_conversation(
     };
     began.map_err(classify)?;
     match locked {
-        Ok(_) => Ok(ConversationLock::Held {
-            // A load after a lock not granted fails too, as the transaction has: the lock's
-            // error is the one that says what happened.
-            snapshot: loaded?,
-            turn: Box::new(turn),
-        }),
+        Ok(rows) => {
+            let waited = match how {
+                Hold::Turn => false,
+                Hold::Lease => rows
+                    .first()
+                    .map(|row| row.try_get::<_, bool>(0))
+                    .transpose()
+                    .map_err(super::unexpected)?
+                    .unwrap_or(false),
+            };
+            Ok(Held::Granted {
+                // A load after a lock not granted fails too, as the transaction has: the lock's
+                // error is the one that says what happened.
+                snapshot: loaded?,
+                turn: Box::new(turn),
+                home,
+                waited,
+            })
+        }
         Err(e) if not_granted(&e) => {
             Box::new(turn).release().await;
-            Ok(ConversationLock::NotGranted)
+            Ok(Held::NotGranted)
         }
         // Dropping `turn` rolls back.
         Err(e) => Err(classify(e)),
@@ -152,6 +275,9 @@ struct PgLockedTurn {
     /// `None` once the transaction has ended.
     client: Option<deadpool_postgres::Object>,
     statements: Statements,
+    /// Where the connection goes once the transaction ended, for a lease's first turn: it stays
+    /// out of the pool, holding the lease. `None`: back to the pool.
+    home: Option<Arc<LeaseHome>>,
 }
 
 impl PgLockedTurn {
@@ -171,15 +297,17 @@ impl PgLockedTurn {
         self.ended(ended)
     }
 
-    /// Gives the connection back to the pool once its transaction ended, as `ended` says. A
-    /// connection on which ending it failed is not given back: its session may still be in the
-    /// transaction.
+    /// Gives the connection back (to the pool, or to its lease) once its transaction ended, as
+    /// `ended` says. A connection on which ending it failed is closed instead: its session may
+    /// still be in the transaction (a lease on it ends with it).
     fn ended(&mut self, ended: Result<(), StoreError>) -> Result<(), StoreError> {
         let Some(client) = self.client.take() else {
             return ended;
         };
-        if ended.is_err() {
-            drop(deadpool_postgres::Object::take(client));
+        match (&ended, &self.home) {
+            (Err(_), _) => drop(deadpool_postgres::Object::take(client)),
+            (Ok(()), Some(home)) => home.keep(client),
+            (Ok(()), None) => drop(client),
         }
         ended
     }
@@ -230,13 +358,61 @@ impl Drop for PgLockedTurn {
         let Some(client) = self.client.take() else {
             return;
         };
+        let home = self.home.take();
         // Dropped mid-turn (the call was cancelled, or an error cut the turn short): roll back
         // before the connection serves anyone else. Without a runtime to do that on, the
         // connection is closed instead, which ends the transaction just the same.
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 runtime.spawn(async move {
-                    if client.batch_execute("ROLLBACK").await.is_err() {
+                    match (client.batch_execute("ROLLBACK").await, home) {
+                        (Err(_), _) => drop(deadpool_postgres::Object::take(client)),
+                        (Ok(()), Some(home)) => home.keep(client),
+                        (Ok(()), None) => drop(client),
+                    }
+                });
+            }
+            Err(_) => drop(deadpool_postgres::Object::take(client)),
+        }
+    }
+}
+
+/// A lease's connection between its first turn's end and the lease's: it holds the session lock,
+/// so it must not go back to the pool before [`UNLEASE`] ran on it. Whoever lets go of this
+/// last — the lease, or a first turn that outlived it — ends the lease.
+#[derive(Default)]
+struct LeaseHome {
+    client: std::sync::Mutex<Option<deadpool_postgres::Object>>,
+}
+
+impl LeaseHome {
+    /// Keeps the lease's connection, its first turn over.
+    fn keep(&self, client: deadpool_postgres::Object) {
+        *self
+            .client
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(client);
+    }
+}
+
+impl Drop for LeaseHome {
+    fn drop(&mut self) {
+        let client = self
+            .client
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        let Some(client) = client else {
+            // Never granted, or its connection failed: no lock is left on any session.
+            return;
+        };
+        // Unlocked before the connection serves anyone else; a connection that cannot say so, or
+        // that has no runtime to say it on, is closed, which ends the lock just the same.
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    if let Err(e) = client.batch_execute(UNLEASE).await {
+                        tracing::debug!(error = %e, "ending a conversation lease failed; connection dropped");
                         drop(deadpool_postgres::Object::take(client));
                     }
                 });
@@ -244,4 +420,9 @@ impl Drop for PgLockedTurn {
             Err(_) => drop(deadpool_postgres::Object::take(client)),
         }
     }
+}
+
+/// What the holder of a lease keeps: the lease ends when the last of it and its first turn goes.
+struct LeaseGuard {
+    _home: Arc<LeaseHome>,
 }
