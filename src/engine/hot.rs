@@ -1,13 +1,14 @@
-//! Conversations this replica has seen conflict lately: their turns take the conversation lock
-//! from the first attempt.
+//! Conversations this replica has seen contended lately: their turns lease the conversation from
+//! the first attempt.
 //!
-//! A conflict says another replica is working on the same conversation now, and a busy
-//! conversation (a group chat, a user sending several messages at once) stays busy for a while.
-//! Its next turns here would most likely run the bot on state about to move, lose, and only then
-//! queue for the lock; remembering the conflict for a few seconds sends them to the queue at
-//! once. A conversation without conflicts is never in this table, so its turns stay optimistic:
-//! one round trip. The table is small and forgets on its own: entries expire, and when it is full
-//! the expired ones go (or, if none has, all of them, which only costs a conflict each).
+//! A conflict, or a lease that had to wait for another replica's, says another replica is working
+//! on the same conversation now, and a busy conversation (a group chat, a user sending several
+//! messages at once) stays busy for a while. Its next turns here would most likely run the bot on
+//! state about to move, lose, and only then queue for the lease; remembering the contention for a
+//! few seconds sends them to the queue at once. A conversation without contention is never in
+//! this table, so its turns stay optimistic: one round trip. The table is small and forgets on
+//! its own: entries expire, and when it is full the expired ones go (or, if none has, all of
+//! them, which only costs a conflict each).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
@@ -16,12 +17,12 @@ use std::time::{Duration, Instant};
 use crate::state::StateKey;
 use crate::store::KeyMap;
 
-/// How long a conflict keeps a conversation's turns serialized on this replica.
+/// How long contention keeps a conversation's turns leased on this replica.
 const REMEMBERED_FOR: Duration = Duration::from_secs(5);
 /// The most conversations remembered at once.
 const CAPACITY: usize = 4096;
 
-/// Conversation keys with the time their last conflict here stops counting.
+/// Conversation keys with the time their last contention here stops counting.
 #[derive(Debug, Default)]
 pub(crate) struct HotConversations {
     until: Mutex<KeyMap<Instant>>,
@@ -30,7 +31,7 @@ pub(crate) struct HotConversations {
 }
 
 impl HotConversations {
-    /// Whether `conversation` conflicted on this replica within the last few seconds.
+    /// Whether `conversation` was contended on this replica within the last few seconds.
     pub fn is_hot(&self, conversation: &StateKey) -> bool {
         if !self.any.load(Ordering::Relaxed) {
             return false;

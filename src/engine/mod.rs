@@ -11,10 +11,13 @@
 //! queue (see `queue`), so conflicts come only from other replicas.
 //!
 //! Across replicas they queue in the store once they have met: after a conflict, the turn's next
-//! attempt holds the conversation lock (`Store::lock_conversation`) across load → run → commit, so
-//! it runs the bot on state nobody else's serialized turn is about to move, and the conversation
-//! stays serialized on this replica for a few seconds (see `hot`). A bot whose policy is
-//! `Serialized` takes the lock from its first attempt. The conditional commit stays the backstop.
+//! attempt holds the conversation (`Store::lease_conversation`) across load → run → commit, so
+//! it runs the bot on state nobody else is about to move, and the conversation stays contended
+//! on this replica for a few seconds (see `hot`). The lease outlasts that turn while more turns
+//! of the conversation queue here: they run as on a lone replica, one commit each, and the
+//! other replicas' turns wait in the store (see `HeldLease`). A bot whose policy is
+//! `Serialized` holds the conversation turn by turn from its first attempt
+//! (`Store::lock_conversation`). The conditional commit stays the backstop.
 
 mod hot;
 mod queue;

@@ -36,7 +36,7 @@ pub const COMMIT_BATCH_SIZE: &str = "turnstile_commit_batch_size";
 pub const POOL_CONNECTIONS: &str = "turnstile_pool_connections";
 /// Redelivered activities answered from their stored receipt, without running the bot.
 pub const REDELIVERIES: &str = "turnstile_redeliveries_total";
-/// Conversation locks asked for by serialized attempts, by `outcome` (`granted` |
+/// Conversation locks and leases asked for, by `outcome` (`granted` |
 /// `not_granted`).
 pub const LOCK_WAITS: &str = "turnstile_lock_waits_total";
 /// Always 1, labelled with the running `version`: joins other series to the build that made them.
@@ -104,7 +104,7 @@ fn describe() {
     );
     describe_counter!(
         LOCK_WAITS,
-        "Conversation locks asked for by serialized attempts, by outcome"
+        "Conversation locks and leases asked for, by outcome"
     );
     describe_gauge!(BUILD_INFO, "1, labelled with the running version");
     describe_histogram!(

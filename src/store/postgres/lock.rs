@@ -27,15 +27,27 @@
 //! each batch in order, so the load runs the moment the lock is granted and the lock ends the
 //! moment the commit has run; what the holder adds is the time its answers take to travel and
 //! its bot's run. (Sent one at a time, as five round trips, the holder kept the conversation for
-//! two and a half of them.) What still separates this queue from one replica's own, where a
-//! turn costs one statement and hands over to the next without leaving the process, is the
-//! database's work per locked turn (seven statements and a lock hand-over between backends):
-//! `bench/RESULTS.md` measures both.
+//! two and a half of them.)
+//!
+//! **Leases.** What still separates that queue from one replica's own, where a turn costs one
+//! statement and hands over to the next without leaving the process, is the database's work per
+//! locked turn: seven statements and a lock hand-over between backends, three times what an
+//! ordinary turn costs PostgreSQL (`bench/RESULTS.md`). So a replica whose own queue holds more
+//! turns of a contended conversation takes the lock for all of them at once: a lease. It is the
+//! same round trip as above with a *session* lock, `pg_advisory_lock`, in place of the
+//! transaction's; the first turn commits under it as above, and the lock then stays with the
+//! session, whose connection the lease keeps out of the pool. The holder's next turns are
+//! ordinary ones (a guess from its cache and the group commit), and every other replica's
+//! locked turn or lease waits. Dropping the lease runs `pg_advisory_unlock_all()` before the
+//! connection goes back to the pool (or closes it). Only with prepared statements: behind a
+//! transaction-mode pooler a session lock would stay with whichever client the pooler lends the
+//! server connection to next, so there the store offers none, and turns lock one by one.
 //!
 //! The wait is bounded by the turn's deadline (`lock_timeout`); a lock not granted in time
 //! (SQLSTATE 55P03, or 57014 when the statement timeout ends the wait first) is an ordinary
 //! outcome, [`ConversationLock::NotGranted`]. A replica alive but stuck while holding the lock
-//! is cut off by `idle_in_transaction_session_timeout`.
+//! is cut off by `idle_in_transaction_session_timeout` during a turn, and, between two turns of
+//! a lease, by `idle_session_timeout`, set on the leased session only (PostgreSQL 14 or later).
 
 use std::sync::Arc;
 use std::time::Duration;
