@@ -341,6 +341,8 @@ pub struct PostgresStore {
     pool: Pool,
     statements: Statements,
     group: Arc<GroupCommit>,
+    /// Connections kept out of the pool by conversation leases (held or asked for).
+    leases: lock::LeaseSlots,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -394,6 +396,7 @@ impl PostgresStore {
                 statements,
                 group_commit_slots(pool_size),
             )),
+            leases: lock::LeaseSlots::new(lease_slots(pool_size)),
             pool,
             statements,
         })
@@ -432,6 +435,12 @@ impl PostgresStore {
 /// commits (`bench/RESULTS.md`).
 fn group_commit_slots(pool_size: usize) -> usize {
     (pool_size / 4).clamp(1, 4)
+}
+
+/// How many connections of a pool of `pool_size` conversation leases may keep: half, so that the
+/// leased conversations' turns, which load and commit on other connections, always find one.
+fn lease_slots(pool_size: usize) -> usize {
+    (pool_size / 2).max(1)
 }
 
 /// A connection from `pool`, or why there is none.

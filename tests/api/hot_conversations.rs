@@ -260,6 +260,48 @@ async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
     let first = turn.commit(written(Expected::Absent, 1)).await.unwrap();
     assert!(matches!(first, CommitOutcome::Committed(_)), "{first:?}");
 
+    // Leases keep at most half the pool (of 4): a second conversation's is granted, a third's
+    // is not offered — that turn locks on its own — and the slot comes back with the lease.
+    let others: Vec<StateKey> = ["leased-2", "leased-3"]
+        .iter()
+        .map(|id| {
+            StateKey::conversation(
+                "pizza",
+                &ChannelId::parse("test", "channelId").unwrap(),
+                &ConversationId::parse(id, "conversation.id").unwrap(),
+            )
+        })
+        .collect();
+    let second_lease = holder
+        .lease_conversation(&others[0], &others[..1], None, wait)
+        .await
+        .unwrap();
+    let ConversationLease::Held {
+        lease: second_lease,
+        turn,
+        ..
+    } = second_lease
+    else {
+        panic!("a second lease in a pool of 4: {second_lease:?}");
+    };
+    let third = holder
+        .lease_conversation(&others[1], &others[1..], None, wait)
+        .await;
+    assert!(
+        matches!(third, Ok(ConversationLease::NotOffered)),
+        "a third lease in a pool of 4: {third:?}"
+    );
+    turn.release().await;
+    drop(second_lease);
+    let third = holder
+        .lease_conversation(&others[1], &others[1..], None, wait)
+        .await;
+    assert!(
+        matches!(third, Ok(ConversationLease::Held { .. })),
+        "the second lease's slot did not come back: {third:?}"
+    );
+    drop(third);
+
     // The first turn is over; the lease is not.
     let lock = other.lock_conversation(&key, &keys, None, short).await;
     assert!(

@@ -133,8 +133,13 @@ pub(super) async fn lease_conversation(
     if store.statements == Statements::Unprepared {
         return Ok(ConversationLease::NotOffered);
     }
+    // Half the pool at most, else a leased conversation's next turn could find no connection to
+    // commit on: beyond that, turns lock one by one, each on one connection.
+    let Some(slot) = store.leases.take() else {
+        return Ok(ConversationLease::NotOffered);
+    };
     Ok(
-        match hold(store, Hold::Lease, conversation, keys, receipt, wait).await? {
+        match hold(store, Hold::Lease(slot), conversation, keys, receipt, wait).await? {
             Held::Granted {
                 snapshot,
                 turn,
@@ -152,12 +157,48 @@ pub(super) async fn lease_conversation(
 }
 
 /// What [`hold`] takes.
-#[derive(Clone, Copy, PartialEq, Eq)]
 enum Hold {
     /// The conversation for one turn (a transaction lock).
     Turn,
-    /// The conversation for a lease, and its first turn (a session lock).
-    Lease,
+    /// The conversation for a lease, and its first turn (a session lock), in this slot.
+    Lease(LeaseSlot),
+}
+
+/// How many connections leases keep out of the pool, against a limit; clones count together.
+#[derive(Debug, Clone)]
+pub(super) struct LeaseSlots {
+    taken: Arc<std::sync::atomic::AtomicUsize>,
+    limit: usize,
+}
+
+impl LeaseSlots {
+    /// At most `limit` leases at once.
+    pub(super) fn new(limit: usize) -> Self {
+        Self {
+            taken: Arc::default(),
+            limit,
+        }
+    }
+
+    /// A slot for one more lease, if the limit allows.
+    fn take(&self) -> Option<LeaseSlot> {
+        use std::sync::atomic::Ordering;
+        let taken = self
+            .taken
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.limit).then_some(n + 1)
+            });
+        taken.ok().map(|_| LeaseSlot(Arc::clone(&self.taken)))
+    }
+}
+
+/// One lease's place among [`LeaseSlots`], given back when dropped.
+struct LeaseSlot(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for LeaseSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 /// What [`hold`] got.
@@ -188,7 +229,7 @@ async fn hold(
     let statements = store.statements;
     let lock = match how {
         Hold::Turn => LOCK,
-        Hold::Lease => LEASE,
+        Hold::Lease(_) => LEASE,
     };
     // Prepared before anything is sent (at once when the connection has them), so that the
     // three requests below leave in the order they are written.
@@ -210,7 +251,7 @@ async fn hold(
     // (`SET`, not `SET LOCAL`), as its lock does, until the lease ends (`UNLEASE`).
     let idle_limit = match how {
         Hold::Turn => String::new(),
-        Hold::Lease => format!(
+        Hold::Lease(_) => format!(
             "; SET idle_session_timeout = {}",
             LEASE_IDLE_LIMIT.as_millis()
         ),
@@ -219,11 +260,18 @@ async fn hold(
         "BEGIN; SET LOCAL lock_timeout = {wait_ms}; \
          SET LOCAL idle_in_transaction_session_timeout = {hold_ms}{idle_limit}"
     );
-    let home = Arc::new(LeaseHome::default());
+    let leased = matches!(how, Hold::Lease(_));
+    let home = Arc::new(LeaseHome {
+        client: std::sync::Mutex::default(),
+        _slot: match how {
+            Hold::Turn => None,
+            Hold::Lease(slot) => Some(slot),
+        },
+    });
     let turn = PgLockedTurn {
         client: Some(client),
         statements,
-        home: (how == Hold::Lease).then(|| Arc::clone(&home)),
+        home: leased.then(|| Arc::clone(&home)),
     };
     let key = conversation.as_str();
     let params: [&(dyn ToSql + Sync); 1] = [&key];
@@ -247,15 +295,13 @@ async fn hold(
     began.map_err(classify)?;
     match locked {
         Ok(rows) => {
-            let waited = match how {
-                Hold::Turn => false,
-                Hold::Lease => rows
+            let waited = leased
+                && rows
                     .first()
                     .map(|row| row.try_get::<_, bool>(0))
                     .transpose()
                     .map_err(super::unexpected)?
-                    .unwrap_or(false),
-            };
+                    .unwrap_or(false);
             Ok(Held::Granted {
                 // A load after a lock not granted fails too, as the transaction has: the lock's
                 // error is the one that says what happened.
@@ -392,9 +438,10 @@ impl Drop for PgLockedTurn {
 /// A lease's connection between its first turn's end and the lease's: it holds the session lock,
 /// so it must not go back to the pool before [`UNLEASE`] ran on it. Whoever lets go of this
 /// last — the lease, or a first turn that outlived it — ends the lease.
-#[derive(Default)]
 struct LeaseHome {
     client: std::sync::Mutex<Option<deadpool_postgres::Object>>,
+    /// The lease's place among the store's, given back with this.
+    _slot: Option<LeaseSlot>,
 }
 
 impl LeaseHome {
