@@ -258,14 +258,16 @@ print(f"throughput ratio {s/t:.2f} (service {s:.0f} turns/s, pgbench {t:.0f}); p
 }
 
 hot() {  # REPLICAS
-    local n=$1 json
-    start_servers "$n"
+    local n=$1 json runs
+    start_servers "$n" metrics
     json=$(bench --conversations 1 --hot-share 1 --concurrency 64)
+    runs=$(server_runs)
     stop_servers
     HOT_TPS=$(echo "$json" | field 'd["turns_per_second"]')
     HOT_P99=$(echo "$json" | field 'd["latency_ms"]["p99"]')
     echo "1 hot conversation, 64 concurrent, $n replica(s), $LAYOUT cores: $(echo "$json" | field 'round(d["turns_per_second"])') turns/s, p99 $(echo "$json" | field 'round(d["latency_ms"]["p99"], 2)') ms; attempts $(echo "$json" | field 'd["attempts"]'); statuses $(echo "$json" | field 'd["statuses"]'); check $(echo "$json" | field 'd["verification"]'); peak RSS $((PEAK_KB / 1024)) MiB"
     echo "  CPU µs per turn: $(cpu_of "$json"); $(echo "$json" | field "f'{d[\"turns_per_second\"] / $HOT_ANCHOR:.2f}'") of one commit per round trip"
+    echo "  $runs"
 }
 
 # runs_per_turn JSON -> "runs per committed turn, committed, other statuses"
@@ -288,12 +290,14 @@ server_runs() {
     local url
     for url in "${METRICS_URLS[@]}"; do curl -s "$url"; echo "# end of replica"; done | python3 -c '
 import re, sys
-replicas, cur = [], {"runs": 0, "committed": 0, "failed": {}}
+replicas, cur = [], {"runs": 0, "committed": 0, "failed": {}, "holds": 0}
 for line in sys.stdin:
     if line.startswith("# end of replica"):
-        replicas.append(cur); cur = {"runs": 0, "committed": 0, "failed": {}}; continue
+        replicas.append(cur); cur = {"runs": 0, "committed": 0, "failed": {}, "holds": 0}; continue
     m = re.match(r"turnstile_turn_attempts_sum (\S+)", line)
     if m: cur["runs"] += float(m.group(1))
+    m = re.match(r"turnstile_lock_waits_total\{outcome=\"granted\"\} (\S+)", line)
+    if m: cur["holds"] += float(m.group(1))
     m = re.match(r"turnstile_turns_total\{outcome=\"(\w+)\"\} (\S+)", line)
     if m and m.group(1) == "committed": cur["committed"] += float(m.group(2))
     elif m and m.group(1) in ("aborted", "deadline_exceeded", "unavailable", "failed") and float(m.group(2)):
@@ -303,7 +307,8 @@ failed = {}
 for r in replicas:
     for k, v in r["failed"].items(): failed[k] = failed.get(k, 0) + v
 per_replica = [int(r["committed"]) for r in replicas]
-print(f"servers: {runs / max(committed, 1):.2f} runs per committed turn ({int(runs)} runs, {int(committed)} committed, failed {failed or 0}; committed per replica {per_replica})")'
+holds = sum(r["holds"] for r in replicas)
+print(f"servers: {runs / max(committed, 1):.2f} runs per committed turn ({int(runs)} runs, {int(committed)} committed, failed {failed or 0}; committed per replica {per_replica}); {holds / max(committed, 1):.2f} conversation locks or leases per committed turn")'
 }
 slow_bot() {  # LABEL -- SERVER/SERVE_ARGS set by the caller
     local json runs
