@@ -27,6 +27,11 @@
 # (SELECT state, version; then UPDATE ... WHERE key = $k AND version = $v) over the same keys,
 # state size and concurrency, then the service driven by turnstile-bench, and prints both with
 # the ratios service / pgbench. Shared machines are noisy: compare ratios, not absolute numbers.
+#
+# PostgreSQL runs with its default settings. PG_OPTIONS="-c name=value ..." adds server settings
+# for a diagnostic run (say "-c synchronous_commit=off" on a machine whose disk flushes are slow:
+# there every workload that commits one turn per flush measures the disk, not the service); the
+# header line says what was set, and the time one flush of 8 KiB took when the run began.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -61,7 +66,7 @@ cleanup() {
 trap cleanup EXIT
 "${AS[@]}" "$PGBIN/initdb" -D "$WORK/data" -U postgres -A trust -E UTF8 --no-locale >/dev/null
 "${AS[@]}" "$PGBIN/pg_ctl" -D "$WORK/data" -l "$WORK/pg.log" -w \
-    -o "-p $PORT -k $WORK -c listen_addresses=127.0.0.1 -c max_connections=300" start >/dev/null
+    -o "-p $PORT -k $WORK -c listen_addresses=127.0.0.1 -c max_connections=300 ${PG_OPTIONS:-}" start >/dev/null
 PSQL=(psql -h 127.0.0.1 -p "$PORT" -U postgres -v ON_ERROR_STOP=1 -q)
 "${PSQL[@]}" -d postgres -c "CREATE DATABASE anchor" -c "CREATE DATABASE service"
 
@@ -214,7 +219,14 @@ bench() {
 field() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 
 echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(uname -sr); $(date -u +%Y-%m-%dT%H:%MZ)"
-echo "PostgreSQL $("$PGBIN/postgres" --version | awk '{print $3}'), default settings; $KEYS keys, ~$PAD-byte state; ${SECS}s per run"
+FLUSH_MS=$(WORK_DIR=$WORK python3 -c '
+import os, time
+fd = os.open(os.path.join(os.environ["WORK_DIR"], "flush.probe"), os.O_WRONLY | os.O_CREAT | os.O_DSYNC, 0o600)
+started = time.perf_counter()
+for _ in range(100): os.pwrite(fd, bytes(8192), 0)
+print(f"{(time.perf_counter() - started) * 10:.2f}")
+os.close(fd)' )
+echo "PostgreSQL $("$PGBIN/postgres" --version | awk '{print $3}'), ${PG_OPTIONS:-default settings}; $KEYS keys, ~$PAD-byte state; ${SECS}s per run; one 8 KiB flush to disk ${FLUSH_MS} ms"
 echo
 
 cpu_of() { echo "$1" | field '", ".join(f"{k} {v:.0f}" for k, v in d["cpu_us_per_turn"].items())'; }
@@ -290,10 +302,12 @@ server_runs() {
     local url
     for url in "${METRICS_URLS[@]}"; do curl -s "$url"; echo "# end of replica"; done | python3 -c '
 import re, sys
-replicas, cur = [], {"runs": 0, "committed": 0, "failed": {}, "holds": 0}
+replicas, cur = [], {"runs": 0, "committed": 0, "failed": {}, "holds": 0, "loads": 0}
 for line in sys.stdin:
     if line.startswith("# end of replica"):
-        replicas.append(cur); cur = {"runs": 0, "committed": 0, "failed": {}, "holds": 0}; continue
+        replicas.append(cur); cur = {"runs": 0, "committed": 0, "failed": {}, "holds": 0, "loads": 0}; continue
+    m = re.match(r"turnstile_store_duration_seconds_count\{op=\"load\"\} (\S+)", line)
+    if m: cur["loads"] += float(m.group(1))
     m = re.match(r"turnstile_turn_attempts_sum (\S+)", line)
     if m: cur["runs"] += float(m.group(1))
     m = re.match(r"turnstile_lock_waits_total\{outcome=\"granted\"\} (\S+)", line)
@@ -307,8 +321,8 @@ failed = {}
 for r in replicas:
     for k, v in r["failed"].items(): failed[k] = failed.get(k, 0) + v
 per_replica = [int(r["committed"]) for r in replicas]
-holds = sum(r["holds"] for r in replicas)
-print(f"servers: {runs / max(committed, 1):.2f} runs per committed turn ({int(runs)} runs, {int(committed)} committed, failed {failed or 0}; committed per replica {per_replica}); {holds / max(committed, 1):.2f} conversation locks or leases per committed turn")'
+holds = sum(r["holds"] for r in replicas); loads = sum(r["loads"] for r in replicas)
+print(f"servers: {runs / max(committed, 1):.2f} runs per committed turn ({int(runs)} runs, {int(committed)} committed, failed {failed or 0}; committed per replica {per_replica}); {holds / max(committed, 1):.2f} conversation locks or leases and {loads / max(committed, 1):.2f} loads per committed turn")'
 }
 slow_bot() {  # LABEL -- SERVER/SERVE_ARGS set by the caller
     local json runs

@@ -359,6 +359,17 @@ impl Engine {
         attempt: u32,
     ) -> Result<AttemptOutcome, TurnError> {
         let snapshot = self.snapshot(plan, attempt).await?;
+        self.run_on(plan, attempt, snapshot).await
+    }
+
+    /// The rest of an attempt on `snapshot`: answer from the receipt if it has one, else run the
+    /// bot and commit what it did.
+    async fn run_on(
+        &self,
+        plan: &TurnPlan<'_>,
+        attempt: u32,
+        snapshot: Snapshot,
+    ) -> Result<AttemptOutcome, TurnError> {
         if let Some(receipt) = snapshot.receipt() {
             return receipt::decode(receipt).map(AttemptOutcome::Answered);
         }
@@ -458,9 +469,10 @@ impl Engine {
     }
 
     /// One attempt of a conversation this replica leases (see [`HeldLease`]): an ordinary
-    /// attempt while the lease serves, else the first turn of a new lease, which holds the
-    /// conversation as a serialized attempt does — so a replay is never beaten again by a turn
-    /// that took no lock. A store that offers no lease locks turn by turn.
+    /// attempt while the lease serves, else the first turn of a new lease, on the state loaded
+    /// under it. A replay's new lease also holds the conversation's row, as a serialized attempt
+    /// does, so that it is never beaten again by a turn that took no lock. A store that offers no
+    /// lease locks turn by turn.
     async fn attempt_leased(
         &self,
         plan: &TurnPlan<'_>,
@@ -483,6 +495,7 @@ impl Engine {
                 &plan.key_list,
                 plan.receipt.as_ref(),
                 lock_wait(deadline),
+                attempt > 1,
             )
             .await?
         {
@@ -502,7 +515,10 @@ impl Engine {
                     since: Instant::now(),
                     turns: 1,
                 });
-                self.run_locked(plan, attempt, snapshot, turn).await
+                match turn {
+                    Some(turn) => self.run_locked(plan, attempt, snapshot, turn).await,
+                    None => self.run_on(plan, attempt, snapshot).await,
+                }
             }
             ConversationLease::NotOffered => self.attempt_serialized(plan, attempt, deadline).await,
             ConversationLease::NotGranted => Err(not_granted(attempt, deadline)),

@@ -212,10 +212,13 @@ impl<S: Store> Store for CachedStore<S> {
                 .lock_conversation(conversation, keys, receipt, wait)
                 .await?
             {
-                ConversationLock::Held { snapshot, turn } => ConversationLock::Held {
-                    turn: self.remembering(keys, &snapshot, turn),
-                    snapshot,
-                },
+                ConversationLock::Held { snapshot, turn } => {
+                    self.remember_loaded(keys, &snapshot);
+                    ConversationLock::Held {
+                        turn: self.remembering(turn),
+                        snapshot,
+                    }
+                }
                 other => other,
             },
         )
@@ -228,11 +231,12 @@ impl<S: Store> Store for CachedStore<S> {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         wait: std::time::Duration,
+        rows: bool,
     ) -> Result<ConversationLease, StoreError> {
         Ok(
             match self
                 .inner
-                .lease_conversation(conversation, keys, receipt, wait)
+                .lease_conversation(conversation, keys, receipt, wait, rows)
                 .await?
             {
                 ConversationLease::Held {
@@ -240,12 +244,15 @@ impl<S: Store> Store for CachedStore<S> {
                     snapshot,
                     turn,
                     waited,
-                } => ConversationLease::Held {
-                    lease,
-                    turn: self.remembering(keys, &snapshot, turn),
-                    snapshot,
-                    waited,
-                },
+                } => {
+                    self.remember_loaded(keys, &snapshot);
+                    ConversationLease::Held {
+                        lease,
+                        turn: turn.map(|turn| self.remembering(turn)),
+                        snapshot,
+                        waited,
+                    }
+                }
                 other => other,
             },
         )
@@ -257,18 +264,19 @@ impl<S: Store> Store for CachedStore<S> {
 }
 
 impl<S> CachedStore<S> {
-    /// Remembers `keys` as a locked load found them, and `turn`'s commit when it lands.
-    fn remembering(
-        &self,
-        keys: &[StateKey],
-        snapshot: &Snapshot,
-        turn: Box<dyn LockedTurn>,
-    ) -> Box<dyn LockedTurn> {
+    /// Remembers `keys` as a load under a lock or lease found them: current.
+    fn remember_loaded(&self, keys: &[StateKey], snapshot: &Snapshot) {
+        if self.cache.is_enabled() {
+            for key in keys {
+                self.cache.remember(key.clone(), snapshot.get(key).cloned());
+            }
+        }
+    }
+
+    /// `turn`, whose commit is remembered when it lands.
+    fn remembering(&self, turn: Box<dyn LockedTurn>) -> Box<dyn LockedTurn> {
         if !self.cache.is_enabled() {
             return turn;
-        }
-        for key in keys {
-            self.cache.remember(key.clone(), snapshot.get(key).cloned());
         }
         Box::new(RememberingTurn {
             inner: turn,

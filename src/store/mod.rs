@@ -309,10 +309,10 @@ pub trait Store: Send + Sync + 'static {
     /// Holds `conversation` for this replica — against every other replica's serialized turns
     /// and leases — until the returned [`Lease`] is dropped, so that this replica can run several
     /// of the conversation's turns in a row, each an ordinary one (a guess from its cache and one
-    /// commit), as a lone replica would. The lease comes with the first of those turns holding
-    /// the conversation as [`Store::lock_conversation`] does (`keys` and `receipt` loaded under
-    /// it), since that turn follows a conflict or another holder: it must not be beaten by a turn
-    /// that took no lock.
+    /// commit), as a lone replica would. `keys` and `receipt` are loaded once the lease is held,
+    /// in the same request. With `rows`, the first of those turns also holds the conversation's
+    /// row, as [`Store::lock_conversation`] does, and comes as a [`LockedTurn`]: a replay must
+    /// not be beaten again by a turn that took no lock. Without, it commits as any other.
     ///
     /// A store that serves one replica, or whose sessions do not outlast a transaction (behind a
     /// transaction-mode pooler), offers none: [`ConversationLease::NotOffered`], and the caller
@@ -327,8 +327,9 @@ pub trait Store: Send + Sync + 'static {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         wait: std::time::Duration,
+        rows: bool,
     ) -> Result<ConversationLease, StoreError> {
-        let _ = (conversation, keys, receipt, wait);
+        let _ = (conversation, keys, receipt, wait, rows);
         Ok(ConversationLease::NotOffered)
     }
 
@@ -385,8 +386,9 @@ pub enum ConversationLease {
         lease: Lease,
         /// What the first turn loaded under the lease.
         snapshot: Snapshot,
-        /// The first turn, holding the conversation as a [`ConversationLock::Held`] turn does.
-        turn: Box<dyn LockedTurn>,
+        /// With `rows`, the first turn, holding the conversation as a [`ConversationLock::Held`]
+        /// turn does.
+        turn: Option<Box<dyn LockedTurn>>,
         /// Whether another holder had the conversation when this replica asked: it is contended.
         waited: bool,
     },

@@ -489,8 +489,9 @@ impl Store for PostgresStore {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         wait: Duration,
+        rows: bool,
     ) -> Result<ConversationLease, StoreError> {
-        lock::lease_conversation(self, conversation, keys, receipt, wait).await
+        lock::lease_conversation(self, conversation, keys, receipt, wait, rows).await
     }
 
     #[tracing::instrument(skip_all)]

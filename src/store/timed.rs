@@ -106,11 +106,12 @@ impl Store for TimedStore {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         wait: Duration,
+        rows: bool,
     ) -> Result<ConversationLease, StoreError> {
         let started = Instant::now();
         let leased = self
             .inner
-            .lease_conversation(conversation, keys, receipt, wait)
+            .lease_conversation(conversation, keys, receipt, wait, rows)
             .await;
         self.lock.record(started.elapsed());
         leased

@@ -249,19 +249,21 @@ async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
         turn,
         waited,
     } = holder
-        .lease_conversation(&key, &keys, None, wait)
+        .lease_conversation(&key, &keys, None, wait, true)
         .await
         .unwrap()
     else {
         panic!("an idle conversation's lease was not granted");
     };
+    let turn = turn.expect("a lease asked with the row comes with its first turn");
     assert!(!waited, "nobody else held the conversation");
     assert!(snapshot.get(&key).is_none());
     let first = turn.commit(written(Expected::Absent, 1)).await.unwrap();
     assert!(matches!(first, CommitOutcome::Committed(_)), "{first:?}");
 
-    // Leases keep at most half the pool (of 4): a second conversation's is granted, a third's
-    // is not offered — that turn locks on its own — and the slot comes back with the lease.
+    // Leases keep at most half the pool (of 4): a second conversation's is granted (here without
+    // its row: its first turn commits as any other), a third's is not offered — that turn locks
+    // on its own — and the slot comes back with the lease.
     let others: Vec<StateKey> = ["leased-2", "leased-3"]
         .iter()
         .map(|id| {
@@ -273,28 +275,27 @@ async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
         })
         .collect();
     let second_lease = holder
-        .lease_conversation(&others[0], &others[..1], None, wait)
+        .lease_conversation(&others[0], &others[..1], None, wait, false)
         .await
         .unwrap();
     let ConversationLease::Held {
         lease: second_lease,
-        turn,
+        turn: None,
         ..
     } = second_lease
     else {
-        panic!("a second lease in a pool of 4: {second_lease:?}");
+        panic!("a second lease in a pool of 4, without its row: {second_lease:?}");
     };
     let third = holder
-        .lease_conversation(&others[1], &others[1..], None, wait)
+        .lease_conversation(&others[1], &others[1..], None, wait, false)
         .await;
     assert!(
         matches!(third, Ok(ConversationLease::NotOffered)),
         "a third lease in a pool of 4: {third:?}"
     );
-    turn.release().await;
     drop(second_lease);
     let third = holder
-        .lease_conversation(&others[1], &others[1..], None, wait)
+        .lease_conversation(&others[1], &others[1..], None, wait, false)
         .await;
     assert!(
         matches!(third, Ok(ConversationLease::Held { .. })),
@@ -308,7 +309,9 @@ async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
         matches!(lock, Ok(ConversationLock::NotGranted)),
         "another replica's lock got in: {lock:?}"
     );
-    let leased = other.lease_conversation(&key, &keys, None, short).await;
+    let leased = other
+        .lease_conversation(&key, &keys, None, short, false)
+        .await;
     assert!(
         matches!(leased, Ok(ConversationLease::NotGranted)),
         "another replica's lease got in: {leased:?}"
@@ -325,7 +328,7 @@ async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
         let (other, key) = (Arc::clone(&other), key.clone());
         async move {
             other
-                .lease_conversation(&key, std::slice::from_ref(&key), None, wait)
+                .lease_conversation(&key, std::slice::from_ref(&key), None, wait, true)
                 .await
         }
     });
@@ -345,12 +348,14 @@ async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
         snapshot.get(&key).map(|row| row.version),
         Some(Version::new(2))
     );
-    turn.release().await;
+    turn.expect("asked with the row").release().await;
     drop(next);
     until_nothing_is_held(&observer, "after both leases ended").await;
 
     let pooled = PostgresStore::connect_with(&db_url, 2, Statements::Unprepared).unwrap();
-    let offered = pooled.lease_conversation(&key, &keys, None, short).await;
+    let offered = pooled
+        .lease_conversation(&key, &keys, None, short, false)
+        .await;
     assert!(
         matches!(offered, Ok(ConversationLease::NotOffered)),
         "a session lease behind a transaction-mode pooler: {offered:?}"
@@ -400,10 +405,11 @@ impl Store for CountingHolds {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         wait: Duration,
+        rows: bool,
     ) -> Result<ConversationLease, StoreError> {
         self.holds.fetch_add(1, Ordering::SeqCst);
         self.inner
-            .lease_conversation(conversation, keys, receipt, wait)
+            .lease_conversation(conversation, keys, receipt, wait, rows)
             .await
     }
 }

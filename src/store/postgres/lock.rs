@@ -58,7 +58,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
 use super::{
-    CALL_TIMEOUT, COMMIT, LOAD_HOLDING, PostgresStore, Sql, Statements, classify,
+    CALL_TIMEOUT, COMMIT, LOAD, LOAD_HOLDING, PostgresStore, Sql, Statements, classify,
     within_call_timeout,
 };
 use crate::state::StateKey;
@@ -109,7 +109,16 @@ pub(super) async fn lock_conversation(
 ) -> Result<ConversationLock, StoreError> {
     Ok(
         match hold(store, Hold::Turn, conversation, keys, receipt, wait).await? {
-            Held::Granted { snapshot, turn, .. } => ConversationLock::Held { snapshot, turn },
+            Held::Granted {
+                snapshot,
+                turn: Some(turn),
+                ..
+            } => ConversationLock::Held { snapshot, turn },
+            Held::Granted { turn: None, .. } => {
+                return Err(StoreError::Unexpected(anyhow!(
+                    "a conversation lock came without its turn"
+                )));
+            }
             Held::NotGranted => ConversationLock::NotGranted,
         },
     )
@@ -129,6 +138,7 @@ pub(super) async fn lease_conversation(
     keys: &[StateKey],
     receipt: Option<&StateKey>,
     wait: Duration,
+    rows: bool,
 ) -> Result<ConversationLease, StoreError> {
     if store.statements == Statements::Unprepared {
         return Ok(ConversationLease::NotOffered);
@@ -139,7 +149,16 @@ pub(super) async fn lease_conversation(
         return Ok(ConversationLease::NotOffered);
     };
     Ok(
-        match hold(store, Hold::Lease(slot), conversation, keys, receipt, wait).await? {
+        match hold(
+            store,
+            Hold::Lease { slot, rows },
+            conversation,
+            keys,
+            receipt,
+            wait,
+        )
+        .await?
+        {
             Held::Granted {
                 snapshot,
                 turn,
@@ -160,8 +179,9 @@ pub(super) async fn lease_conversation(
 enum Hold {
     /// The conversation for one turn (a transaction lock).
     Turn,
-    /// The conversation for a lease, and its first turn (a session lock), in this slot.
-    Lease(LeaseSlot),
+    /// The conversation for a lease (a session lock), in this slot; with `rows`, for its first
+    /// turn also the conversation's row, as [`Hold::Turn`] does.
+    Lease { slot: LeaseSlot, rows: bool },
 }
 
 /// How many connections leases keep out of the pool, against a limit; clones count together.
@@ -205,7 +225,9 @@ impl Drop for LeaseSlot {
 enum Held {
     Granted {
         snapshot: crate::store::Snapshot,
-        turn: Box<dyn LockedTurn>,
+        /// The turn holding the conversation's row: always for [`Hold::Turn`], for a lease
+        /// only when asked.
+        turn: Option<Box<dyn LockedTurn>>,
         /// The lease's connection, once its first turn has ended (always set for a lease).
         home: Arc<LeaseHome>,
         /// Whether another holder had the conversation when asked (leases only).
@@ -227,18 +249,16 @@ async fn hold(
     let asked = std::time::Instant::now();
     let client = store.client().await?;
     let statements = store.statements;
-    let lock = match how {
-        Hold::Turn => LOCK,
-        Hold::Lease(_) => LEASE,
+    let (lock, rows) = match how {
+        Hold::Turn => (LOCK, true),
+        Hold::Lease { rows, .. } => (LEASE, rows),
     };
+    let load = if rows { LOAD_HOLDING } else { LOAD };
     // Prepared before anything is sent (at once when the connection has them), so that the
-    // three requests below leave in the order they are written.
+    // requests below leave in the order they are written.
     within_call_timeout(async {
         lock.ready(&client, statements).await.map_err(classify)?;
-        LOAD_HOLDING
-            .ready(&client, statements)
-            .await
-            .map_err(classify)
+        load.ready(&client, statements).await.map_err(classify)
     })
     .await?;
     // The wait for a pooled connection counts against the wait allowed.
@@ -251,7 +271,7 @@ async fn hold(
     // (`SET`, not `SET LOCAL`), as its lock does, until the lease ends (`UNLEASE`).
     let idle_limit = match how {
         Hold::Turn => String::new(),
-        Hold::Lease(_) => format!(
+        Hold::Lease { .. } => format!(
             "; SET idle_session_timeout = {}",
             LEASE_IDLE_LIMIT.as_millis()
         ),
@@ -260,15 +280,15 @@ async fn hold(
         "BEGIN; SET LOCAL lock_timeout = {wait_ms}; \
          SET LOCAL idle_in_transaction_session_timeout = {hold_ms}{idle_limit}"
     );
-    let leased = matches!(how, Hold::Lease(_));
+    let leased = matches!(how, Hold::Lease { .. });
     let home = Arc::new(LeaseHome {
         client: std::sync::Mutex::default(),
         _slot: match how {
             Hold::Turn => None,
-            Hold::Lease(slot) => Some(slot),
+            Hold::Lease { slot, .. } => Some(slot),
         },
     });
-    let turn = PgLockedTurn {
+    let mut turn = PgLockedTurn {
         client: Some(client),
         statements,
         home: leased.then(|| Arc::clone(&home)),
@@ -276,16 +296,27 @@ async fn hold(
     let key = conversation.as_str();
     let params: [&(dyn ToSql + Sync); 1] = [&key];
     let client = turn.client()?;
-    // `join!` polls in the order written, and each request is sent when first polled.
+    // `join!` polls in the order written, and each request is sent when first polled. Without
+    // `rows`, the transaction ends with the lock taken, and the load runs after it, unlocked.
     let answered = tokio::time::timeout(wait + CALL_TIMEOUT, async {
-        futures::join!(
-            client.batch_execute(&begin),
-            lock.query(client, statements, &params),
-            PostgresStore::load_on(client, statements, keys, receipt, Some(conversation)),
-        )
+        if rows {
+            let (began, locked, loaded) = futures::join!(
+                client.batch_execute(&begin),
+                lock.query(client, statements, &params),
+                PostgresStore::load_on(client, statements, keys, receipt, Some(conversation)),
+            );
+            (began, locked, Ok(()), loaded)
+        } else {
+            futures::join!(
+                client.batch_execute(&begin),
+                lock.query(client, statements, &params),
+                client.batch_execute("COMMIT"),
+                PostgresStore::load_on(client, statements, keys, receipt, None),
+            )
+        }
     })
     .await;
-    let Ok((began, locked, loaded)) = answered else {
+    let Ok((began, locked, ended, loaded)) = answered else {
         // Dropping `turn` rolls back.
         return Err(StoreError::Unavailable(anyhow!(
             "no answer from PostgreSQL within {:?} of asking for a conversation lock",
@@ -294,24 +325,34 @@ async fn hold(
     };
     began.map_err(classify)?;
     match locked {
-        Ok(rows) => {
+        Ok(answer) => {
             let waited = leased
-                && rows
+                && answer
                     .first()
                     .map(|row| row.try_get::<_, bool>(0))
                     .transpose()
                     .map_err(super::unexpected)?
                     .unwrap_or(false);
+            // A load after a lock not granted fails too, as the transaction has: the lock's
+            // error is the one that says what happened.
+            let snapshot = loaded?;
+            let turn: Option<Box<dyn LockedTurn>> = if rows {
+                Some(Box::new(turn))
+            } else {
+                // The lease's connection, its transaction over, goes to the lease.
+                turn.ended(ended.map_err(classify))?;
+                None
+            };
             Ok(Held::Granted {
-                // A load after a lock not granted fails too, as the transaction has: the lock's
-                // error is the one that says what happened.
-                snapshot: loaded?,
-                turn: Box::new(turn),
+                snapshot,
+                turn,
                 home,
                 waited,
             })
         }
         Err(e) if not_granted(&e) => {
+            // No lock to end: the connection goes back to the pool.
+            turn.home = None;
             Box::new(turn).release().await;
             Ok(Held::NotGranted)
         }
