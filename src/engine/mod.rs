@@ -671,7 +671,9 @@ fn commit_of(keys: &TurnKeys, scopes: TurnScopes, snapshot: &Snapshot) -> Commit
         .map(|(key, state)| KeyChange {
             key: key.clone(),
             expected: snapshot.precondition(key),
-            write: state.is_changed().then(|| state.into_properties()),
+            write: state
+                .is_changed()
+                .then(|| Arc::new(state.into_properties())),
         })
         .collect();
     Commit::new(changes)

@@ -19,7 +19,7 @@
 //! cheap approximation of least-recently-used that never scans.
 
 use std::mem;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
 
@@ -187,7 +187,8 @@ impl<S: Store> Store for CachedStore<S> {
             return self.inner.commit(commit).await;
         }
         let keys: Vec<StateKey> = commit.changes().iter().map(|c| c.key.clone()).collect();
-        let written: Vec<(StateKey, Version, JsonMap)> = commit
+        // The written states are shared with the commit, not copied.
+        let written: Vec<(StateKey, Version, Arc<JsonMap>)> = commit
             .changes()
             .iter()
             .filter_map(|c| Some((c.key.clone(), c.version_after()?, c.write.clone()?)))
