@@ -1,10 +1,13 @@
-//! Byte checks of short strings a word (8 bytes) at a time, for the ids of every turn.
+//! Byte checks of the strings every turn handles: ids a word (8 bytes) at a time, JSON strings
+//! a vector block at a time.
 //!
 //! Why: every turn checks its ids for control characters and escapes them into four state keys,
 //! and a byte-at-a-time search cost about 1,000 instructions per turn (`bench/RESULTS.md`). Ids
-//! are a few dozen bytes, too short for the vector compares that serve the state's kilobyte
-//! strings (`store::postgres::jsonb`); a word at a time, with the classic zero-byte tests, they
-//! take a few instructions per 8 bytes.
+//! are a few dozen bytes, too short for vector compares; a word at a time, with the classic
+//! zero-byte tests, they take a few instructions per 8 bytes. JSON strings (the state, the
+//! receipt's replies) are written by hand rather than by serde_json, which looks at every byte
+//! on its own to find the few it must escape; [`needs_escape`] finds out first whether there
+//! are any.
 
 const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
 const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
@@ -40,6 +43,18 @@ pub(crate) fn any_word(bytes: &[u8], pad: u8, test: impl Fn(u64) -> u64) -> bool
         found |= test(u64::from_ne_bytes(last));
     }
     found != 0
+}
+
+/// Whether JSON must escape any byte of `bytes`: a control character, `"` or `\` (what
+/// serde_json escapes; it leaves DEL and every non-ASCII byte as they are). Each 64-byte block is
+/// scanned without an early exit, which the compiler turns into 16-byte vector compares: the
+/// strings this checks run to kilobytes (a turn's state).
+pub(crate) fn needs_escape(bytes: &[u8]) -> bool {
+    bytes.chunks(64).any(|block| {
+        block.iter().fold(false, |found, &b| {
+            found | (b < 0x20) | (b == b'"') | (b == b'\\')
+        })
+    })
 }
 
 #[cfg(test)]

@@ -549,7 +549,7 @@ impl<'a> TurnPlan<'a> {
             redelivered: false,
         };
         if let Some(key) = &self.receipt {
-            commit = commit.with_receipt(key.clone(), receipt::encode(&outcome)?);
+            commit = commit.with_receipt(key.clone(), receipt::encode(&outcome));
         }
         Ok((commit, outcome))
     }
