@@ -442,14 +442,14 @@ struct Text<'a> {
 }
 
 impl Text<'_> {
-    /// Starts member `key`; its value follows.
+    /// Starts member `key`; its value follows. A typed field's name is a camelCase word, which
+    /// JSON writes as it is: it is copied without a check.
     fn key(&mut self, key: &'static str) {
-        if self.any {
-            self.out.push(',');
-        }
+        debug_assert!(!scan::needs_escape(key.as_bytes()), "{key}");
+        self.out.push_str(if self.any { ",\"" } else { "\"" });
         self.any = true;
-        write_str(key, self.out);
-        self.out.push(':');
+        self.out.push_str(key);
+        self.out.push_str("\":");
         if let Some(written) = &mut self.written {
             written.push(key);
         }

@@ -46,10 +46,16 @@ pub(crate) fn any_word(bytes: &[u8], pad: u8, test: impl Fn(u64) -> u64) -> bool
 }
 
 /// Whether JSON must escape any byte of `bytes`: a control character, `"` or `\` (what
-/// serde_json escapes; it leaves DEL and every non-ASCII byte as they are). Each 64-byte block is
-/// scanned without an early exit, which the compiler turns into 16-byte vector compares: the
-/// strings this checks run to kilobytes (a turn's state).
+/// serde_json escapes; it leaves DEL and every non-ASCII byte as they are). A string shorter
+/// than a block (a member name, an id, a reply's text) is checked a word at a time; in a longer
+/// one (a turn's padded state) each 64-byte block is scanned without an early exit, which the
+/// compiler turns into 16-byte vector compares but which goes a byte at a time below 16 bytes.
 pub(crate) fn needs_escape(bytes: &[u8]) -> bool {
+    if bytes.len() < 64 {
+        return any_word(bytes, b'a', |w| {
+            byte_below(w, 0x20) | byte_is(w, b'"') | byte_is(w, b'\\')
+        });
+    }
     bytes.chunks(64).any(|block| {
         block.iter().fold(false, |found, &b| {
             found | (b < 0x20) | (b == b'"') | (b == b'\\')
@@ -84,6 +90,24 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn every_byte_json_escapes_is_found_at_every_position_of_short_and_long_strings() {
+        for special in (0u8..0x20).chain([b'"', b'\\']) {
+            for len in (1..80).chain([127, 128, 129]) {
+                for at in 0..len {
+                    let mut bytes = vec![b'x'; len];
+                    bytes[at] = special;
+                    assert!(needs_escape(&bytes), "{special:#x} at {at} of {len}");
+                }
+            }
+        }
+        for clean in [0x20u8, 0x21, 0x23, 0x5b, 0x5d, 0x7f, 0x80, 0xc2, 0xff] {
+            for len in [0, 1, 7, 8, 9, 63, 64, 65, 200] {
+                assert!(!needs_escape(&vec![clean; len]), "{clean:#x} × {len}");
             }
         }
     }
