@@ -108,9 +108,14 @@ impl TurnApi {
     }
 }
 
+/// The header a client's deadline comes in, as a name taken once rather than parsed from a
+/// `&str` at every call.
+static GRPC_TIMEOUT: http::HeaderName = http::HeaderName::from_static("grpc-timeout");
+
 /// The call's deadline, from the `grpc-timeout` header its client sent.
 fn deadline<T>(request: &Request<T>) -> Option<Instant> {
-    let value = request.metadata().get("grpc-timeout")?.to_str().ok()?;
+    let headers: &http::HeaderMap = request.metadata().as_ref();
+    let value = headers.get(&GRPC_TIMEOUT)?.to_str().ok()?;
     let (amount, unit) = value.split_at(value.len().checked_sub(1)?);
     let amount: u64 = amount.parse().ok()?;
     let timeout = match unit {
