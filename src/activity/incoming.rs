@@ -8,7 +8,7 @@
 
 use std::fmt;
 
-use super::{Activity, types};
+use super::{Activity, scan, types};
 
 /// The longest id (channel, conversation or user) accepted, in bytes. State keys are built from
 /// up to three of them, and PostgreSQL's B-tree index caps an entry at about 2,700 bytes; 256
@@ -103,6 +103,12 @@ fn parse_id<'a>(value: &'a str, field: &str) -> Result<&'a str, InvalidActivity>
             ),
         ));
     }
+    // Control characters are U+0000–U+001F, U+007F and U+0080–U+009F (in UTF-8, 0xC2 then
+    // 0x80–0x9F). An id with none of the bytes 0x00–0x1F, 0x7F and 0xC2 has none, and is
+    // passed after a check a word at a time; any other is searched a character at a time.
+    if !may_hold_control(value.as_bytes()) {
+        return Ok(value);
+    }
     if let Some(c) = value.chars().find(|c| c.is_control()) {
         return Err(InvalidActivity::new(
             field,
@@ -110,6 +116,15 @@ fn parse_id<'a>(value: &'a str, field: &str) -> Result<&'a str, InvalidActivity>
         ));
     }
     Ok(value)
+}
+
+/// Whether `bytes` may encode a control character: it holds a byte below 0x20, 0x7F (DEL) or
+/// 0xC2 (the lead byte of U+0080–U+00BF). Checked a word at a time: this runs for every id of
+/// every turn.
+fn may_hold_control(bytes: &[u8]) -> bool {
+    scan::any_word(bytes, b'a', |w| {
+        scan::byte_below(w, 0x20) | scan::byte_is(w, 0x7f) | scan::byte_is(w, 0xc2)
+    })
 }
 
 /// Where a turn's state lives: the ids every state key is built from.
@@ -286,5 +301,21 @@ mod tests {
         assert!(err.to_string().contains("over the 256-byte limit"), "{err}");
         assert!(ChannelId::parse("", "channel_id").is_err());
         assert!(ConversationId::parse("19:abc@thread.skype/users/x", "conversation.id").is_ok());
+    }
+
+    #[test]
+    fn every_control_character_is_refused_at_every_position_and_nothing_else() {
+        // Every character, in a block-sized id at each place a block boundary can fall.
+        for c in (0..=0x10_ffff).filter_map(char::from_u32) {
+            for pad in [0, 31, 40] {
+                let id = format!("{}{c}b", "a".repeat(pad));
+                assert_eq!(
+                    ConversationId::parse(&id, "conversation.id").is_err(),
+                    c.is_control(),
+                    "U+{:04X} after {pad} bytes",
+                    u32::from(c)
+                );
+            }
+        }
     }
 }

@@ -18,6 +18,7 @@
 
 pub mod incoming;
 pub mod json;
+pub(crate) mod scan;
 
 pub use json::ActivityJsonError;
 

@@ -729,7 +729,7 @@ impl<'a> TurnPlan<'a> {
             redelivered: false,
         };
         if let Some(key) = &self.receipt {
-            commit = commit.with_receipt(key.clone(), receipt::encode(&outcome)?);
+            commit = commit.with_receipt(key.clone(), receipt::encode(&outcome));
         }
         Ok((commit, outcome))
     }
@@ -851,7 +851,9 @@ fn commit_of(keys: &TurnKeys, scopes: TurnScopes, snapshot: &Snapshot) -> Commit
         .map(|(key, state)| KeyChange {
             key: key.clone(),
             expected: snapshot.precondition(key),
-            write: state.is_changed().then(|| state.into_properties()),
+            write: state
+                .is_changed()
+                .then(|| Arc::new(state.into_properties())),
         })
         .collect();
     Commit::new(changes)

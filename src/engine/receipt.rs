@@ -6,33 +6,35 @@
 //! the field. The text is written once, straight from the replies (their `Serialize`, the same
 //! JSON as `Activity::to_json`), and parsed only when a redelivery reads it.
 
+use std::fmt::Write as _;
+
 use anyhow::{Context as _, anyhow};
-use serde::Serialize;
 use serde_json::Value;
 
 use super::TurnOutcome;
 use crate::activity::Activity;
 use crate::store::{Receipt, StoreError, Version};
 
-/// What a receipt holds, as written.
-#[derive(Serialize)]
-struct Written<'a> {
-    activities: &'a [Activity],
-    attempts: u32,
-    version: u64,
-}
-
-/// The receipt of `outcome`. Activities write only string keys and `Value`s, which serde_json
-/// always writes, so the error is one the turn fails with, before its commit, rather than one
-/// to expect.
-pub(super) fn encode(outcome: &TurnOutcome) -> Result<Receipt, super::TurnError> {
-    Receipt::write(&Written {
-        activities: &outcome.activities,
-        attempts: outcome.attempts,
-        version: outcome.conversation_version.map_or(0, Version::get),
-    })
-    .context("the turn's receipt cannot be written as JSON")
-    .map_err(|e| super::TurnError::Store(StoreError::Unexpected(e)))
+/// The receipt of `outcome`: `{"activities":[…],"attempts":…,"version":…}`, the replies as
+/// [`Activity::write_json`] writes them (the same text as serde_json), written by hand into one
+/// string. Nothing in it can fail to be written.
+pub(super) fn encode(outcome: &TurnOutcome) -> Receipt {
+    let mut text = String::with_capacity(64 + 512 * outcome.activities.len());
+    text.push_str("{\"activities\":[");
+    for (i, activity) in outcome.activities.iter().enumerate() {
+        if i > 0 {
+            text.push(',');
+        }
+        activity.write_json(&mut text);
+    }
+    let version = outcome.conversation_version.map_or(0, Version::get);
+    // Writing to a `String` cannot fail.
+    let _ = write!(
+        text,
+        "],\"attempts\":{},\"version\":{version}}}",
+        outcome.attempts
+    );
+    Receipt::from_written(text)
 }
 
 /// The outcome a receipt recorded, marked as a redelivery's.
@@ -88,13 +90,36 @@ mod tests {
             conversation_version: Some(Version::new(3)),
             redelivered: false,
         };
-        let back = decode(&encode(&outcome).expect("writable")).expect("readable");
+        let back = decode(&encode(&outcome)).expect("readable");
         assert_eq!(
             back,
             TurnOutcome {
                 redelivered: true,
                 ..outcome
             }
+        );
+    }
+
+    #[test]
+    fn a_receipt_is_the_text_serde_json_wrote_for_it() {
+        let mut reply = Activity::message("a \"quoted\"\n\u{1}reply");
+        reply
+            .properties
+            .insert("n".into(), json!([1.5, -0.0, 1e300]));
+        let outcome = TurnOutcome {
+            activities: vec![reply.clone(), Activity::message("second")],
+            attempts: 1,
+            conversation_version: None,
+            redelivered: false,
+        };
+        let serde = |a: &Activity| serde_json::to_string(a).expect("serializable");
+        assert_eq!(
+            encode(&outcome).text(),
+            format!(
+                "{{\"activities\":[{},{}],\"attempts\":1,\"version\":0}}",
+                serde(&reply),
+                serde(&Activity::message("second"))
+            )
         );
     }
 

@@ -10,6 +10,7 @@ mod key;
 pub use key::{Scope, StateKey, TurnKeys};
 
 use std::cell::Cell;
+use std::sync::Arc;
 
 use serde::{Serialize, de::DeserializeOwned};
 
@@ -30,22 +31,40 @@ pub struct PropertyError {
 /// It records whether the turn looked at it at all: a scope the bot never read or wrote cannot
 /// have influenced the turn, so its commit need not check that scope's version (and a concurrent
 /// change there need not cost a replay).
-#[derive(Debug, Clone, PartialEq)]
+///
+/// The loaded state is shared with the snapshot it came from (and the state cache's entry), and
+/// copied only when the turn first changes it: a turn's state was copied four times before
+/// (`bench/RESULTS.md`).
+#[derive(Debug, Clone)]
 pub struct ScopeState {
     scope: Scope,
-    properties: JsonMap,
-    loaded: JsonMap,
+    /// The properties as the turn changed them; `None` while it has not (they are `loaded`).
+    changed: Option<JsonMap>,
+    loaded: Arc<JsonMap>,
     used: Cell<bool>,
     stored: bool,
 }
 
+/// Equal when the same scope holds the same properties, loaded the same, used and stored alike,
+/// whether or not a change was made and undone.
+impl PartialEq for ScopeState {
+    fn eq(&self, other: &Self) -> bool {
+        self.scope == other.scope
+            && self.current() == other.current()
+            && self.loaded == other.loaded
+            && self.used == other.used
+            && self.stored == other.stored
+    }
+}
+
 impl ScopeState {
-    /// The state of `scope` as loaded (an empty object for a key never written).
-    pub fn new(scope: Scope, loaded: JsonMap) -> Self {
+    /// The state of `scope` as loaded (an empty object for a key never written); a shared
+    /// `Arc<JsonMap>` is not copied unless the turn changes it.
+    pub fn new(scope: Scope, loaded: impl Into<Arc<JsonMap>>) -> Self {
         Self {
             scope,
-            properties: loaded.clone(),
-            loaded,
+            changed: None,
+            loaded: loaded.into(),
             used: Cell::new(false),
             stored: false,
         }
@@ -76,7 +95,7 @@ impl ScopeState {
     /// When the stored JSON does not deserialize into `T`.
     pub fn get<T: DeserializeOwned>(&self, name: &str) -> Result<Option<T>, PropertyError> {
         self.used.set(true);
-        self.properties
+        self.current()
             .get(name)
             .map(|v| T::deserialize(v).map_err(|e| self.error(name, e)))
             .transpose()
@@ -104,32 +123,34 @@ impl ScopeState {
     ) -> Result<(), PropertyError> {
         self.used.set(true);
         let json = serde_json::to_value(value).map_err(|e| self.error(name, e))?;
-        self.properties.insert(name.to_owned(), json);
+        self.changing().insert(name.to_owned(), json);
         Ok(())
     }
 
     /// Removes property `name`; a no-op when it is not set.
     pub fn remove(&mut self, name: &str) {
         self.used.set(true);
-        self.properties.remove(name);
+        if self.current().contains_key(name) {
+            self.changing().remove(name);
+        }
     }
 
     /// Removes every property of this scope.
     pub fn clear(&mut self) {
         self.used.set(true);
-        self.properties.clear();
+        self.changed = Some(JsonMap::new());
     }
 
     /// The properties as they stand now.
     pub fn properties(&self) -> &JsonMap {
         self.used.set(true);
-        &self.properties
+        self.current()
     }
 
     /// Replaces every property with `properties`, as one write.
     pub fn replace(&mut self, properties: JsonMap) {
         self.used.set(true);
-        self.properties = properties;
+        self.changed = Some(properties);
     }
 
     /// The properties as they were loaded, without counting as a read (for handing them to a
@@ -145,12 +166,24 @@ impl ScopeState {
 
     /// Whether the turn changed this scope since it was loaded.
     pub fn is_changed(&self) -> bool {
-        self.properties != self.loaded
+        self.changed.as_ref().is_some_and(|c| c != &*self.loaded)
     }
 
     /// The properties, consuming the state.
     pub fn into_properties(self) -> JsonMap {
-        self.properties
+        self.changed
+            .unwrap_or_else(|| Arc::unwrap_or_clone(self.loaded))
+    }
+
+    /// The properties as they stand now, without counting as a use.
+    fn current(&self) -> &JsonMap {
+        self.changed.as_ref().unwrap_or(&self.loaded)
+    }
+
+    /// The properties to change: a copy of the loaded ones, made on the first change.
+    fn changing(&mut self) -> &mut JsonMap {
+        self.changed
+            .get_or_insert_with(|| JsonMap::clone(&self.loaded))
     }
 
     fn error(&self, name: &str, source: serde_json::Error) -> PropertyError {

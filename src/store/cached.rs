@@ -285,10 +285,11 @@ impl<S> CachedStore<S> {
     }
 }
 
-/// What a commit writes, taken before the store consumes it, to remember once it landed.
+/// What a commit writes, taken before the store consumes it, to remember once it landed. The
+/// written states are shared with the commit, not copied.
 struct Written {
     keys: Vec<StateKey>,
-    rows: Vec<(StateKey, Version, JsonMap)>,
+    rows: Vec<(StateKey, Version, Arc<JsonMap>)>,
 }
 
 impl Written {

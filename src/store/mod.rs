@@ -26,6 +26,7 @@ pub mod timed;
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::Arc;
 
 use async_trait::async_trait;
 
@@ -81,8 +82,8 @@ impl fmt::Display for Version {
 /// One key's stored state with its version.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Versioned {
-    /// The state object.
-    pub state: JsonMap,
+    /// The state object, shared: a snapshot, the state cache and the turn's scope read one copy.
+    pub state: Arc<JsonMap>,
     /// Its version.
     pub version: Version,
 }
@@ -135,8 +136,9 @@ pub struct KeyChange {
     pub key: StateKey,
     /// What the turn saw of it.
     pub expected: Expected,
-    /// The new state, or `None` when the turn only read the key.
-    pub write: Option<JsonMap>,
+    /// The new state, or `None` when the turn only read the key. Shared, so that the state cache
+    /// can keep what a store consumes without copying it.
+    pub write: Option<Arc<JsonMap>>,
 }
 
 impl KeyChange {

@@ -605,7 +605,7 @@ impl PostgresStore {
             .map_err(|e| StoreError::Unexpected(e.into()))?;
         let states: Vec<Option<jsonb::Jsonb<'_>>> = changes
             .iter()
-            .map(|c| c.write.as_ref().map(jsonb::Jsonb::Map))
+            .map(|c| c.write.as_deref().map(jsonb::Jsonb::Map))
             .collect();
 
         let receipt_key = commit.receipt().map(|(k, _)| k.as_str());
@@ -657,7 +657,13 @@ fn read_row(row: &Row) -> anyhow::Result<(StateKey, Versioned)> {
         .with_context(|| format!("state of {key} is not a JSON object"))?;
     let version: i64 = row.try_get(3)?;
     let version = Version::new(u64::try_from(version).context("negative version")?);
-    Ok((StateKey::from_stored(key), Versioned { state, version }))
+    Ok((
+        StateKey::from_stored(key),
+        Versioned {
+            state: state.into(),
+            version,
+        },
+    ))
 }
 
 fn is_conflict(e: &tokio_postgres::Error) -> bool {

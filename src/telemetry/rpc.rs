@@ -253,10 +253,14 @@ fn names(path: &str) -> (&'static str, &'static str, &'static str) {
     (known_service, OTHER, OTHER)
 }
 
+/// The name of the header (or trailer) carrying a call's gRPC status. Looked up by a `&str`,
+/// a name is parsed and checked again at every lookup, twice per call (`bench/RESULTS.md`).
+static GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
+
 /// The gRPC status in `headers`, if they carry one.
 fn status_code(headers: &http::HeaderMap) -> Option<Code> {
     headers
-        .get("grpc-status")
+        .get(&GRPC_STATUS)
         .map(|v| Code::from_bytes(v.as_bytes()))
 }
 

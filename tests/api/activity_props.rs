@@ -348,6 +348,22 @@ proptest! {
     }
 
     #[test]
+    fn write_json_writes_the_text_serde_json_writes(
+        original in object_of(ACTIVITY),
+        odd in odd_pb_activity(),
+    ) {
+        for activity in [
+            Activity::from_json(original).expect("strategy makes objects"),
+            Activity::from(odd),
+        ] {
+            let mut text = String::from("prefix ");
+            activity.write_json(&mut text);
+            let serde = serde_json::to_string(&activity).expect("activities serialize");
+            prop_assert_eq!(text, format!("prefix {serde}"));
+        }
+    }
+
+    #[test]
     fn sub_objects_round_trip_exactly(
         (which, original) in (0..9_usize).prop_flat_map(|which| {
             let members = [

@@ -239,7 +239,10 @@ async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
         Commit::new(vec![KeyChange {
             key: key.clone(),
             expected,
-            write: Some(serde_json::Map::from_iter([("n".to_owned(), n.into())])),
+            write: Some(Arc::new(serde_json::Map::from_iter([(
+                "n".to_owned(),
+                n.into(),
+            )]))),
         }])
     };
 

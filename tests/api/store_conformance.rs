@@ -43,7 +43,7 @@ fn write(key: &StateKey, expected: Expected, value: serde_json::Value) -> KeyCha
     KeyChange {
         key: key.clone(),
         expected,
-        write: Some(state(value)),
+        write: Some(state(value).into()),
     }
 }
 
@@ -77,7 +77,7 @@ async fn version_of(store: &dyn Store, key: &StateKey) -> Option<(JsonMap, Versi
     let snapshot = store.load(std::slice::from_ref(key), None).await.unwrap();
     snapshot
         .get(key)
-        .map(|row| (row.state.clone(), row.version))
+        .map(|row| (JsonMap::clone(&row.state), row.version))
 }
 
 /// The whole contract, run against one store.

@@ -124,7 +124,7 @@ SELECT ord, version FROM written";
 pub(super) struct SingleWrite {
     pub key: StateKey,
     pub expected: Expected,
-    pub state: JsonMap,
+    pub state: Arc<JsonMap>,
     pub receipt: Option<(StateKey, Receipt)>,
 }
 

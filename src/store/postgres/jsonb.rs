@@ -13,6 +13,7 @@ use serde_json::Value;
 use tokio_postgres::types::{FromSql, IsNull, ToSql, Type, to_sql_checked};
 
 use crate::activity::JsonMap;
+use crate::activity::scan::needs_escape;
 
 /// A JSON object or value sent as a `jsonb` parameter.
 #[derive(Debug, Clone, Copy)]
@@ -117,17 +118,6 @@ fn write_str(s: &str, out: &mut BytesMut) -> serde_json::Result<()> {
     out.put_slice(s.as_bytes());
     out.put_u8(b'"');
     Ok(())
-}
-
-/// Whether JSON must escape any byte of `bytes`: a control character, `"` or `\` (what
-/// serde_json escapes; it leaves DEL and every non-ASCII byte as they are). Each block is
-/// scanned without an early exit, which the compiler turns into 16-byte vector compares.
-fn needs_escape(bytes: &[u8]) -> bool {
-    bytes.chunks(64).any(|block| {
-        block.iter().fold(false, |found, &b| {
-            found | (b < 0x20) | (b == b'"') | (b == b'\\')
-        })
-    })
 }
 
 #[cfg(test)]
