@@ -121,6 +121,9 @@ struct TurnMetrics {
     attempts: metrics::Histogram,
     conflicts: metrics::Counter,
     redeliveries: metrics::Counter,
+    /// [`LOCK_WAITS`]: locks and leases granted, and not granted in time.
+    granted: metrics::Counter,
+    not_granted: metrics::Counter,
 }
 
 impl TurnMetrics {
@@ -131,6 +134,8 @@ impl TurnMetrics {
             attempts: metrics::histogram!(TURN_ATTEMPTS),
             conflicts: metrics::counter!(CONFLICTS),
             redeliveries: metrics::counter!(REDELIVERIES),
+            granted: metrics::counter!(LOCK_WAITS, "outcome" => "granted"),
+            not_granted: metrics::counter!(LOCK_WAITS, "outcome" => "not_granted"),
         }
     }
 
@@ -460,11 +465,11 @@ impl Engine {
             .await?
         {
             ConversationLock::Held { snapshot, turn } => {
-                metrics::counter!(LOCK_WAITS, "outcome" => "granted").increment(1);
+                self.metrics.granted.increment(1);
                 self.run_locked(plan, attempt, snapshot, turn).await
             }
             ConversationLock::NotNeeded => self.attempt(plan, attempt).await,
-            ConversationLock::NotGranted => Err(not_granted(attempt, deadline)),
+            ConversationLock::NotGranted => Err(self.not_granted(attempt, deadline)),
         }
     }
 
@@ -505,7 +510,7 @@ impl Engine {
                 turn,
                 waited,
             } => {
-                metrics::counter!(LOCK_WAITS, "outcome" => "granted").increment(1);
+                self.metrics.granted.increment(1);
                 if waited {
                     // Another replica is at this conversation too: keep leasing it.
                     self.hot.contended(&plan.keys.conversation);
@@ -521,7 +526,18 @@ impl Engine {
                 }
             }
             ConversationLease::NotOffered => self.attempt_serialized(plan, attempt, deadline).await,
-            ConversationLease::NotGranted => Err(not_granted(attempt, deadline)),
+            ConversationLease::NotGranted => Err(self.not_granted(attempt, deadline)),
+        }
+    }
+
+    /// The error of attempt `attempt`, whose lock or lease was not granted before the deadline:
+    /// the bot did not run on it.
+    fn not_granted(&self, attempt: u32, deadline: Option<Instant>) -> TurnError {
+        self.metrics.not_granted.increment(1);
+        let attempts = attempt - 1;
+        match deadline {
+            Some(_) => TurnError::DeadlineExceeded { attempts },
+            None => TurnError::Aborted { attempts },
         }
     }
 
@@ -590,8 +606,8 @@ const LEASE_TIME: std::time::Duration = std::time::Duration::from_millis(50);
 /// from one of its turns to the next while turns of it wait here: each then runs as on a lone
 /// replica, a guess from the cache and one commit, with nobody else's serialized turn or lease
 /// in between. The lease goes when the last waiting turn is done, or after [`LEASE_TURNS`] turns
-/// or [`LEASE_TIME`], whichever comes first, so that the replicas take turns; its first turn
-/// holds the conversation's row as well, as a serialized attempt does.
+/// or [`LEASE_TIME`], whichever comes first, so that the replicas take turns. A replay's lease
+/// holds the conversation's row for that turn as well, as a serialized attempt does.
 #[derive(Debug)]
 struct HeldLease {
     _lease: Lease,
@@ -615,17 +631,6 @@ fn lock_wait(deadline: Option<Instant>) -> std::time::Duration {
         let left = d.saturating_duration_since(Instant::now());
         left.saturating_sub(LOCK_ANSWER_MARGIN.min(left / 4))
     })
-}
-
-/// The error of attempt `attempt`, whose lock or lease was not granted before the deadline: the
-/// bot did not run on it.
-fn not_granted(attempt: u32, deadline: Option<Instant>) -> TurnError {
-    metrics::counter!(LOCK_WAITS, "outcome" => "not_granted").increment(1);
-    let attempts = attempt - 1;
-    match deadline {
-        Some(_) => TurnError::DeadlineExceeded { attempts },
-        None => TurnError::Aborted { attempts },
-    }
 }
 
 /// What the store's answer to an attempt's commit means for the turn, after checking that it

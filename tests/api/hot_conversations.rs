@@ -1,8 +1,9 @@
 //! Hot conversations across replicas: many concurrent turns of one conversation on several
-//! replicas queue in PostgreSQL (the conversation lock) instead of racing. What a user would
-//! notice: no acknowledged update is lost under either concurrency policy; a bot under
-//! `serialized` runs exactly once per turn; a lock that cannot be had in time ends the call with
-//! nothing committed; and a replica that dies holding a lock stalls nobody.
+//! replicas queue in PostgreSQL (the conversation lock, and leases of it) instead of racing. What
+//! a user would notice: no acknowledged update is lost under either concurrency policy; a bot
+//! under `serialized` runs exactly once per turn; a lock that cannot be had in time ends the call
+//! with nothing committed; a replica that dies holding a lock stalls nobody; and a leased
+//! conversation's queued turns share one lease, which ends with them.
 #![allow(clippy::unwrap_used)]
 
 use crate::support;
