@@ -238,6 +238,7 @@ impl Engine {
         span.record("bot", bot_name);
         let plan = TurnPlan::new(bot_name, handler.as_ref(), incoming, deadline);
         let mut turn = self.queue_up(&plan.keys.conversation, deadline).await?;
+        let last = !turn.others_waiting();
         let mut no_lease = None;
         let lease = turn.held().unwrap_or(&mut no_lease);
         let mode = if self.bots.policy(bot_name) == ConcurrencyPolicy::Serialized {
@@ -247,7 +248,9 @@ impl Engine {
         } else {
             Mode::Optimistic
         };
-        let result = self.attempts(&plan, mode, lease, deadline, &span).await;
+        let result = self
+            .attempts(&plan, mode, lease, last, deadline, &span)
+            .await;
         if !HeldLease::serves(lease, 1) {
             // Spent: let the other replicas' holders in now rather than at the next turn.
             *lease = None;
@@ -255,12 +258,14 @@ impl Engine {
         result
     }
 
-    /// Attempts `plan` until an attempt ends the turn, the first in `mode`.
+    /// Attempts `plan` until an attempt ends the turn, the first in `mode`; `last` when no other
+    /// turn of its conversation waits on this replica.
     async fn attempts(
         &self,
         plan: &TurnPlan<'_>,
         mut mode: Mode,
         lease: &mut Option<HeldLease>,
+        last: bool,
         deadline: Option<Instant>,
         span: &tracing::Span,
     ) -> Result<TurnOutcome, TurnError> {
@@ -297,7 +302,7 @@ impl Engine {
                         .await
                 }
                 Mode::Leased => {
-                    self.attempt_leased(plan, attempt, deadline, lease)
+                    self.attempt_leased(plan, attempt, deadline, lease, last)
                         .instrument(attempt_span.clone())
                         .await
                 }
@@ -474,25 +479,42 @@ impl Engine {
     }
 
     /// One attempt of a conversation this replica leases (see [`HeldLease`]): an ordinary
-    /// attempt while the lease serves, else the first turn of a new lease, on the state loaded
-    /// under it. A replay's new lease also holds the conversation's row, as a serialized attempt
-    /// does, so that it is never beaten again by a turn that took no lock. A store that offers no
-    /// lease locks turn by turn.
+    /// attempt while the lease serves — the lease's last turn, the [`LEASE_TURNS`]th or `last`,
+    /// the last of its conversation waiting here, commits under it, which ends it — else the
+    /// first turn of a new lease, on the state loaded under it. A replay locks for its own turn,
+    /// holding the conversation's row, so that it is never beaten again by a turn that took no
+    /// lock, and so does a `last` turn that finds no lease; the next turn leases anew. A store
+    /// that offers no lease locks turn by turn.
     async fn attempt_leased(
         &self,
         plan: &TurnPlan<'_>,
         attempt: u32,
         deadline: Option<Instant>,
         lease: &mut Option<HeldLease>,
+        last: bool,
     ) -> Result<AttemptOutcome, TurnError> {
         if HeldLease::serves(lease, attempt) {
-            if let Some(held) = lease.as_mut() {
-                held.turns += 1;
+            let Some(held) = lease.as_mut() else {
+                return self.attempt(plan, attempt).await;
+            };
+            held.turns += 1;
+            if !(last || held.turns >= LEASE_TURNS) {
+                return self.attempt(plan, attempt).await;
             }
-            return self.attempt(plan, attempt).await;
+            // The lease's last turn: its commit ends the lease and lets the next holder in.
+            let Some(turn) = held.end() else {
+                return self.attempt(plan, attempt).await;
+            };
+            let snapshot = self.snapshot(plan, attempt).await?;
+            return self.run_locked(plan, attempt, snapshot, turn).await;
         }
         // Spent, or a replay: let the other replicas' holders in first.
         *lease = None;
+        if attempt > 1 || last {
+            // A replay, or a turn with no other of its conversation waiting here: the lock for
+            // this turn alone, holding the row.
+            return self.attempt_serialized(plan, attempt, deadline).await;
+        }
         match self
             .store
             .lease_conversation(
@@ -500,30 +522,26 @@ impl Engine {
                 &plan.key_list,
                 plan.receipt.as_ref(),
                 lock_wait(deadline),
-                attempt > 1,
             )
             .await?
         {
             ConversationLease::Held {
                 lease: taken,
                 snapshot,
-                turn,
                 waited,
             } => {
                 self.metrics.granted.increment(1);
+                tracing::debug!(waited, "conversation leased");
                 if waited {
                     // Another replica is at this conversation too: keep leasing it.
                     self.hot.contended(&plan.keys.conversation);
                 }
                 *lease = Some(HeldLease {
-                    _lease: taken,
+                    lease: Some(taken),
                     since: Instant::now(),
                     turns: 1,
                 });
-                match turn {
-                    Some(turn) => self.run_locked(plan, attempt, snapshot, turn).await,
-                    None => self.run_on(plan, attempt, snapshot).await,
-                }
+                self.run_on(plan, attempt, snapshot).await
             }
             ConversationLease::NotOffered => self.attempt_serialized(plan, attempt, deadline).await,
             ConversationLease::NotGranted => Err(self.not_granted(attempt, deadline)),
@@ -605,23 +623,44 @@ const LEASE_TIME: std::time::Duration = std::time::Duration::from_millis(50);
 /// [`Store::lease_conversation`]), kept with the conversation's queue (`queue`) and handed
 /// from one of its turns to the next while turns of it wait here: each then runs as on a lone
 /// replica, a guess from the cache and one commit, with nobody else's serialized turn or lease
-/// in between. The lease goes when the last waiting turn is done, or after [`LEASE_TURNS`] turns
-/// or [`LEASE_TIME`], whichever comes first, so that the replicas take turns. A replay's lease
-/// holds the conversation's row for that turn as well, as a serialized attempt does.
+/// in between. The lease's last turn — the [`LEASE_TURNS`]th, or the last one waiting here —
+/// commits under it, which ends it; a lease past [`LEASE_TIME`] is let go after the turn that
+/// found it so. Either way the replicas take turns.
 #[derive(Debug)]
 struct HeldLease {
-    _lease: Lease,
+    /// `None` once the lease's last turn has it.
+    lease: Option<Lease>,
     since: Instant,
     turns: u32,
 }
 
 impl HeldLease {
     /// Whether `lease` serves attempt `attempt` of the next turn as an ordinary attempt: it is
-    /// held, not spent, and the attempt is a first one (a replay starts a new lease).
+    /// held, not spent, and the attempt is a first one (a replay locks for itself).
     fn serves(lease: &Option<Self>, attempt: u32) -> bool {
         lease.as_ref().is_some_and(|held| {
-            attempt == 1 && held.turns < LEASE_TURNS && held.since.elapsed() < LEASE_TIME
+            attempt == 1
+                && held.lease.is_some()
+                && held.turns < LEASE_TURNS
+                && held.since.elapsed() < LEASE_TIME
         })
+    }
+
+    /// The lease as its last turn, which commits under it and so ends it (`None` if a turn
+    /// took it already).
+    fn end(&mut self) -> Option<Box<dyn LockedTurn>> {
+        self.lease.take().map(Lease::into_last_turn)
+    }
+}
+
+impl Drop for HeldLease {
+    fn drop(&mut self) {
+        tracing::debug!(
+            turns = self.turns,
+            held_us = self.since.elapsed().as_micros(),
+            ended_by_commit = self.lease.is_none(),
+            "conversation lease given up"
+        );
     }
 }
 

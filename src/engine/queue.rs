@@ -63,6 +63,14 @@ impl<T: Default> KeyQueue<T> {
 }
 
 impl<T> KeyTurn<T> {
+    /// Whether another turn of this key waits on this one.
+    pub fn others_waiting(&self) -> bool {
+        // The table's reference, this turn's guard's, and one per waiting turn.
+        lock(&self.slots)
+            .get(&self.key)
+            .is_some_and(|slot| Arc::strong_count(slot) > 2)
+    }
+
     /// The value the key's turns hand on to each other.
     pub fn held(&mut self) -> Option<&mut T> {
         self.guard.as_deref_mut()
@@ -140,10 +148,11 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_held_value_passes_to_the_next_turn_and_goes_with_the_last() {
+    async fn the_held_value_passes_to_the_next_turn_and_goes_with_the_last_who_knows_it_is() {
         let queue = Arc::new(KeyQueue::<Held>::new());
         let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut first = queue.enter(&key("a")).await;
+        assert!(!first.others_waiting(), "nobody else asked yet");
         if let Some(held) = first.held() {
             held.0 = Some(Arc::clone(&dropped));
         }
@@ -151,9 +160,17 @@ mod tests {
             let queue = Arc::clone(&queue);
             tokio::spawn(async move { queue.enter(&key("a")).await })
         };
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let until = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !first.others_waiting() {
+            assert!(
+                tokio::time::Instant::now() < until,
+                "the waiter never showed"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
         drop(first);
         let mut second = waiting.await.expect("the waiter gets the key");
+        assert!(!second.others_waiting(), "the waiter was the last");
         assert!(
             second.held().is_some_and(|held| held.0.is_some()),
             "the value was not handed on"

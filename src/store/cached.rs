@@ -25,7 +25,7 @@ use async_trait::async_trait;
 
 use super::{
     Commit, CommitOutcome, Consistency, ConversationLease, ConversationLock, KeyHasher, KeyMap,
-    LockedTurn, PoolStatus, Snapshot, Store, StoreError, Version, Versioned,
+    Lease, LockedTurn, PoolStatus, Snapshot, Store, StoreError, Version, Versioned,
 };
 use crate::activity::JsonMap;
 use crate::state::StateKey;
@@ -224,31 +224,29 @@ impl<S: Store> Store for CachedStore<S> {
         )
     }
 
-    /// Remembers the lease's first turn as [`CachedStore::lock_conversation`] does.
+    /// Remembers the load under the lease, and the commit of the lease's last turn, as
+    /// [`CachedStore::lock_conversation`] does.
     async fn lease_conversation(
         &self,
         conversation: &StateKey,
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         wait: std::time::Duration,
-        rows: bool,
     ) -> Result<ConversationLease, StoreError> {
         Ok(
             match self
                 .inner
-                .lease_conversation(conversation, keys, receipt, wait, rows)
+                .lease_conversation(conversation, keys, receipt, wait)
                 .await?
             {
                 ConversationLease::Held {
                     lease,
                     snapshot,
-                    turn,
                     waited,
                 } => {
                     self.remember_loaded(keys, &snapshot);
                     ConversationLease::Held {
-                        lease,
-                        turn: turn.map(|turn| self.remembering(turn)),
+                        lease: Lease::new(self.remembering(lease.into_last_turn())),
                         snapshot,
                         waited,
                     }

@@ -309,16 +309,15 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<ConversationLock, StoreError>;
 
     /// Holds `conversation` for this replica — against every other replica's serialized turns
-    /// and leases — until the returned [`Lease`] is dropped, so that this replica can run several
-    /// of the conversation's turns in a row, each an ordinary one (a guess from its cache and one
+    /// and leases — until the returned [`Lease`] ends, so that this replica can run several of
+    /// the conversation's turns in a row, each an ordinary one (a guess from its cache and one
     /// commit), as a lone replica would. `keys` and `receipt` are loaded once the lease is held,
-    /// in the same request. With `rows`, the first of those turns also holds the conversation's
-    /// row, as [`Store::lock_conversation`] does, and comes as a [`LockedTurn`]: a replay must
-    /// not be beaten again by a turn that took no lock. Without, it commits as any other.
+    /// in the same request. The lease ends when it is dropped, or with the commit of its last
+    /// turn ([`Lease::into_last_turn`]), which lets the next holder in the moment it lands.
     ///
-    /// A store that serves one replica, or whose sessions do not outlast a transaction (behind a
-    /// transaction-mode pooler), offers none: [`ConversationLease::NotOffered`], and the caller
-    /// locks turn by turn.
+    /// A store that serves one replica, or that cannot keep a lease (behind a transaction-mode
+    /// pooler), offers none: [`ConversationLease::NotOffered`], and the caller locks turn by
+    /// turn.
     ///
     /// # Errors
     /// [`StoreError`] when the store cannot answer; a lease not granted in time is
@@ -329,9 +328,8 @@ pub trait Store: Send + Sync + 'static {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         wait: std::time::Duration,
-        rows: bool,
     ) -> Result<ConversationLease, StoreError> {
-        let _ = (conversation, keys, receipt, wait, rows);
+        let _ = (conversation, keys, receipt, wait);
         Ok(ConversationLease::NotOffered)
     }
 
@@ -382,15 +380,12 @@ impl fmt::Debug for ConversationLock {
 pub enum ConversationLease {
     /// The store offers no leases; lock turn by turn ([`Store::lock_conversation`]).
     NotOffered,
-    /// The conversation is this replica's until `lease` is dropped.
+    /// The conversation is this replica's until `lease` ends.
     Held {
         /// Holds the conversation; dropping it lets the next holder in.
         lease: Lease,
-        /// What the first turn loaded under the lease.
+        /// What was loaded under the lease.
         snapshot: Snapshot,
-        /// With `rows`, the first turn, holding the conversation as a [`ConversationLock::Held`]
-        /// turn does.
-        turn: Option<Box<dyn LockedTurn>>,
         /// Whether another holder had the conversation when this replica asked: it is contended.
         waited: bool,
     },
@@ -408,18 +403,25 @@ impl fmt::Debug for ConversationLease {
     }
 }
 
-/// A conversation held by this replica (see [`Store::lease_conversation`]), released when this is
-/// dropped: the store's guard, opaque to the holder.
+/// A conversation held by this replica (see [`Store::lease_conversation`]): the store's
+/// [`LockedTurn`], kept open across the holder's turns. Dropping it releases the conversation;
+/// so does the commit of the turn it becomes, [`Lease::into_last_turn`].
 pub struct Lease {
-    _guard: Box<dyn Send + Sync>,
+    turn: Box<dyn LockedTurn>,
 }
 
 impl Lease {
-    /// A lease that `guard` releases when dropped.
-    pub fn new(guard: impl Send + Sync + 'static) -> Self {
-        Self {
-            _guard: Box::new(guard),
-        }
+    /// A lease held by `turn`, which ends it: committed, released or dropped.
+    pub fn new(turn: Box<dyn LockedTurn>) -> Self {
+        Self { turn }
+    }
+
+    /// The lease as its last turn: a [`LockedTurn`] that commits under the lease (or releases
+    /// it) and so ends it, letting the next holder in the moment the commit lands rather than
+    /// after another request.
+    #[must_use]
+    pub fn into_last_turn(self) -> Box<dyn LockedTurn> {
+        self.turn
     }
 }
 

@@ -37,6 +37,7 @@ pub mod tls;
 
 pub use group_commit::GroupCommitStats;
 use group_commit::{GroupCommit, SingleWrite};
+pub use lock::lock_table;
 
 mod embedded {
     refinery::embed_migrations!("migrations");
@@ -489,9 +490,8 @@ impl Store for PostgresStore {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         wait: Duration,
-        rows: bool,
     ) -> Result<ConversationLease, StoreError> {
-        lock::lease_conversation(self, conversation, keys, receipt, wait, rows).await
+        lock::lease_conversation(self, conversation, keys, receipt, wait).await
     }
 
     #[tracing::instrument(skip_all)]

@@ -99,19 +99,19 @@ impl Store for TimedStore {
         locked
     }
 
-    /// Times the wait for the lease with its first turn's load, as a lock.
+    /// Times the wait for the lease with the load under it, as a lock; the lease's last turn's
+    /// commit is not timed.
     async fn lease_conversation(
         &self,
         conversation: &StateKey,
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         wait: Duration,
-        rows: bool,
     ) -> Result<ConversationLease, StoreError> {
         let started = Instant::now();
         let leased = self
             .inner
-            .lease_conversation(conversation, keys, receipt, wait, rows)
+            .lease_conversation(conversation, keys, receipt, wait)
             .await;
         self.lock.record(started.elapsed());
         leased

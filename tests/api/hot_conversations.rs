@@ -161,8 +161,27 @@ async fn a_serialized_bot_runs_exactly_once_per_turn() {
     assert_exact(&added, &mut client).await;
 }
 
-/// The conversation scope's key of `conversation` for `bot` on the `test` channel, as the lock
-/// is taken on it.
+/// Takes the conversation lock of `conversation` for `bot` by hand on `session`, a session on
+/// `url`, as another replica's turn would: a transaction holding its lock table, until `COMMIT`
+/// or `ROLLBACK`. The database is migrated first (a server started just before may not have
+/// got that far).
+async fn hold_by_hand(session: &tokio_postgres::Client, url: &str, bot: &str, conversation: &str) {
+    postgres::migrate(&DatabaseUrl::new(url)).await.unwrap();
+    let key = StateKey::conversation(
+        bot,
+        &ChannelId::parse("test", "channelId").unwrap(),
+        &ConversationId::parse(conversation, "conversation.id").unwrap(),
+    );
+    session
+        .batch_execute(&format!(
+            "BEGIN; LOCK TABLE {} IN EXCLUSIVE MODE",
+            postgres::lock_table(&key)
+        ))
+        .await
+        .unwrap();
+}
+
+/// The conversation scope's key of `conversation` for `bot` on the `test` channel.
 fn conversation_key(bot: &str, conversation: &str) -> String {
     StateKey::conversation(
         bot,
@@ -180,16 +199,19 @@ async fn session(url: &str) -> tokio_postgres::Client {
     client
 }
 
-/// How many sessions wait for an advisory lock in `db`'s database right now.
+/// How many sessions wait for a conversation lock in `db`'s database right now.
 async fn lock_waiters(db: &tokio_postgres::Client) -> i64 {
-    advisory_locks(db, false).await
+    conversation_locks(db, false).await
 }
 
-/// How many advisory locks of `db`'s database are held (`granted`) or waited for right now.
-async fn advisory_locks(db: &tokio_postgres::Client, granted: bool) -> i64 {
+/// How many conversation locks (locks of the lock tables) of `db`'s database are held
+/// (`granted`) or waited for right now.
+async fn conversation_locks(db: &tokio_postgres::Client, granted: bool) -> i64 {
     db.query_one(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted = $1 \
-            AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation \
+          WHERE l.locktype = 'relation' AND c.relname LIKE 'turnstile\\_lock\\_%' \
+            AND l.granted = $1 \
+            AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
         &[&granted],
     )
     .await
@@ -197,17 +219,32 @@ async fn advisory_locks(db: &tokio_postgres::Client, granted: bool) -> i64 {
     .get(0)
 }
 
-/// Waits until no advisory lock is held in `db`'s database: every lease and lock has ended, and
-/// no connection went back to a pool still holding one.
+/// How many sessions of `db`'s database hold back the pruning of row versions (a snapshot's
+/// `xmin`) while they wait for a lock or sit idle in a transaction — as a lease does between its
+/// turns.
+async fn holding_back_pruning(db: &tokio_postgres::Client) -> i64 {
+    db.query_one(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+            AND pid <> pg_backend_pid() AND backend_xmin IS NOT NULL \
+            AND (wait_event_type = 'Lock' OR state = 'idle in transaction')",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// Waits until no conversation lock is held in `db`'s database: every lease and lock has ended,
+/// and no connection went back to a pool still holding one.
 async fn until_nothing_is_held(db: &tokio_postgres::Client, what: &str) {
     let until = Instant::now() + Duration::from_secs(10);
-    while advisory_locks(db, true).await > 0 {
+    while conversation_locks(db, true).await > 0 {
         assert!(Instant::now() < until, "{what}: a lock is still held");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
-/// Waits until someone waits for an advisory lock in `db`'s database.
+/// Waits until someone waits for a conversation lock in `db`'s database.
 async fn until_someone_waits(db: &tokio_postgres::Client, what: &str) {
     let until = Instant::now() + Duration::from_secs(20);
     while lock_waiters(db).await == 0 {
@@ -216,10 +253,11 @@ async fn until_someone_waits(db: &tokio_postgres::Client, what: &str) {
     }
 }
 
-/// A lease holds its conversation against every other replica's lock and lease until it is
-/// dropped — past its first turn — while its holder's own commits go through; the next holder
-/// learns that it had to wait; nothing of either is left in PostgreSQL once they are dropped;
-/// and behind a transaction-mode pooler no lease is offered.
+/// A lease holds its conversation against every other replica's lock and lease across its
+/// holder's turns, whose commits go through; the next holder waits without holding back the
+/// pruning of row versions, learns that it had to wait, and gets in with the commit of the
+/// lease's last turn, on what it committed; nothing of either is left in PostgreSQL once they
+/// ended; and behind a transaction-mode pooler no lease is offered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
     let url = support::pg::fresh_database().await;
@@ -250,24 +288,22 @@ async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
     let ConversationLease::Held {
         lease,
         snapshot,
-        turn,
         waited,
     } = holder
-        .lease_conversation(&key, &keys, None, wait, true)
+        .lease_conversation(&key, &keys, None, wait)
         .await
         .unwrap()
     else {
         panic!("an idle conversation's lease was not granted");
     };
-    let turn = turn.expect("a lease asked with the row comes with its first turn");
     assert!(!waited, "nobody else held the conversation");
     assert!(snapshot.get(&key).is_none());
-    let first = turn.commit(written(Expected::Absent, 1)).await.unwrap();
+    // The lease's turns commit as any other.
+    let first = holder.commit(written(Expected::Absent, 1)).await.unwrap();
     assert!(matches!(first, CommitOutcome::Committed(_)), "{first:?}");
 
-    // Leases keep at most half the pool (of 4): a second conversation's is granted (here without
-    // its row: its first turn commits as any other), a third's is not offered — that turn locks
-    // on its own — and the slot comes back with the lease.
+    // Leases keep at most half the pool (of 4): a second conversation's is granted, a third's is
+    // not offered — that turn locks on its own — and the slot comes back with the lease.
     let others: Vec<StateKey> = ["leased-2", "leased-3"]
         .iter()
         .map(|id| {
@@ -279,19 +315,18 @@ async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
         })
         .collect();
     let second_lease = holder
-        .lease_conversation(&others[0], &others[..1], None, wait, false)
+        .lease_conversation(&others[0], &others[..1], None, wait)
         .await
         .unwrap();
     let ConversationLease::Held {
         lease: second_lease,
-        turn: None,
         ..
     } = second_lease
     else {
-        panic!("a second lease in a pool of 4, without its row: {second_lease:?}");
+        panic!("a second lease in a pool of 4: {second_lease:?}");
     };
     let third = holder
-        .lease_conversation(&others[1], &others[1..], None, wait, false)
+        .lease_conversation(&others[1], &others[1..], None, wait)
         .await;
     assert!(
         matches!(third, Ok(ConversationLease::NotOffered)),
@@ -299,7 +334,7 @@ async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
     );
     drop(second_lease);
     let third = holder
-        .lease_conversation(&others[1], &others[1..], None, wait, false)
+        .lease_conversation(&others[1], &others[1..], None, wait)
         .await;
     assert!(
         matches!(third, Ok(ConversationLease::Held { .. })),
@@ -307,15 +342,18 @@ async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
     );
     drop(third);
 
-    // The first turn is over; the lease is not.
+    // The first turn is over; the lease is not, and holds nothing back meanwhile.
+    assert_eq!(
+        holding_back_pruning(&observer).await,
+        0,
+        "an idle lease holds back the pruning of row versions"
+    );
     let lock = other.lock_conversation(&key, &keys, None, short).await;
     assert!(
         matches!(lock, Ok(ConversationLock::NotGranted)),
         "another replica's lock got in: {lock:?}"
     );
-    let leased = other
-        .lease_conversation(&key, &keys, None, short, false)
-        .await;
+    let leased = other.lease_conversation(&key, &keys, None, short).await;
     assert!(
         matches!(leased, Ok(ConversationLease::NotGranted)),
         "another replica's lease got in: {leased:?}"
@@ -327,42 +365,49 @@ async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
         .unwrap();
     assert!(matches!(second, CommitOutcome::Committed(_)), "{second:?}");
 
-    // The next holder waits, and the drop lets it in, on what the holder committed.
+    // The next holder waits — holding back no row version while it does — and the commit of
+    // the lease's last turn lets it in, on what that turn committed.
     let waiting = tokio::spawn({
         let (other, key) = (Arc::clone(&other), key.clone());
         async move {
             other
-                .lease_conversation(&key, std::slice::from_ref(&key), None, wait, true)
+                .lease_conversation(&key, std::slice::from_ref(&key), None, wait)
                 .await
         }
     });
     until_someone_waits(&observer, "the other replica never asked for the lease").await;
-    drop(lease);
+    assert_eq!(
+        holding_back_pruning(&observer).await,
+        0,
+        "the holder or the waiter holds back the pruning of row versions"
+    );
+    let last = lease
+        .into_last_turn()
+        .commit(written(Expected::Version(Version::new(2)), 3))
+        .await
+        .unwrap();
+    assert!(matches!(last, CommitOutcome::Committed(_)), "{last:?}");
     let ConversationLease::Held {
         lease: next,
         snapshot,
-        turn,
         waited,
     } = waiting.await.unwrap().unwrap()
     else {
-        panic!("the lease was not handed on when its holder let go");
+        panic!("the lease was not handed on with its last turn's commit");
     };
     assert!(waited, "the next holder did not learn that it waited");
     assert_eq!(
         snapshot.get(&key).map(|row| row.version),
-        Some(Version::new(2))
+        Some(Version::new(3))
     );
-    turn.expect("asked with the row").release().await;
     drop(next);
     until_nothing_is_held(&observer, "after both leases ended").await;
 
     let pooled = PostgresStore::connect_with(&db_url, 2, Statements::Unprepared).unwrap();
-    let offered = pooled
-        .lease_conversation(&key, &keys, None, short, false)
-        .await;
+    let offered = pooled.lease_conversation(&key, &keys, None, short).await;
     assert!(
         matches!(offered, Ok(ConversationLease::NotOffered)),
-        "a session lease behind a transaction-mode pooler: {offered:?}"
+        "a lease behind a transaction-mode pooler: {offered:?}"
     );
 }
 
@@ -409,11 +454,10 @@ impl Store for CountingHolds {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         wait: Duration,
-        rows: bool,
     ) -> Result<ConversationLease, StoreError> {
         self.holds.fetch_add(1, Ordering::SeqCst);
         self.inner
-            .lease_conversation(conversation, keys, receipt, wait, rows)
+            .lease_conversation(conversation, keys, receipt, wait)
             .await
     }
 }
@@ -451,10 +495,7 @@ async fn a_hot_conversations_queued_turns_share_one_lease() {
         .await
         .unwrap();
     let other = session(&url).await;
-    other
-        .execute("SELECT pg_advisory_lock(hashtextextended($1, 0))", &[&key])
-        .await
-        .unwrap();
+    hold_by_hand(&other, &url, "pizza", "queue").await;
 
     // This replica's next turn conflicts, and asks for the conversation; the others queue here.
     let started = Instant::now();
@@ -476,13 +517,7 @@ async fn a_hot_conversations_queued_turns_share_one_lease() {
     .await;
     let queued: Vec<_> = (1..=QUEUED).map(send).collect();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    other
-        .execute(
-            "SELECT pg_advisory_unlock(hashtextextended($1, 0))",
-            &[&key],
-        )
-        .await
-        .unwrap();
+    other.batch_execute("COMMIT").await.unwrap();
 
     assert_eq!(
         first.await.unwrap().attempts,
@@ -525,14 +560,7 @@ async fn a_lock_not_granted_in_time_ends_the_turn_with_nothing_committed() {
 
     // Another party holds the conversation, as a replica with a slow turn would.
     let holder = session(&url).await;
-    holder.batch_execute("BEGIN").await.unwrap();
-    holder
-        .execute(
-            "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
-            &[&conversation_key("pizza", "held")],
-        )
-        .await
-        .unwrap();
+    hold_by_hand(&holder, &url, "pizza", "held").await;
     let observer = session(&url).await;
 
     // With a deadline: DEADLINE_EXCEEDED, and the server's wait in PostgreSQL ends with it.
@@ -603,14 +631,7 @@ async fn a_turn_waiting_for_the_lock_loads_what_was_committed_while_it_waited() 
     let other = TestServer::start(postgres_config(&url), BotRegistry::new("pizza", PizzaBot)).await;
 
     let holder = session(&url).await;
-    holder.batch_execute("BEGIN").await.unwrap();
-    holder
-        .execute(
-            "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
-            &[&conversation_key("pizza", "queued")],
-        )
-        .await
-        .unwrap();
+    hold_by_hand(&holder, &url, "pizza", "queued").await;
     let observer = session(&url).await;
 
     let mut client = waiter.client().await;
@@ -682,15 +703,7 @@ async fn a_replica_killed_while_holding_the_lock_stalls_nobody() {
     let doomed = tokio::spawn(slow_turn(addrs[0], "kill", Duration::from_secs(30)));
     let until = Instant::now() + Duration::from_secs(15);
     loop {
-        let held: i64 = observer
-            .query_one(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if held > 0 {
+        if conversation_locks(&observer, true).await > 0 {
             break;
         }
         assert!(

@@ -1,17 +1,23 @@
 //! The conversation lock: a queue for one conversation's turns across replicas, kept by
 //! PostgreSQL itself.
 //!
-//! A serialized turn opens a transaction on one pooled connection and takes a transaction-scoped
-//! advisory lock on its conversation key, `pg_advisory_xact_lock(hashtextextended(key, 0))`. It
+//! A serialized turn opens a transaction on one pooled connection and locks its conversation's
+//! lock table in it, `LOCK TABLE turnstile_lock_NNNN IN EXCLUSIVE MODE` ([`lock_table`]). It
 //! loads, runs its bot and commits inside that transaction, and the lock ends with it. So the
 //! replicas' serialized turns of one conversation wait for each other in the database, in the
 //! order they asked, instead of running the bot on state that is about to move and replaying.
 //!
 //! Why this lock: it exists before the conversation has a row (its first turns are the ones most
-//! often sent at once), and being transaction-scoped it works through PgBouncer in transaction
-//! mode, where a session lock would stay with whichever client the pooler hands the server
-//! connection to next. It ends with the transaction: on commit, on rollback, and when the session
-//! dies with a replica, as soon as PostgreSQL sees the connection close.
+//! often sent at once), and being transaction-scoped it ends with the transaction: on commit, on
+//! rollback, and when the session dies with a replica, as soon as PostgreSQL sees the connection
+//! close. Why a table's lock rather than an advisory lock on the key: a session waiting in
+//! `pg_advisory_lock` runs a statement, so it holds a snapshot for all of its wait, and no row
+//! version newer than the wait's start can be pruned. A hot conversation always has someone
+//! waiting, so its row, which the holder updates turn after turn, bloated (one row reached 1,700
+//! pages in 16,000 turns, and one update in seven was no longer HOT). `LOCK TABLE` waits without
+//! a snapshot once the session has looked the table up, so a waiter holds nothing back. The
+//! migrations create 1,024 such tables; two conversations that hash to the same one, contended
+//! at the same moment, wait for each other as two turns of one would.
 //!
 //! The load under the lock also locks the conversation's row (`FOR UPDATE`), so that a turn of
 //! another replica that did not take the lock (its optimistic first attempt) cannot commit in
@@ -33,68 +39,62 @@
 //! statement and hands over to the next without leaving the process, is the database's work per
 //! locked turn: seven statements and a lock hand-over between backends, three times what an
 //! ordinary turn costs PostgreSQL (`bench/RESULTS.md`). So a replica whose own queue holds more
-//! turns of a contended conversation takes the lock for all of them at once: a lease. It is the
-//! same round trip as above with a *session* lock, `pg_advisory_lock`, in place of the
-//! transaction's; the first turn commits under it as above, and the lock then stays with the
-//! session, whose connection the lease keeps out of the pool. The holder's next turns are
-//! ordinary ones (a guess from its cache and the group commit), and every other replica's
-//! locked turn or lease waits. Dropping the lease runs `pg_advisory_unlock_all()` before the
-//! connection goes back to the pool (or closes it). Only with prepared statements: behind a
-//! transaction-mode pooler a session lock would stay with whichever client the pooler lends the
-//! server connection to next, so there the store offers none, and turns lock one by one.
+//! turns of a contended conversation takes the lock for several of them: a lease. It is the same
+//! transaction and lock, with the load not locking the row, kept open — idle, holding no
+//! snapshot — on a connection the lease keeps out of the pool. The holder's turns meanwhile are
+//! ordinary ones (a guess from its cache and the group commit), and every other replica's locked
+//! turn or lease waits. The lease's last turn commits inside the lease's transaction
+//! ([`Lease::into_last_turn`]): its commit and `COMMIT` go together, so the next holder is let in
+//! the moment that commit lands, with no round trip of its own. A lease dropped without a last
+//! turn rolls back. Only with prepared statements: behind a transaction-mode pooler the store
+//! offers none (not measured there yet), and turns lock one by one.
 //!
 //! The wait is bounded by the turn's deadline (`lock_timeout`); a lock not granted in time
 //! (SQLSTATE 55P03, or 57014 when the statement timeout ends the wait first) is an ordinary
 //! outcome, [`ConversationLock::NotGranted`]. A replica alive but stuck while holding the lock
-//! is cut off by `idle_in_transaction_session_timeout` during a turn, and, between two turns of
-//! a lease, by `idle_session_timeout`, set on the leased session only (PostgreSQL 14 or later).
+//! is cut off by `idle_in_transaction_session_timeout`, during a turn and between a lease's.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::anyhow;
 use async_trait::async_trait;
+use tokio_postgres::SimpleQueryMessage;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::types::{ToSql, Type};
 
 use super::{
-    CALL_TIMEOUT, COMMIT, LOAD, LOAD_HOLDING, PostgresStore, Sql, Statements, classify,
+    CALL_TIMEOUT, COMMIT, LOAD, LOAD_HOLDING, PostgresStore, Statements, classify,
     within_call_timeout,
 };
 use crate::state::StateKey;
 use crate::store::{
-    Commit, CommitOutcome, ConversationLease, ConversationLock, Lease, LockedTurn, StoreError,
+    Commit, CommitOutcome, ConversationLease, ConversationLock, Lease, LockedTurn, Snapshot,
+    StoreError,
 };
 
-/// Waits until this transaction holds the conversation, or `lock_timeout` ends the wait.
-const LOCK: Sql = Sql {
-    text: "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
-    types: &[Type::TEXT],
-};
+/// How many lock tables `migrations/V2__conversation_locks.sql` creates.
+const LOCK_TABLES: u64 = 1024;
 
-/// Waits until this session holds the conversation, or `lock_timeout` ends the wait; answers
-/// whether it had to wait (another holder had it). A session lock: it outlasts the transaction
-/// it was taken in, until `pg_advisory_unlock_all()` or the session's end.
-const LEASE: Sql = Sql {
-    text: "SELECT CASE WHEN pg_try_advisory_lock(hashtextextended($1, 0)) THEN false \
-           ELSE (SELECT true FROM pg_advisory_lock(hashtextextended($1, 0))) END",
-    types: &[Type::TEXT],
-};
-
-/// Ends a lease: its lock, and the session's time limit that came with it.
-const UNLEASE: &str = "SELECT pg_advisory_unlock_all(); RESET idle_session_timeout";
-
-/// How long a leased session may sit idle between its holder's turns before PostgreSQL ends it:
-/// a holder hands its conversation to its next turn within microseconds, so only a replica that
-/// stopped without dying gets there.
-const LEASE_IDLE_LIMIT: Duration = Duration::from_secs(30);
-
-/// How long past its lock wait a turn may hold the lock idle (its bot running) before
-/// PostgreSQL ends the session: only a replica that stopped without dying gets there.
+/// How long past its lock wait a transaction holding a conversation may sit idle (its bot
+/// running, or between a lease's turns) before PostgreSQL ends the session: a holder moves on
+/// within milliseconds, so only a replica that stopped without dying gets there.
 const HOLD_GRACE: Duration = Duration::from_secs(30);
 
+/// The table whose lock stands for `conversation`'s (see the module's docs), the same on every
+/// replica: FNV-1a of the key, a fixed function, so that replicas of different builds agree.
+/// Changing it, or [`LOCK_TABLES`], is a change that every replica must take at once.
+#[must_use]
+pub fn lock_table(conversation: &StateKey) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in conversation.as_str().bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("turnstile_lock_{:04}", hash % LOCK_TABLES)
+}
+
 /// Locks `conversation` in a new transaction on a connection of `store`'s pool, and loads
-/// `keys` and `receipt` under the lock.
+/// `keys` and `receipt` under the lock, the conversation's row locked too.
 ///
 /// The transaction's start, the lock and the load go to PostgreSQL together, in one round trip:
 /// it runs them in order, so the load runs the moment the lock is granted, and the conversation
@@ -108,37 +108,25 @@ pub(super) async fn lock_conversation(
     wait: Duration,
 ) -> Result<ConversationLock, StoreError> {
     Ok(
-        match hold(store, Hold::Turn, conversation, keys, receipt, wait).await? {
-            Held::Granted {
-                snapshot,
-                turn: Some(turn),
-                ..
-            } => ConversationLock::Held { snapshot, turn },
-            Held::Granted { turn: None, .. } => {
-                return Err(StoreError::Unexpected(anyhow!(
-                    "a conversation lock came without its turn"
-                )));
-            }
+        match hold(store, None, conversation, keys, receipt, wait).await? {
+            Held::Granted { snapshot, turn, .. } => ConversationLock::Held { snapshot, turn },
             Held::NotGranted => ConversationLock::NotGranted,
         },
     )
 }
 
-/// Leases `conversation` to this replica on a connection of `store`'s pool, which the lease
-/// keeps out of the pool until it ends: a session lock, taken in the transaction of the lease's
-/// first turn, with that turn's load (`FOR UPDATE`) in the same round trip, as in
-/// [`lock_conversation`].
+/// Leases `conversation` to this replica: the lock of [`lock_conversation`], in a transaction
+/// kept open on a connection that the lease keeps out of the pool until it ends, with `keys` and
+/// `receipt` loaded under it (the row not locked: the holder's turns commit as any other).
 ///
 /// Only with prepared statements: behind a transaction-mode pooler (`Statements::Unprepared`)
-/// a session lock would stay with whichever client the pooler lends the server connection to
-/// next, so there the store offers no lease.
+/// the store offers no lease.
 pub(super) async fn lease_conversation(
     store: &PostgresStore,
     conversation: &StateKey,
     keys: &[StateKey],
     receipt: Option<&StateKey>,
     wait: Duration,
-    rows: bool,
 ) -> Result<ConversationLease, StoreError> {
     if store.statements == Statements::Unprepared {
         return Ok(ConversationLease::NotOffered);
@@ -149,39 +137,19 @@ pub(super) async fn lease_conversation(
         return Ok(ConversationLease::NotOffered);
     };
     Ok(
-        match hold(
-            store,
-            Hold::Lease { slot, rows },
-            conversation,
-            keys,
-            receipt,
-            wait,
-        )
-        .await?
-        {
+        match hold(store, Some(slot), conversation, keys, receipt, wait).await? {
             Held::Granted {
                 snapshot,
                 turn,
-                home,
                 waited,
             } => ConversationLease::Held {
-                lease: Lease::new(LeaseGuard { _home: home }),
+                lease: Lease::new(turn),
                 snapshot,
-                turn,
                 waited,
             },
             Held::NotGranted => ConversationLease::NotGranted,
         },
     )
-}
-
-/// What [`hold`] takes.
-enum Hold {
-    /// The conversation for one turn (a transaction lock).
-    Turn,
-    /// The conversation for a lease (a session lock), in this slot; with `rows`, for its first
-    /// turn also the conversation's row, as [`Hold::Turn`] does.
-    Lease { slot: LeaseSlot, rows: bool },
 }
 
 /// How many connections leases keep out of the pool, against a limit; clones count together.
@@ -224,23 +192,25 @@ impl Drop for LeaseSlot {
 /// What [`hold`] got.
 enum Held {
     Granted {
-        snapshot: crate::store::Snapshot,
-        /// The turn holding the conversation's row: always for [`Hold::Turn`], for a lease
-        /// only when asked.
-        turn: Option<Box<dyn LockedTurn>>,
-        /// The lease's connection, once its first turn has ended (always set for a lease).
-        home: Arc<LeaseHome>,
-        /// Whether another holder had the conversation when asked (leases only).
+        snapshot: Snapshot,
+        /// The transaction holding the conversation.
+        turn: Box<PgLockedTurn>,
+        /// Whether the lock took more than a moment to come: another holder had it.
         waited: bool,
     },
     NotGranted,
 }
 
-/// Opens a transaction on a pooled connection, takes `how`'s lock on `conversation` in it and
-/// loads `keys` and `receipt` under the lock, all in one round trip.
+/// How long a lock may take to come for its holder to count as having had to wait for it: an
+/// uncontended one comes within microseconds of the transaction's start.
+const WAITED: &str = "interval '1 millisecond'";
+
+/// Opens a transaction on a pooled connection, locks `conversation` in it and loads `keys` and
+/// `receipt` under the lock, all in one round trip: for a lease (`lease`, its place among the
+/// store's), without locking the row; for one turn, with.
 async fn hold(
     store: &PostgresStore,
-    how: Hold,
+    lease: Option<LeaseSlot>,
     conversation: &StateKey,
     keys: &[StateKey],
     receipt: Option<&StateKey>,
@@ -249,111 +219,70 @@ async fn hold(
     let asked = std::time::Instant::now();
     let client = store.client().await?;
     let statements = store.statements;
-    let (lock, rows) = match how {
-        Hold::Turn => (LOCK, true),
-        Hold::Lease { rows, .. } => (LEASE, rows),
+    let (load, holding) = match lease {
+        None => (LOAD_HOLDING, Some(conversation)),
+        Some(_) => (LOAD, None),
     };
-    let load = if rows { LOAD_HOLDING } else { LOAD };
-    // Prepared before anything is sent (at once when the connection has them), so that the
+    // Prepared before anything is sent (at once when the connection has it), so that the
     // requests below leave in the order they are written.
-    within_call_timeout(async {
-        lock.ready(&client, statements).await.map_err(classify)?;
-        load.ready(&client, statements).await.map_err(classify)
-    })
-    .await?;
+    within_call_timeout(async { load.ready(&client, statements).await.map_err(classify) }).await?;
     // The wait for a pooled connection counts against the wait allowed.
     let wait = wait.saturating_sub(asked.elapsed());
     // Whole milliseconds, at least one: 0 would mean "wait forever".
     let wait_ms = wait.as_millis().clamp(1, u128::from(u32::MAX));
     let hold_ms = (wait + HOLD_GRACE).as_millis().min(u128::from(u32::MAX));
-    // Numbers only in this text, so it can go as one simple query, which a transaction-mode
-    // pooler passes through like any other. A lease's session limit outlasts the transaction
-    // (`SET`, not `SET LOCAL`), as its lock does, until the lease ends (`UNLEASE`).
-    let idle_limit = match how {
-        Hold::Turn => String::new(),
-        Hold::Lease { .. } => format!(
-            "; SET idle_session_timeout = {}",
-            LEASE_IDLE_LIMIT.as_millis()
-        ),
-    };
-    let begin = format!(
-        "BEGIN; SET LOCAL lock_timeout = {wait_ms}; \
-         SET LOCAL idle_in_transaction_session_timeout = {hold_ms}{idle_limit}"
+    // Numbers and the table's name only in these texts, so that each can go as one simple query,
+    // which a transaction-mode pooler passes through like any other. The lock's last statement
+    // says whether the lock took more than a moment to come. The idle limit comes after the
+    // load, and as a simple query for a reason: the load's portal, which holds its snapshot —
+    // and with it the pruning of every row version newer than the snapshot — until the
+    // session's next statement, goes with it, so that a lease sits idle holding nothing back.
+    let lock = format!(
+        "BEGIN; SET LOCAL lock_timeout = {wait_ms}; LOCK TABLE {} IN EXCLUSIVE MODE; \
+         SELECT clock_timestamp() - transaction_timestamp() > {WAITED}",
+        lock_table(conversation)
     );
-    let leased = matches!(how, Hold::Lease { .. });
-    let home = Arc::new(LeaseHome {
-        client: std::sync::Mutex::default(),
-        _slot: match how {
-            Hold::Turn => None,
-            Hold::Lease { slot, .. } => Some(slot),
-        },
-    });
-    let mut turn = PgLockedTurn {
+    let idle_limit = format!("SET LOCAL idle_in_transaction_session_timeout = {hold_ms}");
+    let turn = Box::new(PgLockedTurn {
         client: Some(client),
         statements,
-        home: leased.then(|| Arc::clone(&home)),
-    };
-    let key = conversation.as_str();
-    let params: [&(dyn ToSql + Sync); 1] = [&key];
+        lease,
+    });
     let client = turn.client()?;
-    // `join!` polls in the order written, and each request is sent when first polled. Without
-    // `rows`, the transaction ends with the lock taken, and the load runs after it, unlocked.
+    // `join!` polls in the order written, and each request is sent when first polled.
     let answered = tokio::time::timeout(wait + CALL_TIMEOUT, async {
-        if rows {
-            let (began, locked, loaded) = futures::join!(
-                client.batch_execute(&begin),
-                lock.query(client, statements, &params),
-                PostgresStore::load_on(client, statements, keys, receipt, Some(conversation)),
-            );
-            (began, locked, Ok(()), loaded)
-        } else {
-            futures::join!(
-                client.batch_execute(&begin),
-                lock.query(client, statements, &params),
-                client.batch_execute("COMMIT"),
-                PostgresStore::load_on(client, statements, keys, receipt, None),
-            )
-        }
+        futures::join!(
+            client.simple_query(&lock),
+            PostgresStore::load_on(client, statements, keys, receipt, holding),
+            client.batch_execute(&idle_limit),
+        )
     })
     .await;
-    let Ok((began, locked, ended, loaded)) = answered else {
+    let Ok((locked, loaded, limited)) = answered else {
         // Dropping `turn` rolls back.
         return Err(StoreError::Unavailable(anyhow!(
             "no answer from PostgreSQL within {:?} of asking for a conversation lock",
             wait + CALL_TIMEOUT
         )));
     };
-    began.map_err(classify)?;
     match locked {
         Ok(answer) => {
-            let waited = leased
-                && answer
-                    .first()
-                    .map(|row| row.try_get::<_, bool>(0))
-                    .transpose()
-                    .map_err(super::unexpected)?
-                    .unwrap_or(false);
+            let waited = answer.iter().any(|message| {
+                matches!(message, SimpleQueryMessage::Row(row) if row.get(0) == Some("t"))
+            });
             // A load after a lock not granted fails too, as the transaction has: the lock's
             // error is the one that says what happened.
             let snapshot = loaded?;
-            let turn: Option<Box<dyn LockedTurn>> = if rows {
-                Some(Box::new(turn))
-            } else {
-                // The lease's connection, its transaction over, goes to the lease.
-                turn.ended(ended.map_err(classify))?;
-                None
-            };
+            limited.map_err(classify)?;
             Ok(Held::Granted {
                 snapshot,
                 turn,
-                home,
                 waited,
             })
         }
         Err(e) if not_granted(&e) => {
-            // No lock to end: the connection goes back to the pool.
-            turn.home = None;
-            Box::new(turn).release().await;
+            // Nothing held: the connection goes back to the pool.
+            turn.release().await;
             Ok(Held::NotGranted)
         }
         // Dropping `turn` rolls back.
@@ -367,16 +296,15 @@ fn not_granted(e: &tokio_postgres::Error) -> bool {
         .is_some_and(|c| *c == SqlState::LOCK_NOT_AVAILABLE || *c == SqlState::QUERY_CANCELED)
 }
 
-/// A transaction holding a conversation lock, on a connection taken from the pool. Dropped before
-/// it committed or released, it rolls back on a task of its own before the connection returns
-/// to the pool.
+/// A transaction holding a conversation lock, for one turn or a lease, on a connection taken from
+/// the pool. Dropped before it committed or released, it rolls back on a task of its own before
+/// the connection returns to the pool.
 struct PgLockedTurn {
     /// `None` once the transaction has ended.
     client: Option<deadpool_postgres::Object>,
     statements: Statements,
-    /// Where the connection goes once the transaction ended, for a lease's first turn: it stays
-    /// out of the pool, holding the lease. `None`: back to the pool.
-    home: Option<Arc<LeaseHome>>,
+    /// A lease's place among the store's leases, given back with the connection.
+    lease: Option<LeaseSlot>,
 }
 
 impl PgLockedTurn {
@@ -396,17 +324,14 @@ impl PgLockedTurn {
         self.ended(ended)
     }
 
-    /// Gives the connection back (to the pool, or to its lease) once its transaction ended, as
-    /// `ended` says. A connection on which ending it failed is closed instead: its session may
-    /// still be in the transaction (a lease on it ends with it).
+    /// Gives the connection back to the pool once its transaction ended, as `ended` says. A
+    /// connection on which ending it failed is closed instead: its session may still be in the
+    /// transaction.
     fn ended(&mut self, ended: Result<(), StoreError>) -> Result<(), StoreError> {
-        let Some(client) = self.client.take() else {
-            return ended;
-        };
-        match (&ended, &self.home) {
-            (Err(_), _) => drop(deadpool_postgres::Object::take(client)),
-            (Ok(()), Some(home)) => home.keep(client),
-            (Ok(()), None) => drop(client),
+        if let Some(client) = self.client.take() {
+            if ended.is_err() {
+                drop(deadpool_postgres::Object::take(client));
+            }
         }
         ended
     }
@@ -457,62 +382,16 @@ impl Drop for PgLockedTurn {
         let Some(client) = self.client.take() else {
             return;
         };
-        let home = self.home.take();
-        // Dropped mid-turn (the call was cancelled, or an error cut the turn short): roll back
-        // before the connection serves anyone else. Without a runtime to do that on, the
-        // connection is closed instead, which ends the transaction just the same.
+        // A lease's place is free again at once; its connection goes back after the rollback.
+        self.lease.take();
+        // Dropped mid-turn (the call was cancelled, an error cut the turn short, or a lease ended
+        // without a last turn): roll back before the connection serves anyone else. Without a
+        // runtime to do that on, the connection is closed instead, which ends the transaction
+        // just the same.
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 runtime.spawn(async move {
-                    match (client.batch_execute("ROLLBACK").await, home) {
-                        (Err(_), _) => drop(deadpool_postgres::Object::take(client)),
-                        (Ok(()), Some(home)) => home.keep(client),
-                        (Ok(()), None) => drop(client),
-                    }
-                });
-            }
-            Err(_) => drop(deadpool_postgres::Object::take(client)),
-        }
-    }
-}
-
-/// A lease's connection between its first turn's end and the lease's: it holds the session lock,
-/// so it must not go back to the pool before [`UNLEASE`] ran on it. Whoever lets go of this
-/// last — the lease, or a first turn that outlived it — ends the lease.
-struct LeaseHome {
-    client: std::sync::Mutex<Option<deadpool_postgres::Object>>,
-    /// The lease's place among the store's, given back with this.
-    _slot: Option<LeaseSlot>,
-}
-
-impl LeaseHome {
-    /// Keeps the lease's connection, its first turn over.
-    fn keep(&self, client: deadpool_postgres::Object) {
-        *self
-            .client
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(client);
-    }
-}
-
-impl Drop for LeaseHome {
-    fn drop(&mut self) {
-        let client = self
-            .client
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        let Some(client) = client else {
-            // Never granted, or its connection failed: no lock is left on any session.
-            return;
-        };
-        // Unlocked before the connection serves anyone else; a connection that cannot say so, or
-        // that has no runtime to say it on, is closed, which ends the lock just the same.
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn(async move {
-                    if let Err(e) = client.batch_execute(UNLEASE).await {
-                        tracing::debug!(error = %e, "ending a conversation lease failed; connection dropped");
+                    if client.batch_execute("ROLLBACK").await.is_err() {
                         drop(deadpool_postgres::Object::take(client));
                     }
                 });
@@ -520,9 +399,4 @@ impl Drop for LeaseHome {
             Err(_) => drop(deadpool_postgres::Object::take(client)),
         }
     }
-}
-
-/// What the holder of a lease keeps: the lease ends when the last of it and its first turn goes.
-struct LeaseGuard {
-    _home: Arc<LeaseHome>,
 }
