@@ -615,7 +615,7 @@ impl Mode {
 }
 
 /// The most turns one lease serves before this replica lets the other replicas' holders in.
-const LEASE_TURNS: u32 = 16;
+const LEASE_TURNS: u32 = 32;
 /// The longest one lease serves before this replica lets the other replicas' holders in.
 const LEASE_TIME: std::time::Duration = std::time::Duration::from_millis(50);
 
