@@ -11,13 +11,13 @@
 //! queue (see `queue`), so conflicts come only from other replicas.
 //!
 //! Across replicas they queue in the store once they have met: after a conflict, the turn's next
-//! attempt holds the conversation (`Store::lease_conversation`) across load → run → commit, so
+//! attempt holds the conversation (`Store::lock_conversation`) across load → run → commit, so
 //! it runs the bot on state nobody else is about to move, and the conversation stays contended
-//! on this replica for a few seconds (see `hot`). The lease outlasts that turn while more turns
-//! of the conversation queue here: they run as on a lone replica, one commit each, and the
-//! other replicas' turns wait in the store (see `HeldLease`). A bot whose policy is
-//! `Serialized` holds the conversation turn by turn from its first attempt
-//! (`Store::lock_conversation`). The conditional commit stays the backstop.
+//! on this replica for a few seconds (see `hot`). Its next turns, while more of them queue here,
+//! lease it (`Store::lease_conversation`): they run as on a lone replica, one commit each, the
+//! last committing under the lease to hand it on, and the other replicas' turns wait in the
+//! store (see `HeldLease`). A bot whose policy is `Serialized` holds the conversation turn by
+//! turn from its first attempt. The conditional commit stays the backstop.
 
 mod hot;
 mod queue;
