@@ -144,9 +144,9 @@ pub struct TurnKeys {
 impl TurnKeys {
     /// The keys of bot `bot`'s state for a turn at `address`.
     ///
-    /// The same text as [`StateKey`]'s constructors, built with each id escaped once, in one
-    /// buffer: the conversation key is the private conversation key's start, and the user key
-    /// shares its first two parts and its last (every turn builds these; joining every key from
+    /// The same text as [`StateKey`]'s constructors, built with each id escaped once: the
+    /// conversation key is the private conversation key's start, and the user key copies its
+    /// first two parts and its last (every turn builds these; joining every key from
     /// its parts escaped the bot and channel names three times, `bench/RESULTS.md`).
     pub fn new(bot: &str, address: &TurnAddress) -> Self {
         let TurnAddress {
@@ -157,11 +157,10 @@ impl TurnKeys {
         let (channel, conversation) = (channel.as_str(), conversation.as_str());
         let user = user.as_ref().map(UserId::as_str);
         let user_len = user.map_or(0, str::len);
-        // All three keys' text in one buffer: `{bot}/{channelId}/conversations/{conversationId}`,
-        // then `/users/{userId}` (with it, the private conversation key), then the user key.
-        let mut text = String::with_capacity(
-            2 * (bot.len() + channel.len() + user_len) + conversation.len() + 40,
-        );
+        // The conversation and private conversation keys' text in one buffer:
+        // `{bot}/{channelId}/conversations/{conversationId}`, then `/users/{userId}`.
+        let mut text =
+            String::with_capacity(bot.len() + channel.len() + conversation.len() + user_len + 24);
         escape_into(bot, &mut text);
         text.push('/');
         escape_into(channel, &mut text);
@@ -180,14 +179,15 @@ impl TurnKeys {
         text.push_str("/users/");
         let escaped_user = text.len();
         escape_into(user, &mut text);
-        let private_end = text.len();
-        text.extend_from_within(..shared);
-        text.push_str("users/");
-        text.extend_from_within(escaped_user..private_end);
+        // The user key: the first two parts and the escaped user id, copied.
+        let mut user_key = String::with_capacity(shared + 6 + text.len() - escaped_user);
+        user_key.push_str(&text[..shared]);
+        user_key.push_str("users/");
+        user_key.push_str(&text[escaped_user..]);
         Self {
             conversation: StateKey(text[..conversation_end].into()),
-            user: Some(StateKey(text[private_end..].into())),
-            private_conversation: Some(StateKey(text[..private_end].into())),
+            user: Some(StateKey(user_key.into())),
+            private_conversation: Some(StateKey(text.into())),
         }
     }
 
