@@ -44,8 +44,14 @@ impl Bot for CounterBot {
         let state = turn.conversation_state();
         state.set(COUNT, &count)?;
         if let Some(bytes) = pad {
-            let current: Option<String> = state.get(PAD)?;
-            if current.map(|p| p.len()) != Some(bytes) {
+            // Measured where it lies: reading the pad as a `String` copied a kilobyte per turn.
+            let current = match state.properties().get(PAD) {
+                Some(serde_json::Value::String(pad)) => Some(pad.len()),
+                None => None,
+                // Not a string: the error reading it as one gives.
+                Some(_) => state.get::<String>(PAD)?.map(|pad| pad.len()),
+            };
+            if current != Some(bytes) {
                 state.set(PAD, &".".repeat(bytes))?;
             }
         }

@@ -731,9 +731,7 @@ impl<'a> TurnPlan<'a> {
             bot,
             incoming,
             key_list: keys.all().map(|(_, k)| k.clone()).collect(),
-            receipt: incoming
-                .id()
-                .map(|id| StateKey::receipt(bot_name, &address.channel, &address.conversation, id)),
+            receipt: incoming.id().map(|id| keys.receipt(id)),
             keys,
             deadline,
         }

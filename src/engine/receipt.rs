@@ -6,8 +6,6 @@
 //! the field. The text is written once, straight from the replies (their `Serialize`, the same
 //! JSON as `Activity::to_json`), and parsed only when a redelivery reads it.
 
-use std::fmt::Write as _;
-
 use anyhow::{Context as _, anyhow};
 use serde_json::Value;
 
@@ -28,13 +26,29 @@ pub(super) fn encode(outcome: &TurnOutcome) -> Receipt {
         activity.write_json(&mut text);
     }
     let version = outcome.conversation_version.map_or(0, Version::get);
-    // Writing to a `String` cannot fail.
-    let _ = write!(
-        text,
-        "],\"attempts\":{},\"version\":{version}}}",
-        outcome.attempts
-    );
+    text.push_str("],\"attempts\":");
+    push_decimal(&mut text, u64::from(outcome.attempts));
+    text.push_str(",\"version\":");
+    push_decimal(&mut text, version);
+    text.push('}');
     Receipt::from_written(text)
+}
+
+/// Appends `n` in decimal, the text `Display` (and serde_json) writes, without `write!`'s
+/// formatting machinery: that was about 550 instructions per turn for these two numbers
+/// (`bench/RESULTS.md`).
+fn push_decimal(out: &mut String, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend(digits[at..].iter().map(|&d| char::from(d)));
 }
 
 /// The outcome a receipt recorded, marked as a redelivery's.
@@ -77,6 +91,28 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    #[test]
+    fn numbers_are_written_as_display_writes_them() {
+        let mut edges = vec![
+            0,
+            1,
+            9,
+            10,
+            99,
+            100,
+            u64::from(u32::MAX),
+            u64::MAX - 1,
+            u64::MAX,
+        ];
+        edges.extend((0..64).map(|bit| 1u64 << bit));
+        edges.extend((1..20).map(|digits| 10u64.pow(digits) - 1));
+        for n in edges {
+            let mut text = String::from("x");
+            push_decimal(&mut text, n);
+            assert_eq!(text, format!("x{n}"));
+        }
+    }
 
     #[test]
     fn a_receipt_gives_back_the_outcome_it_recorded() {

@@ -45,13 +45,32 @@ impl Deadlined {
             .as_mut()
             .is_some_and(|sleep| sleep.as_mut().poll(cx).is_ready());
         if passed {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the connection outlived its maximum age and grace period",
-            ));
+            return Err(aged_out());
         }
         Ok(())
     }
+
+    /// Fails once the timer has fired, without registering for its wake-up: polling the timer at
+    /// every read and write took 500 instructions per call (`bench/RESULTS.md`). The wake-up is
+    /// registered by a read that has to wait, which every idle connection is in, and which then
+    /// ends with the error.
+    fn fired(&self) -> io::Result<()> {
+        if self
+            .deadline
+            .as_ref()
+            .is_some_and(|sleep| sleep.is_elapsed())
+        {
+            return Err(aged_out());
+        }
+        Ok(())
+    }
+}
+
+fn aged_out() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::TimedOut,
+        "the connection outlived its maximum age and grace period",
+    )
 }
 
 impl AsyncRead for Deadlined {
@@ -60,8 +79,12 @@ impl AsyncRead for Deadlined {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        self.expired(cx)?;
-        Pin::new(&mut self.inner).poll_read(cx, buf)
+        self.fired()?;
+        let read = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if read.is_pending() {
+            self.expired(cx)?;
+        }
+        read
     }
 }
 
@@ -71,12 +94,12 @@ impl AsyncWrite for Deadlined {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        self.expired(cx)?;
+        self.fired()?;
         Pin::new(&mut self.inner).poll_write(cx, buf)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        self.expired(cx)?;
+        self.fired()?;
         Pin::new(&mut self.inner).poll_flush(cx)
     }
 

@@ -54,6 +54,18 @@ impl pb::ProcessTurnRequest {
 /// [`InvalidActivity`] when there is none, when `activity_json` is not a JSON object, or when
 /// the activity is over a limit; it names the field.
 pub fn read_activity(input: Option<Input>, limits: &Limits) -> Result<Activity, InvalidActivity> {
+    read_boxed_activity(input, limits).map(|activity| *activity)
+}
+
+/// [`read_activity`], boxed, as a turn keeps it: a typed activity goes from its box on the wire
+/// into its box in the turn without being moved whole on the way.
+///
+/// # Errors
+/// As [`read_activity`].
+pub fn read_boxed_activity(
+    input: Option<Input>,
+    limits: &Limits,
+) -> Result<Box<Activity>, InvalidActivity> {
     match input {
         None => Err(InvalidActivity::new(
             "activity",
@@ -61,14 +73,14 @@ pub fn read_activity(input: Option<Input>, limits: &Limits) -> Result<Activity, 
         )),
         Some(Input::Activity(activity)) => {
             limits.check(&activity)?;
-            Ok(Activity::from(*activity))
+            Ok(super::convert::boxed_activity(activity))
         }
         Some(Input::ActivityJson(text)) => {
             let activity = parse_json(&text, limits)?;
             // The typed form only measures; the turn gets the activity as parsed, so numbers
             // keep their JSON spelling (`1.0` stays `1.0`), which the typed form cannot.
             limits.check(&pb::Activity::from(activity.clone()))?;
-            Ok(activity)
+            Ok(Box::new(activity))
         }
     }
 }

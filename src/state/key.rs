@@ -14,6 +14,7 @@
 //! storage keys do not escape, and that forgery works there.
 
 use std::fmt;
+use std::sync::Arc;
 
 use crate::activity::incoming::{ActivityId, ChannelId, ConversationId, TurnAddress, UserId};
 use crate::activity::scan;
@@ -40,23 +41,30 @@ impl fmt::Display for Scope {
 }
 
 /// The key of one scope's state row. Built only from parsed ids, always escaped.
+///
+/// Shared text (`Arc<str>`): a turn hands its keys to the load, the commit, the state cache, the
+/// conversation queue and the group commit's batch, and a `String` key was copied into a new
+/// allocation at each of those steps (`bench/RESULTS.md`); a clone is now a count.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct StateKey(String);
+pub struct StateKey(Arc<str>);
 
 impl StateKey {
     /// The conversation scope's key.
     pub fn conversation(bot: &str, channel: &ChannelId, conversation: &ConversationId) -> Self {
-        Self(join(&[
-            bot,
-            channel.as_str(),
-            "conversations",
-            conversation.as_str(),
-        ]))
+        Self(
+            join(&[
+                bot,
+                channel.as_str(),
+                "conversations",
+                conversation.as_str(),
+            ])
+            .into(),
+        )
     }
 
     /// The user scope's key.
     pub fn user(bot: &str, channel: &ChannelId, user: &UserId) -> Self {
-        Self(join(&[bot, channel.as_str(), "users", user.as_str()]))
+        Self(join(&[bot, channel.as_str(), "users", user.as_str()]).into())
     }
 
     /// The private conversation scope's key.
@@ -66,14 +74,17 @@ impl StateKey {
         conversation: &ConversationId,
         user: &UserId,
     ) -> Self {
-        Self(join(&[
-            bot,
-            channel.as_str(),
-            "conversations",
-            conversation.as_str(),
-            "users",
-            user.as_str(),
-        ]))
+        Self(
+            join(&[
+                bot,
+                channel.as_str(),
+                "conversations",
+                conversation.as_str(),
+                "users",
+                user.as_str(),
+            ])
+            .into(),
+        )
     }
 
     /// The key of the receipt of the turn for activity `activity`: what identifies a redelivery.
@@ -83,19 +94,22 @@ impl StateKey {
         conversation: &ConversationId,
         activity: &ActivityId,
     ) -> Self {
-        Self(join(&[
-            bot,
-            channel.as_str(),
-            "conversations",
-            conversation.as_str(),
-            "activities",
-            activity.as_str(),
-        ]))
+        Self(
+            join(&[
+                bot,
+                channel.as_str(),
+                "conversations",
+                conversation.as_str(),
+                "activities",
+                activity.as_str(),
+            ])
+            .into(),
+        )
     }
 
     /// Wraps a key read back from a store, which only ever holds keys built here.
     pub(crate) fn from_stored(key: String) -> Self {
-        Self(key)
+        Self(key.into())
     }
 
     /// The key as stored.
@@ -129,19 +143,63 @@ pub struct TurnKeys {
 
 impl TurnKeys {
     /// The keys of bot `bot`'s state for a turn at `address`.
+    ///
+    /// The same text as [`StateKey`]'s constructors, built with each id escaped once: the
+    /// conversation key is the private conversation key's start, and the user key copies its
+    /// first two parts and its last (every turn builds these; joining every key from
+    /// its parts escaped the bot and channel names three times, `bench/RESULTS.md`).
     pub fn new(bot: &str, address: &TurnAddress) -> Self {
         let TurnAddress {
             channel,
             conversation,
             user,
         } = address;
+        let (channel, conversation) = (channel.as_str(), conversation.as_str());
+        let user = user.as_ref().map(UserId::as_str);
+        let user_len = user.map_or(0, str::len);
+        // The conversation and private conversation keys' text in one buffer:
+        // `{bot}/{channelId}/conversations/{conversationId}`, then `/users/{userId}`.
+        let mut text =
+            String::with_capacity(bot.len() + channel.len() + conversation.len() + user_len + 24);
+        escape_into(bot, &mut text);
+        text.push('/');
+        escape_into(channel, &mut text);
+        text.push('/');
+        let shared = text.len();
+        text.push_str("conversations/");
+        escape_into(conversation, &mut text);
+        let conversation_end = text.len();
+        let Some(user) = user else {
+            return Self {
+                conversation: StateKey(text.into()),
+                user: None,
+                private_conversation: None,
+            };
+        };
+        text.push_str("/users/");
+        let escaped_user = text.len();
+        escape_into(user, &mut text);
+        // The user key: the first two parts and the escaped user id, copied.
+        let mut user_key = String::with_capacity(shared + 6 + text.len() - escaped_user);
+        user_key.push_str(&text[..shared]);
+        user_key.push_str("users/");
+        user_key.push_str(&text[escaped_user..]);
         Self {
-            conversation: StateKey::conversation(bot, channel, conversation),
-            user: user.as_ref().map(|u| StateKey::user(bot, channel, u)),
-            private_conversation: user
-                .as_ref()
-                .map(|u| StateKey::private_conversation(bot, channel, conversation, u)),
+            conversation: StateKey(text[..conversation_end].into()),
+            user: Some(StateKey(user_key.into())),
+            private_conversation: Some(StateKey(text.into())),
         }
+    }
+
+    /// The key of the receipt of the turn for activity `activity` in this conversation: the same
+    /// as [`StateKey::receipt`], continuing the conversation key.
+    pub fn receipt(&self, activity: &ActivityId) -> StateKey {
+        let conversation = self.conversation.as_str();
+        let mut key = String::with_capacity(conversation.len() + 12 + activity.as_str().len());
+        key.push_str(conversation);
+        key.push_str("/activities/");
+        escape_into(activity.as_str(), &mut key);
+        StateKey(key.into())
     }
 
     /// Every key with its scope, conversation first.
@@ -318,6 +376,33 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn a_turns_keys_are_the_keys_built_part_by_part(
+            bot in id(), ch in id(), conv in id(), user in id(), activity in id(), anonymous in any::<bool>()
+        ) {
+            let (ch, conv, user) = ids(&ch, &conv, &user);
+            let activity = ActivityId::parse(&activity, "id").expect("valid activity id");
+            let address = TurnAddress {
+                channel: ch.clone(),
+                conversation: conv.clone(),
+                user: (!anonymous).then(|| user.clone()),
+            };
+            let keys = TurnKeys::new(&bot, &address);
+            prop_assert_eq!(&keys.conversation, &StateKey::conversation(&bot, &ch, &conv));
+            prop_assert_eq!(
+                keys.user.clone(),
+                (!anonymous).then(|| StateKey::user(&bot, &ch, &user))
+            );
+            prop_assert_eq!(
+                keys.private_conversation.clone(),
+                (!anonymous).then(|| StateKey::private_conversation(&bot, &ch, &conv, &user))
+            );
+            prop_assert_eq!(
+                keys.receipt(&activity),
+                StateKey::receipt(&bot, &ch, &conv, &activity)
+            );
+        }
+
         #[test]
         fn keys_split_back_into_their_parts(b in built()) {
             let parts = build(&b).parts();

@@ -123,7 +123,14 @@ impl ScopeState {
     ) -> Result<(), PropertyError> {
         self.used.set(true);
         let json = serde_json::to_value(value).map_err(|e| self.error(name, e))?;
-        self.changing().insert(name.to_owned(), json);
+        let properties = self.changing();
+        // A property set before keeps its name: `insert` would allocate a new one only to drop it.
+        match properties.get_mut(name) {
+            Some(slot) => *slot = json,
+            None => {
+                properties.insert(name.to_owned(), json);
+            }
+        }
         Ok(())
     }
 

@@ -90,6 +90,13 @@ impl StateCache {
             return;
         }
         let mut maps = self.lock();
+        // A key is in one generation at most (a hit in the old one moves it to the young one):
+        // one found young is updated where it is, without looking in the old map or hashing
+        // the key again to insert it.
+        if let Some(young) = maps.young.get_mut(&key) {
+            *young = entry;
+            return;
+        }
         maps.old.remove(&key);
         maps.young.insert(key, entry);
         self.rotate(&mut maps);
