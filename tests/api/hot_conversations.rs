@@ -260,7 +260,11 @@ async fn until_someone_waits(db: &tokio_postgres::Client, what: &str) {
 /// ended; and behind a transaction-mode pooler no lease is offered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
-    let url = support::pg::fresh_database().await;
+    // A cluster of its own: other tests' migrations (a thousand tables each) overflow a shared
+    // cluster's cache-invalidation queue, and a session whose caches were reset looks the lock
+    // table up again inside its wait, holding a catalog snapshot for that one wait.
+    let cluster = support::pg::Cluster::start();
+    let url = support::pg::fresh_database_in(&cluster).await;
     let db_url = DatabaseUrl::new(url.clone());
     postgres::migrate(&db_url).await.unwrap();
     let holder = PostgresStore::connect(&db_url, 4).unwrap();

@@ -15,7 +15,9 @@
 //! version newer than the wait's start can be pruned. A hot conversation always has someone
 //! waiting, so its row, which the holder updates turn after turn, bloated (one row reached 1,700
 //! pages in 16,000 turns, and one update in seven was no longer HOT). `LOCK TABLE` waits without
-//! a snapshot once the session has looked the table up, so a waiter holds nothing back. The
+//! a snapshot once the session has looked the table up, so a waiter holds nothing back (but for
+//! a wait right after the session's caches were reset by a flood of catalog changes elsewhere,
+//! which looks the table up again and holds a catalog snapshot for that wait). The
 //! migrations create 1,024 such tables; two conversations that hash to the same one, contended
 //! at the same moment, wait for each other as two turns of one would.
 //!
