@@ -340,8 +340,8 @@ impl RemoteBot {
         Ok(())
     }
 
-    /// The error for a call that ended with `status`.
-    fn status_error(&self, status: &tonic::Status) -> BotError {
+    /// The error for a call that ended with `status`; `expired` when the call's time was up.
+    fn status_error(&self, status: &tonic::Status, expired: bool) -> BotError {
         let message = shortened(status.message());
         // A status the client made from a failed connection (reset, broken pipe, the worker
         // killed mid-call) carries the transport error as its source and often says UNKNOWN; one
@@ -355,6 +355,12 @@ impl RemoteBot {
             Code::Unavailable => self.fail(
                 BotErrorKind::Unavailable,
                 format_args!("is unavailable ({message})"),
+            ),
+            // Cancelled by the transport before the call's time was up: the connection went while
+            // the call was on it (the worker killed as it was sent), not the deadline.
+            Code::Cancelled if transport && !expired => self.fail(
+                BotErrorKind::Unavailable,
+                format_args!("is unavailable (the connection failed: {message})"),
             ),
             Code::DeadlineExceeded | Code::Cancelled => self.fail(
                 BotErrorKind::DeadlineExceeded,
@@ -399,6 +405,7 @@ impl Bot for RemoteBot {
                 .insert("authorization", authorization.clone());
         }
         let mut client = self.client.clone();
+        let asked = Instant::now();
         let answer = match tokio::time::timeout(budget, client.run_turn(request)).await {
             Err(_) => {
                 return Err(self.fail(
@@ -406,7 +413,7 @@ impl Bot for RemoteBot {
                     "did not answer before the call's deadline",
                 ));
             }
-            Ok(Err(status)) => return Err(self.status_error(&status)),
+            Ok(Err(status)) => return Err(self.status_error(&status, asked.elapsed() >= budget)),
             Ok(Ok(answer)) => answer.into_inner(),
         };
         self.apply(turn, answer)
