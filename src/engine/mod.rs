@@ -494,19 +494,16 @@ impl Engine {
         last: bool,
     ) -> Result<AttemptOutcome, TurnError> {
         if HeldLease::serves(lease, attempt) {
-            let Some(held) = lease.as_mut() else {
-                return self.attempt(plan, attempt).await;
-            };
-            held.turns += 1;
-            if !(last || held.turns >= LEASE_TURNS) {
-                return self.attempt(plan, attempt).await;
+            if let Some(held) = lease.as_mut() {
+                held.turns += 1;
+                // The lease's last turn: its commit ends the lease and lets the next holder in.
+                let ends = last || held.turns >= LEASE_TURNS;
+                if let Some(turn) = ends.then(|| held.end()).flatten() {
+                    let snapshot = self.snapshot(plan, attempt).await?;
+                    return self.run_locked(plan, attempt, snapshot, turn).await;
+                }
             }
-            // The lease's last turn: its commit ends the lease and lets the next holder in.
-            let Some(turn) = held.end() else {
-                return self.attempt(plan, attempt).await;
-            };
-            let snapshot = self.snapshot(plan, attempt).await?;
-            return self.run_locked(plan, attempt, snapshot, turn).await;
+            return self.attempt(plan, attempt).await;
         }
         // Spent, or a replay: let the other replicas' holders in first.
         *lease = None;
