@@ -8,10 +8,12 @@ use std::time::Duration;
 use futures::StreamExt as _;
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
-use tonic::service::interceptor::InterceptedService;
+use tonic::server::NamedService as _;
+use tonic::service::interceptor::{InterceptedService, ResponseBody};
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 use tonic_health::ServingStatus;
+use tower::util::{Either, MapResponse};
 
 use crate::bot::BotRegistry;
 use crate::config::{Config, StoreConfig, TlsFiles};
@@ -21,6 +23,7 @@ use crate::grpc::connection_age::Deadlined;
 use crate::grpc::drain::Drain;
 use crate::grpc::pb;
 use crate::grpc::pb::turn_service_server::TurnServiceServer;
+use crate::grpc::routes::Services;
 use crate::grpc::service::TurnApi;
 use crate::grpc::too_large::TooLarge;
 use crate::store::Store;
@@ -260,22 +263,25 @@ pub async fn serve(
     if let Some(tls) = &config.tls {
         builder = builder.tls_config(tls_config(tls)?)?;
     }
-    let router = builder
-        .layer(RpcTelemetryLayer::default())
-        .add_service(health)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha);
     // Without tokens the interceptor only lets every call through, after converting its request
     // to tonic's and back (`bench/RESULTS.md`): then `TurnService` goes without it.
-    let router = if authenticate.is_enabled() {
-        router.add_service(TooLarge::new(
-            InterceptedService::new(turns, authenticate),
-            max_message,
+    let turns = if authenticate.is_enabled() {
+        Either::Left(MapResponse::new(
+            TooLarge::new(InterceptedService::new(turns, authenticate), max_message),
+            |response: http::Response<ResponseBody<tonic::body::Body>>| {
+                response.map(tonic::body::Body::new)
+            },
         ))
     } else {
-        router.add_service(TooLarge::new(turns, max_message))
+        Either::Right(TooLarge::new(turns, max_message))
     };
-    let server = router.serve_with_incoming_shutdown(incoming, signal);
+    let services = Services::new(TurnServiceServer::<TurnApi>::NAME, turns)
+        .with(health)
+        .with(reflection_v1)
+        .with(reflection_v1alpha);
+    let server = builder
+        .layer(RpcTelemetryLayer::default())
+        .serve_with_incoming_shutdown(services, incoming, signal);
     tracing::info!(address = ?local_addr, "serving TurnService");
 
     let served = tokio::select! {

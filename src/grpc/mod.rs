@@ -21,5 +21,6 @@ pub mod drain;
 pub mod error;
 pub mod limits;
 pub mod request;
+pub mod routes;
 pub mod service;
 pub mod too_large;

@@ -384,3 +384,38 @@ async fn health_and_reflection_answer_without_the_proto_file() {
         "{response:?}"
     );
 }
+
+#[tokio::test]
+async fn calls_to_an_unknown_service_or_method_are_unimplemented() {
+    let server = TestServer::start(turnstile::Config::default(), turnstile::bots::samples()).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    for (path, named) in [
+        (
+            "/turnstile.v1.NoSuchService/ProcessTurn",
+            "turnstile.v1.NoSuchService",
+        ),
+        ("/turnstile.v1.TurnService/NoSuchMethod", ""),
+        ("/grpc.health.v1.Health/NoSuchMethod", ""),
+    ] {
+        let mut grpc = tonic::client::Grpc::new(channel.clone());
+        grpc.ready().await.unwrap();
+        let status = grpc
+            .unary::<_, (), _>(
+                tonic::Request::new(()),
+                http::uri::PathAndQuery::from_static(path),
+                tonic_prost::ProstCodec::default(),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::Unimplemented, "{path}: {status:?}");
+        assert!(status.message().contains(named), "{path}: {status:?}");
+    }
+    // The server still serves turns on the same connection.
+    let mut client = pb::turn_service_client::TurnServiceClient::new(channel);
+    let reply = say(&mut client, "c1", "hello").await;
+    assert!(!texts(&reply).is_empty());
+}
