@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 
 use super::{
-    Commit, CommitOutcome, ConversationLock, Expected, KeyHasher, KeyMap, Receipt, Snapshot, Store,
-    StoreError, Versioned,
+    Commit, CommitOutcome, ConversationLock, Expected, KeyMap, Receipt, Snapshot, Store,
+    StoreError, Versioned, Versions,
 };
 use crate::state::StateKey;
 
@@ -81,8 +81,7 @@ impl Store for MemoryStore {
                 });
             }
         }
-        let mut versions =
-            KeyMap::with_capacity_and_hasher(commit.changes().len(), KeyHasher::default());
+        let mut versions = Versions::default();
         for change in commit.changes() {
             let version = match (&change.write, change.version_after()) {
                 (Some(state), Some(version)) => {

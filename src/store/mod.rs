@@ -48,6 +48,82 @@ pub type KeyHasher = foldhash::quality::RandomState;
 /// A map keyed by [`StateKey`]s, with [`KeyHasher`].
 pub type KeyMap<V> = HashMap<StateKey, V, KeyHasher>;
 
+/// The versions of a commit's keys after it applied, in no particular order.
+///
+/// A list, not a [`KeyMap`]: a commit has a handful of keys, one for most turns, and a hash map
+/// of one entry cost each turn an allocation, a table and a hash (`bench/RESULTS.md`) to save a
+/// search of one to four entries.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Versions(Vec<(StateKey, Version)>);
+
+impl Versions {
+    /// The version of `key`, if the commit wrote it.
+    pub fn get(&self, key: &StateKey) -> Option<&Version> {
+        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+    }
+
+    /// Whether the commit wrote `key`.
+    pub fn contains_key(&self, key: &StateKey) -> bool {
+        self.get(key).is_some()
+    }
+
+    /// Records `key` at `version`, replacing what it had.
+    pub fn insert(&mut self, key: StateKey, version: Version) {
+        match self.0.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, v)) => *v = version,
+            None => self.0.push((key, version)),
+        }
+    }
+
+    /// How many keys it has.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether it has no key.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Each key with its version.
+    pub fn iter(&self) -> impl Iterator<Item = (&StateKey, &Version)> {
+        self.0.iter().map(|(k, v)| (k, v))
+    }
+}
+
+impl FromIterator<(StateKey, Version)> for Versions {
+    fn from_iter<I: IntoIterator<Item = (StateKey, Version)>>(iter: I) -> Self {
+        let iter = iter.into_iter();
+        let mut versions = Versions(Vec::with_capacity(iter.size_hint().0.max(1)));
+        for (key, version) in iter {
+            versions.insert(key, version);
+        }
+        versions
+    }
+}
+
+impl IntoIterator for Versions {
+    type Item = (StateKey, Version);
+    type IntoIter = std::vec::IntoIter<(StateKey, Version)>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.into_iter()
+    }
+}
+
+impl std::ops::Index<&StateKey> for Versions {
+    type Output = Version;
+
+    /// # Panics
+    /// When the commit did not write `key`.
+    fn index(&self, key: &StateKey) -> &Version {
+        match self.get(key) {
+            Some(version) => version,
+            None => panic!("no version for {key}"),
+        }
+    }
+}
+
 /// A row's version: 1 when first written, one more at every change.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Version(u64);
@@ -213,7 +289,7 @@ impl Commit {
 #[derive(Debug, Clone, PartialEq)]
 pub enum CommitOutcome {
     /// Everything applied; the version of every key in the commit afterwards.
-    Committed(KeyMap<Version>),
+    Committed(Versions),
     /// Some key no longer matched what the turn saw; nothing was applied.
     Conflict {
         /// The first key found changed.

@@ -25,7 +25,7 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{
     Commit, CommitOutcome, ConversationLease, ConversationLock, Expected, KeyHasher, KeyMap,
-    Receipt, Snapshot, Store, StoreError, Version, Versioned,
+    Receipt, Snapshot, Store, StoreError, Version, Versioned, Versions,
 };
 use crate::activity::JsonMap;
 use crate::state::StateKey;
@@ -647,7 +647,7 @@ impl PostgresStore {
             .zip(versions)
             .filter(|(_, v)| *v > 0)
             .map(|(c, v)| Ok((c.key.clone(), Version::new(u64::try_from(v)?))))
-            .collect::<Result<KeyMap<_>, std::num::TryFromIntError>>()
+            .collect::<Result<Versions, std::num::TryFromIntError>>()
             .map_err(|e| StoreError::Unexpected(e.into()))?;
         Ok(CommitOutcome::Committed(versions))
     }

@@ -13,7 +13,7 @@ use turnstile::state::StateKey;
 use turnstile::store::memory::MemoryStore;
 use turnstile::store::postgres::{self, DatabaseUrl, PostgresStore, Statements};
 use turnstile::store::{
-    Commit, CommitOutcome, Expected, KeyChange, KeyMap, Receipt, Store, Version,
+    Commit, CommitOutcome, Expected, KeyChange, Receipt, Store, Version, Versions,
 };
 
 fn conversation(id: &str) -> StateKey {
@@ -59,7 +59,7 @@ async fn commit(store: &dyn Store, changes: Vec<KeyChange>) -> CommitOutcome {
     store.commit(Commit::new(changes)).await.unwrap()
 }
 
-fn committed(outcome: CommitOutcome) -> KeyMap<Version> {
+fn committed(outcome: CommitOutcome) -> Versions {
     match outcome {
         CommitOutcome::Committed(versions) => versions,
         CommitOutcome::Conflict { key } => panic!("unexpected conflict on {key}"),

@@ -306,6 +306,9 @@ async fn committer(
 ) {
     // Commits that could not join the previous batch (a key or receipt it already had).
     let mut held: VecDeque<Queued> = VecDeque::new();
+    // The keys and receipts of the batch being formed, kept from batch to batch: a set made
+    // anew for each grew its table two or three times per batch (`bench/RESULTS.md`).
+    let mut keys = KeySet::default();
     loop {
         let first = match held.pop_front() {
             Some(first) => first,
@@ -317,7 +320,12 @@ async fn committer(
         let Ok(slot) = Arc::clone(&shared.slots).acquire_owned().await else {
             return;
         };
-        let mut batch = Batch::default();
+        keys.clear();
+        let expected = 1 + held.len() + waiting.load(Ordering::Acquire);
+        let mut batch = Batch {
+            commits: Vec::with_capacity(expected.min(MAX_BATCH)),
+            keys: &mut keys,
+        };
         let mut next_held = VecDeque::new();
         batch.add_or_hold(first, &mut next_held);
         for queued in held.drain(..) {
@@ -329,25 +337,28 @@ async fn committer(
                 Err(_) => break,
             }
         }
+        let batch = batch.commits;
         held = next_held;
         waiting.fetch_sub(batch.len(), Ordering::AcqRel);
         shared.counts.record(batch.len());
         let shared = Arc::clone(&shared);
         tokio::spawn(async move {
-            batch.run(&shared.db).await;
+            Batch::run(batch, &shared.db).await;
             drop(slot);
         });
     }
 }
 
-/// Commits bound for one statement, no two on one key or one receipt.
-#[derive(Default)]
-struct Batch {
+/// The keys and receipts of a batch.
+type KeySet = HashSet<StateKey, KeyHasher>;
+
+/// Commits bound for one statement, no two on one key or one receipt, while it is formed.
+struct Batch<'k> {
     commits: Vec<Queued>,
-    keys: HashSet<StateKey, KeyHasher>,
+    keys: &'k mut KeySet,
 }
 
-impl Batch {
+impl Batch<'_> {
     fn len(&self) -> usize {
         self.commits.len()
     }
@@ -370,9 +381,8 @@ impl Batch {
         self.commits.push(queued);
     }
 
-    /// Runs the batch and answers every commit in it.
-    async fn run(self, db: &Db) {
-        let mut commits = self.commits;
+    /// Runs a formed batch and answers every commit in it.
+    async fn run(mut commits: Vec<Queued>, db: &Db) {
         if commits.len() == 1
             && let Some(only) = commits.pop()
         {
