@@ -25,6 +25,7 @@
 //!   traces and times every gRPC call.
 
 pub mod activity;
+pub mod allocator;
 pub mod bot;
 pub mod bots;
 pub mod config;

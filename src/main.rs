@@ -14,7 +14,7 @@ use turnstile::telemetry::traces;
 
 /// mimalloc: glibc malloc took a third of the server's CPU under load (bench/RESULTS.md).
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: turnstile::allocator::Mimalloc = turnstile::allocator::Mimalloc;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {

@@ -144,7 +144,7 @@ const RETRIES: u32 = 5;
 /// mimalloc, as in the server (whose profile had glibc malloc at a third of its CPU): the load
 /// generator shares the machine with what it measures, so its own cost matters too.
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: turnstile::allocator::Mimalloc = turnstile::allocator::Mimalloc;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
