@@ -103,14 +103,24 @@ mod tests {
             assert!(!p.is_null(), "size {size}, align {align}");
             assert_eq!(p as usize % align, 0, "size {size}, align {align}");
             if zeroed {
-                assert!((0..size).all(|i| *p.add(i) == 0), "size {size}, align {align}");
+                assert!(
+                    (0..size).all(|i| *p.add(i) == 0),
+                    "size {size}, align {align}"
+                );
             }
             p.write_bytes(0xa5, size);
             let grown = size * 2 + 8;
             let q = a.realloc(p, layout, grown);
             assert!(!q.is_null());
-            assert_eq!(q as usize % align, 0, "realloc of size {size}, align {align}");
-            assert!((0..size).all(|i| *q.add(i) == 0xa5), "realloc kept the bytes");
+            assert_eq!(
+                q as usize % align,
+                0,
+                "realloc of size {size}, align {align}"
+            );
+            assert!(
+                (0..size).all(|i| *q.add(i) == 0xa5),
+                "realloc kept the bytes"
+            );
             a.dealloc(q, Layout::from_size_align(grown, align).unwrap());
         }
     }

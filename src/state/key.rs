@@ -13,8 +13,10 @@
 //! `c%2Fusers%2Fmallory`, not a path into someone's private conversation state. Bot Framework's own
 //! storage keys do not escape, and that forgery works there.
 
+use std::cmp::Ordering;
 use std::fmt;
-use std::sync::Arc;
+use std::hash::{BuildHasher as _, Hash, Hasher};
+use std::sync::{Arc, LazyLock};
 
 use crate::activity::incoming::{ActivityId, ChannelId, ConversationId, TurnAddress, UserId};
 use crate::activity::scan;
@@ -45,13 +47,65 @@ impl fmt::Display for Scope {
 /// Shared text (`Arc<str>`): a turn hands its keys to the load, the commit, the state cache, the
 /// conversation queue and the group commit's batch, and a `String` key was copied into a new
 /// allocation at each of those steps (`bench/RESULTS.md`); a clone is now a count.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct StateKey(Arc<str>);
+///
+/// Hashed once, when it is made: a turn looks its keys up in a dozen maps (the conversation
+/// queue, the state cache, the snapshot, the group commit's batch), and hashing their text at
+/// every lookup came to about 17 hashes of 40 to 80 bytes per turn (`bench/RESULTS.md`). The
+/// stored hash is keyed with a seed drawn at random once per process ([`KEY_SEED`]), so callers,
+/// who choose the ids, cannot aim keys at one bucket; maps hash it again with their own seed
+/// ([`crate::store::KeyHasher`]). Equal keys have equal hashes, and the hash is compared first.
+#[derive(Clone)]
+pub struct StateKey {
+    text: Arc<str>,
+    hash: u64,
+}
+
+/// The seed of every [`StateKey`]'s stored hash: random, one per process.
+static KEY_SEED: LazyLock<foldhash::quality::RandomState> = LazyLock::new(Default::default);
+
+impl PartialEq for StateKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.hash == other.hash && self.text == other.text
+    }
+}
+
+impl Eq for StateKey {}
+
+impl Hash for StateKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(self.hash);
+    }
+}
+
+impl PartialOrd for StateKey {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// By text, as the keys sort in the database.
+impl Ord for StateKey {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.text.cmp(&other.text)
+    }
+}
+
+impl fmt::Debug for StateKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("StateKey").field(&self.text).finish()
+    }
+}
 
 impl StateKey {
+    /// A key of `text`, hashed.
+    fn from_text(text: Arc<str>) -> Self {
+        let hash = KEY_SEED.hash_one(&*text);
+        Self { text, hash }
+    }
+
     /// The conversation scope's key.
     pub fn conversation(bot: &str, channel: &ChannelId, conversation: &ConversationId) -> Self {
-        Self(
+        Self::from_text(
             join(&[
                 bot,
                 channel.as_str(),
@@ -64,7 +118,7 @@ impl StateKey {
 
     /// The user scope's key.
     pub fn user(bot: &str, channel: &ChannelId, user: &UserId) -> Self {
-        Self(join(&[bot, channel.as_str(), "users", user.as_str()]).into())
+        Self::from_text(join(&[bot, channel.as_str(), "users", user.as_str()]).into())
     }
 
     /// The private conversation scope's key.
@@ -74,7 +128,7 @@ impl StateKey {
         conversation: &ConversationId,
         user: &UserId,
     ) -> Self {
-        Self(
+        Self::from_text(
             join(&[
                 bot,
                 channel.as_str(),
@@ -94,7 +148,7 @@ impl StateKey {
         conversation: &ConversationId,
         activity: &ActivityId,
     ) -> Self {
-        Self(
+        Self::from_text(
             join(&[
                 bot,
                 channel.as_str(),
@@ -109,23 +163,23 @@ impl StateKey {
 
     /// Wraps a key read back from a store, which only ever holds keys built here.
     pub(crate) fn from_stored(key: String) -> Self {
-        Self(key.into())
+        Self::from_text(key.into())
     }
 
     /// The key as stored.
     pub fn as_str(&self) -> &str {
-        &self.0
+        &self.text
     }
 
     /// Splits the key back into its unescaped parts: the inverse of building it.
     pub fn parts(&self) -> Vec<String> {
-        self.0.split('/').map(unescape).collect()
+        self.text.split('/').map(unescape).collect()
     }
 }
 
 impl fmt::Display for StateKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.text)
     }
 }
 
@@ -171,7 +225,7 @@ impl TurnKeys {
         let conversation_end = text.len();
         let Some(user) = user else {
             return Self {
-                conversation: StateKey(text.into()),
+                conversation: StateKey::from_text(text.into()),
                 user: None,
                 private_conversation: None,
             };
@@ -185,9 +239,9 @@ impl TurnKeys {
         user_key.push_str("users/");
         user_key.push_str(&text[escaped_user..]);
         Self {
-            conversation: StateKey(text[..conversation_end].into()),
-            user: Some(StateKey(user_key.into())),
-            private_conversation: Some(StateKey(text.into())),
+            conversation: StateKey::from_text(text[..conversation_end].into()),
+            user: Some(StateKey::from_text(user_key.into())),
+            private_conversation: Some(StateKey::from_text(text.into())),
         }
     }
 
@@ -199,7 +253,7 @@ impl TurnKeys {
         key.push_str(conversation);
         key.push_str("/activities/");
         escape_into(activity.as_str(), &mut key);
-        StateKey(key.into())
+        StateKey::from_text(key.into())
     }
 
     /// Every key with its scope, conversation first.
@@ -428,6 +482,19 @@ mod tests {
             if a != b {
                 prop_assert_ne!(build(&a), build(&b));
             }
+        }
+
+        /// The stored hash agrees with equality, a key built twice is found in a map, and keys
+        /// sort by their text.
+        #[test]
+        fn keys_hash_compare_and_sort_by_their_text(a in built(), b in built()) {
+            let (a1, a2, b1) = (build(&a), build(&a), build(&b));
+            prop_assert_eq!(&a1, &a2);
+            prop_assert_eq!(a1.hash, a2.hash);
+            let map: crate::store::KeyMap<u8> = [(a1.clone(), 1)].into_iter().collect();
+            prop_assert_eq!(map.get(&a2), Some(&1));
+            prop_assert_eq!(a1.cmp(&b1), a1.as_str().cmp(b1.as_str()));
+            prop_assert_eq!(a1 == b1, a1.as_str() == b1.as_str());
         }
     }
 }

@@ -42,7 +42,8 @@ pub use receipt::Receipt;
 /// these keys are conversation ids that callers choose, so the hash must be keyed, or a caller
 /// could send ids that all land in one bucket of the long-lived maps; a random seed is what
 /// foldhash gives, at a fraction of SipHash's cost for keys of this length (about 5,000 of a
-/// turn's instructions went to SipHash, `bench/RESULTS.md`).
+/// turn's instructions went to SipHash, `bench/RESULTS.md`). A [`StateKey`] hands it the hash
+/// of its text that it took when it was made, itself keyed at random per process.
 pub type KeyHasher = foldhash::quality::RandomState;
 
 /// A map keyed by [`StateKey`]s, with [`KeyHasher`].
