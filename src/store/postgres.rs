@@ -470,7 +470,9 @@ impl Store for PostgresStore {
         // large, and the timeout, the span wrapper and `async_trait`'s box each copied it whole
         // (about 1,700 instructions per turn, `bench/RESULTS.md`).
         match SingleWrite::try_from(commit) {
-            Ok(write) => within_call_timeout(Box::pin(self.group.commit(write))).await,
+            // Within `CALL_TIMEOUT` too, by timers the group commit sets per batch rather
+            // than one per commit (`GroupCommit::commit`).
+            Ok(write) => Box::pin(self.group.commit(write)).await,
             Err(commit) => within_call_timeout(Box::pin(self.commit_now(&commit))).await,
         }
     }
@@ -529,11 +531,23 @@ async fn within_call_timeout<T>(
 ) -> Result<T, StoreError> {
     tokio::time::timeout(CALL_TIMEOUT, call)
         .await
-        .unwrap_or_else(|_| {
-            Err(StoreError::Unavailable(anyhow!(
-                "no answer from PostgreSQL within {CALL_TIMEOUT:?}"
-            )))
-        })
+        .unwrap_or_else(|_| Err(no_answer()))
+}
+
+/// Runs one store call, counting the store unavailable when it has not answered by `deadline`
+/// (a call's [`CALL_TIMEOUT`] counted from when it was queued).
+async fn within_deadline<T>(
+    deadline: tokio::time::Instant,
+    call: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout_at(deadline, call)
+        .await
+        .unwrap_or_else(|_| Err(no_answer()))
+}
+
+/// A store call that got no answer within [`CALL_TIMEOUT`].
+fn no_answer() -> StoreError {
+    StoreError::Unavailable(anyhow!("no answer from PostgreSQL within {CALL_TIMEOUT:?}"))
 }
 
 impl PostgresStore {

@@ -600,6 +600,87 @@ async fn a_silent_database_is_unavailable_within_a_bound() {
     held.abort();
 }
 
+/// Sends `signal` (`STOP`, `CONT`) to each of `pids`.
+fn signal_all(signal: &str, pids: &[String]) {
+    for pid in pids {
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid)
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{signal} {pid}");
+    }
+}
+
+#[tokio::test]
+async fn a_database_that_stops_answering_fails_every_commit_within_a_bound() {
+    // A cluster of its own: its processes are stopped.
+    let cluster = support::pg::Cluster::start();
+    let url = DatabaseUrl::new(support::pg::fresh_database_in(&cluster).await);
+    postgres::migrate(&url).await.unwrap();
+    let store = Arc::new(PostgresStore::connect(&url, 2).unwrap());
+    committed(
+        commit(
+            &*store,
+            vec![write(&conversation("warm"), Expected::Absent, json!({}))],
+        )
+        .await,
+    );
+
+    // Connections stay open and nobody answers: the postmaster and every backend stopped.
+    let (client, connection) =
+        tokio_postgres::connect(&cluster.url("postgres"), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    let mut pids: Vec<String> = client
+        .query(
+            "SELECT pid::text FROM pg_stat_activity WHERE backend_type = 'client backend'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    let postmaster = std::fs::read_to_string(cluster.data_dir().join("postmaster.pid")).unwrap();
+    pids.push(postmaster.lines().next().unwrap().trim().to_owned());
+    signal_all("STOP", &pids);
+
+    // More commits than the pool has connections: some go at once, the rest queue for the
+    // committer, behind statements that never return.
+    let started = std::time::Instant::now();
+    let outcomes = futures::future::join_all((0..12).map(|i| {
+        let store = Arc::clone(&store);
+        async move {
+            let key = conversation(&format!("q{i}"));
+            store
+                .commit(Commit::new(vec![write(
+                    &key,
+                    Expected::Absent,
+                    json!({"n": i}),
+                )]))
+                .await
+        }
+    }))
+    .await;
+    let elapsed = started.elapsed();
+    signal_all("CONT", &pids);
+
+    for outcome in outcomes {
+        assert!(
+            matches!(outcome, Err(turnstile::store::StoreError::Unavailable(_))),
+            "{outcome:?}"
+        );
+    }
+    // Each is answered within the store's call timeout (10 s) of being queued, however long
+    // the slots stay busy.
+    assert!(
+        elapsed < std::time::Duration::from_secs(15),
+        "answered after {elapsed:?}"
+    );
+}
+
 /// The receipt stored for activity `act`, if any.
 async fn stored_receipt(store: &dyn Store, act: &str) -> Option<serde_json::Value> {
     let snapshot = store.load(&[], Some(&receipt(act))).await.unwrap();

@@ -27,6 +27,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use anyhow::anyhow;
 use deadpool_postgres::Pool;
 use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::time::{Instant, timeout_at};
 use tokio_postgres::types::Type;
 
 use super::jsonb::Jsonb;
@@ -155,10 +156,13 @@ impl TryFrom<Commit> for SingleWrite {
     }
 }
 
-/// One queued commit and where its outcome goes.
+/// One queued commit, where its outcome goes, and when it must have gone there.
 struct Queued {
     write: SingleWrite,
     outcome: oneshot::Sender<Result<CommitOutcome, StoreError>>,
+    /// [`super::CALL_TIMEOUT`] after it was queued: by then the committer has answered it,
+    /// unavailable if PostgreSQL has not.
+    deadline: Instant,
 }
 
 /// The queue of a store's single-scope commits, and its committer task (started when first
@@ -234,11 +238,17 @@ impl GroupCommit {
         }
     }
 
-    /// Commits `write` with whatever other commits are queued, and returns its own outcome.
+    /// Commits `write` with whatever other commits are queued, and returns its own outcome,
+    /// unavailable when PostgreSQL has not answered within [`super::CALL_TIMEOUT`].
     ///
     /// When nothing is queued and a slot is free, the caller commits alone, at once, without
     /// passing through the committer task: a quiet store, or a hot conversation whose turns
     /// follow one another, pays no hand-off.
+    ///
+    /// A queued commit waits for its answer without a timer of its own: the committer answers
+    /// it by its deadline, timing the wait for a slot and each statement to the earliest
+    /// deadline it serves. A timer per commit, set and cancelled, was about 550 instructions
+    /// per turn (`bench/RESULTS.md`).
     pub async fn commit(&self, write: SingleWrite) -> Result<CommitOutcome, StoreError> {
         let shared = &self.shared;
         let queue = self.queue();
@@ -246,11 +256,21 @@ impl GroupCommit {
             && let Ok(_slot) = shared.slots.try_acquire()
         {
             shared.counts.record(1);
-            return commit_alone(&shared.db, &write).await;
+            // Boxed: the timer would otherwise move the whole statement's future.
+            return super::within_call_timeout(Box::pin(commit_alone(&shared.db, &write))).await;
         }
         let (outcome, answer) = oneshot::channel();
+        let deadline = Instant::now() + super::CALL_TIMEOUT;
         queue.waiting.fetch_add(1, Ordering::AcqRel);
-        if queue.sender.send(Queued { write, outcome }).is_err() {
+        if queue
+            .sender
+            .send(Queued {
+                write,
+                outcome,
+                deadline,
+            })
+            .is_err()
+        {
             return Err(StoreError::Unavailable(anyhow!(
                 "the store's committer task has stopped"
             )));
@@ -317,14 +337,25 @@ async fn committer(
                 None => return,
             },
         };
-        let Ok(slot) = Arc::clone(&shared.slots).acquire_owned().await else {
-            return;
+        // `first` was queued before everything else pending: its deadline is the earliest.
+        let slot = match timeout_at(first.deadline, Arc::clone(&shared.slots).acquire_owned()).await
+        {
+            Ok(Ok(slot)) => slot,
+            Ok(Err(_closed)) => return,
+            Err(_elapsed) => {
+                // Every slot stayed busy past its time: PostgreSQL did not answer in time.
+                waiting.fetch_sub(1, Ordering::AcqRel);
+                let _ = first.outcome.send(Err(super::no_answer()));
+                continue;
+            }
         };
         keys.clear();
         let expected = 1 + held.len() + waiting.load(Ordering::Acquire);
         let mut batch = Batch {
             commits: Vec::with_capacity(expected.min(MAX_BATCH)),
             keys: &mut keys,
+            now: Instant::now(),
+            expired: 0,
         };
         let mut next_held = VecDeque::new();
         batch.add_or_hold(first, &mut next_held);
@@ -337,9 +368,10 @@ async fn committer(
                 Err(_) => break,
             }
         }
+        let expired = batch.expired;
         let batch = batch.commits;
         held = next_held;
-        waiting.fetch_sub(batch.len(), Ordering::AcqRel);
+        waiting.fetch_sub(batch.len() + expired, Ordering::AcqRel);
         shared.counts.record(batch.len());
         let shared = Arc::clone(&shared);
         tokio::spawn(async move {
@@ -356,6 +388,10 @@ type KeySet = HashSet<StateKey, KeyHasher>;
 struct Batch<'k> {
     commits: Vec<Queued>,
     keys: &'k mut KeySet,
+    /// When the batch is formed: a commit whose deadline has passed is answered, not added.
+    now: Instant,
+    /// How many commits were answered so.
+    expired: usize,
 }
 
 impl Batch<'_> {
@@ -366,6 +402,11 @@ impl Batch<'_> {
     /// Adds `queued` unless the batch is full or already has its key or receipt; then holds it
     /// for the next one.
     fn add_or_hold(&mut self, queued: Queued, held: &mut VecDeque<Queued>) {
+        if queued.deadline <= self.now {
+            self.expired += 1;
+            let _ = queued.outcome.send(Err(super::no_answer()));
+            return;
+        }
         let write = &queued.write;
         let receipt = write.receipt.as_ref().map(|(key, _)| key);
         let clashes =
@@ -381,19 +422,23 @@ impl Batch<'_> {
         self.commits.push(queued);
     }
 
-    /// Runs a formed batch and answers every commit in it.
+    /// Runs a formed batch and answers every commit in it, each by its deadline.
     async fn run(mut commits: Vec<Queued>, db: &Db) {
         if commits.len() == 1
             && let Some(only) = commits.pop()
         {
-            let outcome = super::within_call_timeout(commit_alone(db, &only.write)).await;
+            let outcome =
+                super::within_deadline(only.deadline, commit_alone(db, &only.write)).await;
             let _ = only.outcome.send(outcome);
             return;
         }
+        let Some(earliest) = commits.iter().map(|c| c.deadline).min() else {
+            return;
+        };
         // Sorted by key, so that batches lock rows in one order wherever the plan allows.
         commits.sort_by(|a, b| a.write.key.cmp(&b.write.key));
         let writes: Vec<&SingleWrite> = commits.iter().map(|c| &c.write).collect();
-        match super::within_call_timeout(commit_together(db, &writes)).await {
+        match super::within_deadline(earliest, commit_together(db, &writes)).await {
             Ok(Together::Outcomes(outcomes)) => {
                 for (queued, outcome) in commits.into_iter().zip(outcomes) {
                     let _ = queued.outcome.send(Ok(outcome));
@@ -403,7 +448,12 @@ impl Batch<'_> {
                 // One turn's receipt, or a deadlock, failed them all: each alone, to find out
                 // whose it was.
                 for queued in commits {
-                    let outcome = super::within_call_timeout(commit_alone(db, &queued.write)).await;
+                    let outcome = if queued.deadline <= Instant::now() {
+                        Err(super::no_answer())
+                    } else {
+                        super::within_deadline(queued.deadline, commit_alone(db, &queued.write))
+                            .await
+                    };
                     let _ = queued.outcome.send(outcome);
                 }
             }
