@@ -372,6 +372,10 @@ async fn committer(
         let batch = batch.commits;
         held = next_held;
         waiting.fetch_sub(batch.len() + expired, Ordering::AcqRel);
+        if batch.is_empty() {
+            // Every commit it would have held was past its deadline.
+            continue;
+        }
         shared.counts.record(batch.len());
         let shared = Arc::clone(&shared);
         tokio::spawn(async move {
