@@ -5,6 +5,9 @@ use prost::Message;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
+    // `refinery::embed_migrations!` reads `migrations/` when the crate compiles but does not tell
+    // Cargo so: without this, a new migration file left the build as it was.
+    println!("cargo:rerun-if-changed=migrations");
     let fds = protox::compile(["turnstile/v1/turn.proto"], ["proto"])?;
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     std::fs::write(

@@ -550,6 +550,78 @@ async fn migrations_are_idempotent_and_safe_when_replicas_start_together() {
     assert_eq!(postgres::migrate(&url).await.unwrap(), 0);
 }
 
+/// A conversation's row stays on its page as its turns rewrite it: every update is HOT (no index
+/// entry, no dead page left behind), also for the rows created first, on pages that inserts
+/// filled. At the default fillfactor the first update on a full page moved its row elsewhere.
+#[tokio::test]
+async fn turns_rewrite_a_conversations_row_in_place() {
+    let url = support::pg::fresh_database().await;
+    postgres::migrate(&DatabaseUrl::new(url.clone()))
+        .await
+        .unwrap();
+    let store = PostgresStore::connect(&DatabaseUrl::new(url.clone()), 4).unwrap();
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let page_of = async |key: &StateKey| -> String {
+        let row = client
+            .query_one(
+                "SELECT split_part(ctid::text, ',', 1) FROM turnstile_state WHERE key = $1",
+                &[&key.as_str()],
+            )
+            .await
+            .unwrap();
+        row.get(0)
+    };
+    let pad = ".".repeat(1024);
+    let keys: Vec<StateKey> = (0..40).map(|i| conversation(&format!("c{i}"))).collect();
+    let mut pages = Vec::new();
+    for key in &keys {
+        let created = commit(
+            &store,
+            vec![write(
+                key,
+                Expected::Absent,
+                json!({"count": 0, "pad": pad}),
+            )],
+        )
+        .await;
+        assert!(
+            matches!(created, CommitOutcome::Committed(_)),
+            "{created:?}"
+        );
+        pages.push(page_of(key).await);
+    }
+    for round in 1..=3u64 {
+        for key in &keys {
+            let written = commit(
+                &store,
+                vec![write(
+                    key,
+                    Expected::Version(Version::new(round)),
+                    json!({"count": round, "pad": pad}),
+                )],
+            )
+            .await;
+            assert!(
+                matches!(written, CommitOutcome::Committed(_)),
+                "{written:?}"
+            );
+        }
+    }
+    let mut moved = Vec::new();
+    for (key, page) in keys.iter().zip(&pages) {
+        if page_of(key).await != *page {
+            moved.push(key.as_str().to_owned());
+        }
+    }
+    assert!(
+        moved.is_empty(),
+        "rows moved to another page as their conversations were updated: {moved:?}"
+    );
+}
+
 #[tokio::test]
 async fn an_unreachable_database_is_unavailable_not_a_hang() {
     // A port nobody listens on.

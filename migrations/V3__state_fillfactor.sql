@@ -1,0 +1,14 @@
+-- Room on every page of turnstile_state for the next versions of its rows.
+--
+-- Every turn rewrites its conversation's row. PostgreSQL can do that as a HOT update — the new
+-- version on the same page, no index entry, the old one pruned in place — only when the page has
+-- room for it. At the default fillfactor (100) inserts pack a page full, and so does the space a
+-- VACUUM hands back: a conversation created there moves to another page at its next turn, with a
+-- new index entry, a WAL record of the whole row and a page it leaves dead. On a database that had
+-- been serving for a while (conversations created every day, autovacuum reclaiming space), up to
+-- two thirds of the updates had stopped being HOT and WAL per turn had doubled
+-- (`bench/RESULTS.md`). At 70, a page of ~1 KB states keeps room for two new versions, enough for
+-- the updates to stay HOT while pruning keeps up.
+--
+-- Only pages filled from now on honour it: existing rows stay where they are until updated.
+ALTER TABLE turnstile_state SET (fillfactor = 70);
