@@ -555,7 +555,11 @@ async fn migrations_are_idempotent_and_safe_when_replicas_start_together() {
 /// filled. At the default fillfactor the first update on a full page moved its row elsewhere.
 #[tokio::test]
 async fn turns_rewrite_a_conversations_row_in_place() {
-    let url = support::pg::fresh_database().await;
+    // A cluster of its own: a page's old versions are pruned only once no session could still
+    // see them. On the shared cluster, beside the other tests' sessions, CI saw no page make room
+    // in time and every row move.
+    let cluster = support::pg::Cluster::start();
+    let url = support::pg::fresh_database_in(&cluster).await;
     postgres::migrate(&DatabaseUrl::new(url.clone()))
         .await
         .unwrap();
