@@ -21,7 +21,6 @@ use support::fleet::Fleet;
 use support::load::{Gateway, Shape, Turn};
 use support::pg::{self, Cluster};
 use tokio::time::{Instant, sleep};
-use tokio_postgres::NoTls;
 
 const SHAPE: Shape = Shape {
     workers: 16,
@@ -47,9 +46,8 @@ const RECOVERY: Duration = Duration::from_secs(3);
 const DURABLE: &[&str] = &["synchronous_commit=on"];
 
 async fn sql(url: &str, statement: &str) -> Vec<tokio_postgres::SimpleQueryMessage> {
-    let (client, connection) = tokio_postgres::connect(url, NoTls).await.unwrap();
-    tokio::spawn(connection);
-    client
+    support::pg::session(url)
+        .await
         .simple_query(statement)
         .await
         .unwrap_or_else(|e| panic!("{statement}: {e:?}"))

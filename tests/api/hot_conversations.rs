@@ -7,6 +7,7 @@
 #![allow(clippy::unwrap_used)]
 
 use crate::support;
+use crate::support::pg::session;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -17,7 +18,6 @@ use async_trait::async_trait;
 use support::fleet::Fleet;
 use support::{TestServer, message, postgres_config, request, say, texts, toppings};
 use tokio::time::Instant;
-use tokio_postgres::NoTls;
 use tonic::Code;
 use tonic::transport::Channel;
 use turnstile::activity::incoming::{ChannelId, ConversationId};
@@ -190,13 +190,6 @@ fn conversation_key(bot: &str, conversation: &str) -> String {
     )
     .as_str()
     .to_owned()
-}
-
-/// A session of the test's own on `url`.
-async fn session(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, NoTls).await.unwrap();
-    tokio::spawn(connection);
-    client
 }
 
 /// How many sessions wait for a conversation lock in `db`'s database right now.

@@ -560,14 +560,10 @@ async fn turns_rewrite_a_conversations_row_in_place() {
     // in time and every row move.
     let cluster = support::pg::Cluster::start();
     let url = support::pg::fresh_database_in(&cluster).await;
-    postgres::migrate(&DatabaseUrl::new(url.clone()))
-        .await
-        .unwrap();
-    let store = PostgresStore::connect(&DatabaseUrl::new(url.clone()), 4).unwrap();
-    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let db_url = DatabaseUrl::new(url.clone());
+    postgres::migrate(&db_url).await.unwrap();
+    let store = PostgresStore::connect(&db_url, 4).unwrap();
+    let client = support::pg::session(&url).await;
     let page_of = async |key: &StateKey| -> String {
         let row = client
             .query_one(
@@ -582,35 +578,31 @@ async fn turns_rewrite_a_conversations_row_in_place() {
     let keys: Vec<StateKey> = (0..40).map(|i| conversation(&format!("c{i}"))).collect();
     let mut pages = Vec::new();
     for key in &keys {
-        let created = commit(
-            &store,
-            vec![write(
-                key,
-                Expected::Absent,
-                json!({"count": 0, "pad": pad}),
-            )],
-        )
-        .await;
-        assert!(
-            matches!(created, CommitOutcome::Committed(_)),
-            "{created:?}"
+        committed(
+            commit(
+                &store,
+                vec![write(
+                    key,
+                    Expected::Absent,
+                    json!({"count": 0, "pad": pad}),
+                )],
+            )
+            .await,
         );
         pages.push(page_of(key).await);
     }
     for round in 1..=3u64 {
         for key in &keys {
-            let written = commit(
-                &store,
-                vec![write(
-                    key,
-                    Expected::Version(Version::new(round)),
-                    json!({"count": round, "pad": pad}),
-                )],
-            )
-            .await;
-            assert!(
-                matches!(written, CommitOutcome::Committed(_)),
-                "{written:?}"
+            committed(
+                commit(
+                    &store,
+                    vec![write(
+                        key,
+                        Expected::Version(Version::new(round)),
+                        json!({"count": round, "pad": pad}),
+                    )],
+                )
+                .await,
             );
         }
     }
@@ -704,11 +696,7 @@ async fn a_database_that_stops_answering_fails_every_commit_within_a_bound() {
     );
 
     // Connections stay open and nobody answers: the postmaster and every backend stopped.
-    let (client, connection) =
-        tokio_postgres::connect(&cluster.url("postgres"), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-    tokio::spawn(connection);
+    let client = support::pg::session(&cluster.url("postgres")).await;
     let mut pids: Vec<String> = client
         .query(
             "SELECT pid::text FROM pg_stat_activity WHERE backend_type = 'client backend'",
@@ -1000,10 +988,7 @@ async fn group_commit_reports_a_lost_database_to_every_commit_of_a_batch() {
 
     // The first key is locked elsewhere, so its commit, alone in the only slot, waits in the
     // database; the others queue behind it for one batch.
-    let (locker, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let locker = support::pg::session(&url).await;
     locker
         .batch_execute(&format!(
             "BEGIN; SELECT 1 FROM turnstile_state WHERE key = '{}' FOR UPDATE",

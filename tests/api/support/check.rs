@@ -15,8 +15,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use tokio_postgres::NoTls;
-
 use super::load::{Ack, BOT, CHANNEL, Record, conversation_id};
 
 /// What the checker proved about one run, for the summary.
@@ -58,7 +56,7 @@ fn escape(part: &str) -> String {
 /// The final count of each of conversations `0..conversations` (0 for one never written), read
 /// from PostgreSQL directly.
 pub async fn final_counts(database_url: &str, conversations: usize) -> BTreeMap<usize, u64> {
-    let client = connect(database_url).await;
+    let client = super::pg::session(database_url).await;
     let keys: Vec<String> = (0..conversations).map(conversation_key).collect();
     let rows = client
         .query(
@@ -85,7 +83,7 @@ pub async fn final_counts(database_url: &str, conversations: usize) -> BTreeMap<
 
 /// Every receipt of the `counter` bot: key → the N its stored reply says.
 pub async fn receipts(database_url: &str) -> HashMap<String, Option<u64>> {
-    let client = connect(database_url).await;
+    let client = super::pg::session(database_url).await;
     let rows = client
         .query(
             "SELECT key, payload FROM turnstile_receipt WHERE key LIKE $1",
@@ -225,12 +223,4 @@ pub fn prove(
             .join("\n")
     );
     proof
-}
-
-async fn connect(database_url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(database_url, NoTls)
-        .await
-        .expect("connecting to the test database");
-    tokio::spawn(connection);
-    client
 }

@@ -265,6 +265,15 @@ pub async fn fresh_database() -> String {
     create_database(&admin_url).await
 }
 
+/// A session of the test's own on `url`, its connection driven on a task of its own.
+pub async fn session(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("connecting to the test PostgreSQL server: {e}"));
+    tokio::spawn(connection);
+    client
+}
+
 /// A new, empty database in `cluster`; returns its URL.
 pub async fn fresh_database_in(cluster: &Cluster) -> String {
     create_database(&cluster.url("postgres")).await
@@ -277,11 +286,8 @@ async fn create_database(admin_url: &str) -> String {
         std::process::id(),
         NEXT.fetch_add(1, Ordering::Relaxed)
     );
-    let (client, connection) = tokio_postgres::connect(admin_url, NoTls)
+    session(admin_url)
         .await
-        .unwrap_or_else(|e| panic!("connecting to the test PostgreSQL server: {e}"));
-    tokio::spawn(connection);
-    client
         .batch_execute(&format!("CREATE DATABASE {name}"))
         .await
         .expect("creating a test database");
