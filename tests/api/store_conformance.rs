@@ -908,8 +908,8 @@ async fn group_commit_isolates_a_receipt_that_exists() {
     );
 }
 
-/// `--commits-in-flight`: with one statement in flight, the commits that arrive while it runs all
-/// wait for the next, however large the pool (whose default would let four go at once).
+/// `--commits-in-flight`: with one statement in flight (the default, set here explicitly), the
+/// commits that arrive while it runs all wait for the next, however large the pool.
 #[tokio::test]
 async fn one_commit_in_flight_puts_every_waiting_commit_in_the_next_batch() {
     let url = DatabaseUrl::new(support::pg::fresh_database().await);
