@@ -51,8 +51,7 @@ impl Cluster {
         ]));
         cluster.spawn_watchdog();
         prepare(&cluster);
-        cluster.resume();
-        cluster
+        cluster.first_start()
     }
 
     /// A streaming-replication standby of `primary` (`pg_basebackup -R -X stream`), started
@@ -73,8 +72,7 @@ impl Cluster {
             .arg(cluster.data_dir())
             .args(["-R", "-X", "stream", "--checkpoint=fast", "--no-sync"]));
         cluster.spawn_watchdog();
-        cluster.resume();
-        cluster
+        cluster.first_start()
     }
 
     /// A cluster not yet initialized: its directory, owned by the server's user, and a port.
@@ -144,8 +142,30 @@ impl Cluster {
         std::fs::read_to_string(self.root.join("server.log")).unwrap_or_default()
     }
 
+    /// Starts the cluster for the first time. Its port was free when it was chosen, but the
+    /// other tests' connections take ephemeral ports all the while (initdb runs for seconds in
+    /// between), so a port found taken is replaced by another, a few times.
+    fn first_start(mut self) -> Cluster {
+        for _ in 0..4 {
+            match self.try_resume() {
+                Ok(()) => return self,
+                Err(_) if self.log().contains("could not bind") => self.port = free_port(),
+                Err(failure) => panic!("{failure}"),
+            }
+        }
+        self.resume();
+        self
+    }
+
     /// Starts the stopped cluster again, on the same port; returns when it accepts connections.
     pub fn resume(&self) {
+        if let Err(failure) = self.try_resume() {
+            panic!("{failure}");
+        }
+    }
+
+    /// [`Cluster::resume`], with what went wrong and the server's log when it did not start.
+    fn try_resume(&self) -> Result<(), String> {
         let mut options = format!(
             "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off \
              -c full_page_writes=off -c max_connections=300 -c shared_buffers=64MB",
@@ -156,13 +176,26 @@ impl Cluster {
             options.push_str(" -c ");
             options.push_str(setting);
         }
-        run(self
-            .command("pg_ctl")
+        let mut start = self.command("pg_ctl");
+        start
             .arg("-D")
             .arg(self.data_dir())
             .arg("-l")
             .arg(self.root.join("server.log"))
-            .args(["-o", &options, "-w", "-t", "60", "start"]));
+            .args(["-o", &options, "-w", "-t", "60", "start"]);
+        let output = start
+            .output()
+            .unwrap_or_else(|e| panic!("running {start:?}: {e}. {INSTALL_HINT}"));
+        if output.status.success() {
+            return Ok(());
+        }
+        Err(format!(
+            "{start:?} failed ({}):\n{}\n{}\nserver log:\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr),
+            self.log()
+        ))
     }
 
     /// Stops the cluster (fast shutdown: open connections are closed).
