@@ -576,34 +576,19 @@ async fn turns_rewrite_a_conversations_row_in_place() {
     };
     let pad = ".".repeat(1024);
     let keys: Vec<StateKey> = (0..40).map(|i| conversation(&format!("c{i}"))).collect();
+    // Round 0 creates each row; rounds 1 to 3 rewrite it over the version the one before made.
     let mut pages = Vec::new();
-    for key in &keys {
-        committed(
-            commit(
-                &store,
-                vec![write(
-                    key,
-                    Expected::Absent,
-                    json!({"count": 0, "pad": pad}),
-                )],
-            )
-            .await,
-        );
-        pages.push(page_of(key).await);
-    }
-    for round in 1..=3u64 {
+    for round in 0..=3u64 {
+        let expected = match round {
+            0 => Expected::Absent,
+            _ => Expected::Version(Version::new(round)),
+        };
         for key in &keys {
-            committed(
-                commit(
-                    &store,
-                    vec![write(
-                        key,
-                        Expected::Version(Version::new(round)),
-                        json!({"count": round, "pad": pad}),
-                    )],
-                )
-                .await,
-            );
+            let state = json!({"count": round, "pad": pad});
+            committed(commit(&store, vec![write(key, expected, state)]).await);
+            if round == 0 {
+                pages.push(page_of(key).await);
+            }
         }
     }
     let mut moved = Vec::new();

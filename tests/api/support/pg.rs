@@ -146,15 +146,17 @@ impl Cluster {
     /// other tests' connections take ephemeral ports all the while (initdb runs for seconds in
     /// between), so a port found taken is replaced by another, a few times.
     fn first_start(mut self) -> Cluster {
-        for _ in 0..4 {
+        let mut attempts = 1;
+        loop {
             match self.try_resume() {
                 Ok(()) => return self,
-                Err(_) if self.log().contains("could not bind") => self.port = free_port(),
+                Err(_) if attempts < 5 && self.log().contains("could not bind") => {
+                    self.port = free_port();
+                    attempts += 1;
+                }
                 Err(failure) => panic!("{failure}"),
             }
         }
-        self.resume();
-        self
     }
 
     /// Starts the stopped cluster again, on the same port; returns when it accepts connections.
@@ -176,26 +178,15 @@ impl Cluster {
             options.push_str(" -c ");
             options.push_str(setting);
         }
-        let mut start = self.command("pg_ctl");
-        start
-            .arg("-D")
-            .arg(self.data_dir())
-            .arg("-l")
-            .arg(self.root.join("server.log"))
-            .args(["-o", &options, "-w", "-t", "60", "start"]);
-        let output = start
-            .output()
-            .unwrap_or_else(|e| panic!("running {start:?}: {e}. {INSTALL_HINT}"));
-        if output.status.success() {
-            return Ok(());
-        }
-        Err(format!(
-            "{start:?} failed ({}):\n{}\n{}\nserver log:\n{}",
-            output.status,
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr),
-            self.log()
-        ))
+        try_run(
+            self.command("pg_ctl")
+                .arg("-D")
+                .arg(self.data_dir())
+                .arg("-l")
+                .arg(self.root.join("server.log"))
+                .args(["-o", &options, "-w", "-t", "60", "start"]),
+        )
+        .map_err(|failure| format!("{failure}\nserver log:\n{}", self.log()))
     }
 
     /// Stops the cluster (fast shutdown: open connections are closed).
@@ -383,14 +374,23 @@ fn is_root() -> bool {
 }
 
 fn run(command: &mut Command) {
+    if let Err(failure) = try_run(command) {
+        panic!("{failure}");
+    }
+}
+
+/// Runs `command`; what it printed when it failed.
+fn try_run(command: &mut Command) -> Result<(), String> {
     let output = command
         .output()
         .unwrap_or_else(|e| panic!("running {command:?}: {e}. {INSTALL_HINT}"));
-    assert!(
-        output.status.success(),
+    if output.status.success() {
+        return Ok(());
+    }
+    Err(format!(
         "{command:?} failed ({}):\n{}\n{}",
         output.status,
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
-    );
+    ))
 }
