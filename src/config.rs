@@ -232,8 +232,9 @@ pub struct ServeArgs {
     #[arg(long, env = "TURNSTILE_POOL_SIZE", default_value_t = 16)]
     pub pool_size: usize,
     /// Group-commit statements this replica keeps in flight at once (default: 1, each carrying
-    /// every commit that queued meanwhile). Fewer put more turns in each statement, which costs
-    /// the database less per turn; more overlap the round trips to a distant database.
+    /// every commit that queued meanwhile, the next one sent behind it on its connection). Fewer
+    /// put more turns in each statement, which costs the database less per turn; more overlap
+    /// the round trips to a distant database.
     #[arg(long, env = "TURNSTILE_COMMITS_IN_FLIGHT", value_parser = clap::value_parser!(u16).range(1..=64))]
     pub commits_in_flight: Option<u16>,
     /// Apply pending migrations before serving (turn off when a migration job does it).

@@ -432,7 +432,8 @@ impl PostgresStore {
 }
 
 /// How many group-commit statements one replica keeps in flight by default: one, carrying every
-/// commit that queued while the previous one ran.
+/// commit that queued while the previous one ran, with the next sent behind it on its connection
+/// once as many commits wait (not behind a pooler in transaction mode).
 ///
 /// A database flushes its WAL one commit after another, so a second statement in flight mostly
 /// waits for the first one's flush, and meanwhile splits the waiting turns into more, smaller

@@ -917,6 +917,138 @@ async fn one_commit_in_flight_puts_every_waiting_commit_in_the_next_batch() {
     );
 }
 
+/// While the only slot is taken, the next batch is sent behind the one running on its
+/// connection once as many commits wait as that one holds — not before, so that batches do not
+/// shrink — and PostgreSQL runs it the moment the first has committed. Every commit still gets
+/// its own outcome, and a commit queued behind both sees what they wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_goes_behind_the_running_one_once_as_many_commits_wait() {
+    batches_behind_the_running_one(Statements::Prepared).await;
+}
+
+/// Behind a pooler in transaction mode, which may hand a connection to another client between
+/// two transactions, no batch is sent behind another: it waits for a lane of its own, with the
+/// same outcomes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_prepared_statements_no_batch_goes_behind_another() {
+    batches_behind_the_running_one(Statements::Unprepared).await;
+}
+
+async fn batches_behind_the_running_one(statements: Statements) {
+    let url = support::pg::fresh_database().await;
+    postgres::migrate(&DatabaseUrl::new(url.clone()))
+        .await
+        .unwrap();
+    let store = Arc::new(
+        PostgresStore::connect_with(&DatabaseUrl::new(url.clone()), 8, statements)
+            .unwrap()
+            .with_commits_in_flight(Some(1)),
+    );
+    let pipelines = statements == Statements::Prepared;
+    let keys: Vec<StateKey> = (0..8)
+        .map(|i| conversation(&format!("behind{i}")))
+        .collect();
+    for key in &keys {
+        committed(
+            commit(
+                store.as_ref(),
+                vec![write(key, Expected::Absent, json!({}))],
+            )
+            .await,
+        );
+    }
+    let lock = |key: &StateKey| {
+        let url = url.clone();
+        let key = key.as_str().to_owned();
+        async move {
+            let session = support::pg::session(&url).await;
+            session
+                .batch_execute(&format!(
+                    "BEGIN; SELECT 1 FROM turnstile_state WHERE key = '{key}' FOR UPDATE"
+                ))
+                .await
+                .unwrap();
+            session
+        }
+    };
+    let send = |key: &StateKey, n: i64| {
+        let store = Arc::clone(&store);
+        let commit = Commit::new(vec![write(
+            key,
+            Expected::Version(Version::FIRST),
+            json!({ "n": n }),
+        )]);
+        tokio::spawn(async move { store.commit(commit).await })
+    };
+    let settle = || tokio::time::sleep(std::time::Duration::from_millis(300));
+
+    // The first commit goes alone and waits on a lock in the database, holding the only slot;
+    // three queue behind it.
+    let gate = lock(&keys[0]).await;
+    let blocker = lock(&keys[1]).await;
+    let alone = send(&keys[0], 2);
+    settle().await;
+    let first: Vec<_> = keys[1..4].iter().map(|key| send(key, 2)).collect();
+    settle().await;
+    // The gate opens: the three go as one batch, which waits on the second lock.
+    gate.batch_execute("COMMIT").await.unwrap();
+    settle().await;
+    let before = store.group_commit_stats();
+    assert_eq!(before.largest, 3, "{before:?}");
+
+    // Two waiting are fewer than the running batch holds: they stay queued.
+    let mut second: Vec<_> = keys[4..6].iter().map(|key| send(key, 2)).collect();
+    settle().await;
+    assert_eq!(store.group_commit_stats().pipelined, 0);
+    // A third makes as many: the three go behind the running batch, on its connection.
+    second.push(send(&keys[6], 2));
+    settle().await;
+    let after = store.group_commit_stats();
+    if pipelines {
+        assert_eq!(after.pipelined, 1, "{before:?} -> {after:?}");
+        assert_eq!(after.batches, before.batches + 1, "{after:?}");
+    } else {
+        assert_eq!(after, before, "nothing went behind the running batch");
+    }
+    // A commit of a key the first batch writes, over the version both read: it waits for a
+    // lane, since the only one is taken.
+    let late = send(&keys[2], 3);
+    settle().await;
+    assert!(
+        first
+            .iter()
+            .chain(&second)
+            .chain([&late])
+            .all(|c| !c.is_finished()),
+        "nothing answered while the first batch waits on its lock"
+    );
+
+    blocker.batch_execute("COMMIT").await.unwrap();
+    committed(alone.await.unwrap().unwrap());
+    for (commit, key) in first.into_iter().chain(second).zip(&keys[1..7]) {
+        assert_eq!(
+            committed(commit.await.unwrap().unwrap())[key],
+            Version::new(2)
+        );
+    }
+    assert_eq!(
+        conflict(late.await.unwrap().unwrap()),
+        keys[2],
+        "the late commit saw the first batch's write"
+    );
+    for key in &keys[..7] {
+        assert_eq!(
+            version_of(store.as_ref(), key).await,
+            Some((state(json!({ "n": 2 })), Version::new(2))),
+            "{key}"
+        );
+    }
+    assert_eq!(
+        version_of(store.as_ref(), &keys[7]).await.map(|(_, v)| v),
+        Some(Version::FIRST)
+    );
+}
+
 /// The committer task lives on the runtime that first needed it. A store that outlives that
 /// runtime starts a new one on the next, instead of failing every commit that has to queue.
 #[test]

@@ -12,9 +12,16 @@
 //! at once, on its own task, by the plain single-scope statement. The others queue for the
 //! store's committer task, which waits for a slot and sends everything queued by then as one
 //! batch. So turns batch up only while the database is busy with earlier ones: the batches are as
-//! large as the load makes them, and no turn waits for a timer. A batch gives its slot back the
-//! moment the database has answered, before it answers its turns, so that the next batch is on
-//! its way while they encode their replies.
+//! large as the load makes them, and no turn waits for a timer.
+//!
+//! A batch runs on a lane: a pooled connection and the slot it takes. While every slot is taken,
+//! the committer sends the next batch behind the one running on its lane, on the same
+//! connection, as soon as as many commits wait as that one holds (fewer would split the waiting
+//! turns into more, smaller transactions). PostgreSQL then starts it the moment the first has
+//! committed, instead of after the answer has reached this server and a new statement has come
+//! back: that round trip left the database idle for an eighth of every batch at 8 calls
+//! (`bench/RESULTS.md`). A batch gives its lane up the moment the database has answered, before
+//! it answers its turns, so that the next batch is on its way while they encode their replies.
 //!
 //! Each turn keeps its own outcome. A write whose key moved returns no row and that turn alone is
 //! a conflict; a receipt is inserted only for a write that returned a row. Two things can fail the
@@ -25,11 +32,11 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use anyhow::anyhow;
-use deadpool_postgres::Pool;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use deadpool_postgres::{ClientWrapper, Object, Pool};
+use tokio::sync::{Notify, OnceCell, OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::time::{Instant, timeout_at};
 use tokio_postgres::types::Type;
 
@@ -184,8 +191,11 @@ struct Db {
 /// What the callers and the committer task share.
 struct Shared {
     db: Db,
-    /// One permit per statement in flight.
+    /// One permit per lane: a connection with a batch's statement in flight.
     slots: Arc<Semaphore>,
+    /// Told each time a batch's statement has answered, so that the committer can send the next
+    /// batch behind the one now running on its lane.
+    answered: Notify,
     counts: Counts,
 }
 
@@ -198,6 +208,8 @@ pub struct GroupCommitStats {
     pub commits: u64,
     /// The most commits one batch has held.
     pub largest: u64,
+    /// Batches sent on a connection behind another batch's statement, before it had answered.
+    pub pipelined: u64,
 }
 
 #[derive(Default)]
@@ -205,6 +217,7 @@ struct Counts {
     batches: AtomicU64,
     commits: AtomicU64,
     largest: AtomicU64,
+    pipelined: AtomicU64,
 }
 
 impl Counts {
@@ -225,6 +238,7 @@ impl GroupCommit {
             shared: Arc::new(Shared {
                 db: Db { pool, statements },
                 slots: Arc::new(Semaphore::new(slots.max(1))),
+                answered: Notify::new(),
                 counts: Counts::default(),
             }),
             queue: Mutex::new(None),
@@ -238,6 +252,7 @@ impl GroupCommit {
             batches: counts.batches.load(Ordering::Relaxed),
             commits: counts.commits.load(Ordering::Relaxed),
             largest: counts.largest.load(Ordering::Relaxed),
+            pipelined: counts.pipelined.load(Ordering::Relaxed),
         }
     }
 
@@ -260,7 +275,11 @@ impl GroupCommit {
         {
             shared.counts.record(1);
             // Boxed: the timer would otherwise move the whole statement's future.
-            return super::within_call_timeout(Box::pin(commit_alone(&shared.db, &write))).await;
+            return super::within_call_timeout(Box::pin(async {
+                let client = client_of(&shared.db.pool).await?;
+                commit_alone(&client, shared.db.statements, &write).await
+            }))
+            .await;
         }
         let (outcome, answer) = oneshot::channel();
         let deadline = Instant::now() + super::CALL_TIMEOUT;
@@ -319,38 +338,82 @@ struct Queue {
     waiting: Arc<AtomicUsize>,
 }
 
-/// Forms batches from the queue and runs each on a free slot, until the store is dropped and
-/// the queue drained. It waits for a commit, then for a slot; whatever queued meanwhile joins
-/// the batch.
+/// Forms batches from the queue and sends each on a lane, until the store is dropped and the
+/// queue drained. It waits for a commit, then for a free slot — or, while every slot is taken,
+/// for as many commits as the batch running on its last lane holds, which it then sends behind
+/// that batch on the same connection. Whatever queued meanwhile joins the batch.
 async fn committer(
     shared: Arc<Shared>,
     mut queue: mpsc::UnboundedReceiver<Queued>,
     waiting: Arc<AtomicUsize>,
 ) {
-    // Commits that could not join the previous batch (a key or receipt it already had).
+    // Commits that could not join the previous batch (a key or receipt it already had), and
+    // those taken from the queue while waiting for room.
     let mut held: VecDeque<Queued> = VecDeque::new();
     // The keys and receipts of the batch being formed, kept from batch to batch: a set made
     // anew for each grew its table two or three times per batch (`bench/RESULTS.md`).
     let mut keys = KeySet::default();
+    // The lane of the batch sent last, and how many commits that batch holds.
+    let mut last: Option<(Weak<Lane>, usize)> = None;
+    let mut open = true;
     loop {
         let first = match held.pop_front() {
             Some(first) => first,
-            None => match queue.recv().await {
+            None if open => match queue.recv().await {
                 Some(first) => first,
                 None => return,
             },
+            None => return,
         };
         // `first` was queued before everything else pending: its deadline is the earliest.
-        let slot = match timeout_at(first.deadline, Arc::clone(&shared.slots).acquire_owned()).await
-        {
-            Ok(Ok(slot)) => slot,
-            Ok(Err(_closed)) => return,
-            Err(_elapsed) => {
-                // Every slot stayed busy past its time: PostgreSQL did not answer in time.
-                waiting.fetch_sub(1, Ordering::AcqRel);
-                let _ = first.outcome.send(Err(super::no_answer()));
-                continue;
+        let room = loop {
+            if let Ok(slot) = Arc::clone(&shared.slots).try_acquire_owned() {
+                break Some(Lane::new(slot));
             }
+            // Behind a pooler in transaction mode, which may hand the connection to another
+            // client at the first batch's end, a batch waits for a lane of its own.
+            let pipelines = shared.db.statements == Statements::Prepared;
+            let behind = last
+                .as_ref()
+                .filter(|_| pipelines)
+                .and_then(|(lane, size)| {
+                    let lane = lane.upgrade()?;
+                    let running = lane.batches.load(Ordering::Acquire);
+                    Some((lane, running, *size))
+                });
+            let wants_more = match &behind {
+                Some((lane, 1, size)) if waiting.load(Ordering::Acquire) >= *size => {
+                    shared.counts.pipelined.fetch_add(1, Ordering::Relaxed);
+                    break Some(Arc::clone(lane));
+                }
+                // One batch runs on the last lane: more commits may make the next worth sending
+                // behind it.
+                Some((_, 1, _)) => open,
+                _ => false,
+            };
+            let watches_lane = behind.is_some();
+            drop(behind);
+            tokio::select! {
+                biased;
+                slot = timeout_at(first.deadline, Arc::clone(&shared.slots).acquire_owned()) => {
+                    match slot {
+                        Ok(Ok(slot)) => break Some(Lane::new(slot)),
+                        Ok(Err(_closed)) => return,
+                        // Every slot stayed busy past its time: PostgreSQL did not answer.
+                        Err(_elapsed) => break None,
+                    }
+                }
+                () = shared.answered.notified(), if watches_lane => {}
+                queued = queue.recv(), if wants_more => match queued {
+                    Some(queued) => held.push_back(queued),
+                    None => open = false,
+                },
+            }
+        };
+        let Some(lane) = room else {
+            waiting.fetch_sub(1, Ordering::AcqRel);
+            let _ = first.outcome.send(Err(super::no_answer()));
+            continue;
         };
         keys.clear();
         let expected = 1 + held.len() + waiting.load(Ordering::Acquire);
@@ -365,7 +428,7 @@ async fn committer(
         for queued in held.drain(..) {
             batch.add_or_hold(queued, &mut next_held);
         }
-        while batch.len() < MAX_BATCH {
+        while open && batch.len() < MAX_BATCH {
             match queue.try_recv() {
                 Ok(queued) => batch.add_or_hold(queued, &mut next_held),
                 Err(_) => break,
@@ -380,8 +443,38 @@ async fn committer(
             continue;
         }
         shared.counts.record(batch.len());
+        lane.batches.fetch_add(1, Ordering::AcqRel);
+        last = Some((Arc::downgrade(&lane), batch.len()));
         let shared = Arc::clone(&shared);
-        tokio::spawn(async move { Batch::run(batch, &shared.db, slot).await });
+        tokio::spawn(async move { Batch::run(batch, &shared, lane).await });
+    }
+}
+
+/// A connection that group-commit batches run on, one statement after another, and the slot it
+/// takes. A batch may be sent behind the one running, so that PostgreSQL starts it the moment
+/// the first has committed, instead of after a round trip through the server and back.
+///
+/// It lasts as long as a batch on it: the last one's answer gives the connection back to the
+/// pool and the slot back to the committer.
+struct Lane {
+    client: OnceCell<Object>,
+    /// Batches sent on the lane whose statement has not answered yet.
+    batches: AtomicUsize,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl Lane {
+    fn new(slot: OwnedSemaphorePermit) -> Arc<Self> {
+        Arc::new(Self {
+            client: OnceCell::new(),
+            batches: AtomicUsize::new(0),
+            _slot: slot,
+        })
+    }
+
+    /// The lane's connection, taken from `pool` by its first batch.
+    async fn client(&self, pool: &Pool) -> Result<&ClientWrapper, StoreError> {
+        Ok(self.client.get_or_try_init(|| client_of(pool)).await?)
     }
 }
 
@@ -426,52 +519,69 @@ impl Batch<'_> {
         self.commits.push(queued);
     }
 
-    /// Runs a formed batch on `slot` and answers every commit in it, each by its deadline.
+    /// Runs a formed batch on `lane` and answers every commit in it, each by its deadline.
     ///
-    /// The slot is given back as soon as the statement has answered, before the turns are: the
+    /// The lane is let go as soon as the statement has answered, before the turns are: the
     /// committer, woken by it, then sends the next batch while the turns just answered encode
     /// their replies, instead of after them. Answering first kept the database idle for about
     /// 0.3 ms between batches at 32 calls (`bench/RESULTS.md`).
-    async fn run(mut commits: Vec<Queued>, db: &Db, slot: OwnedSemaphorePermit) {
+    async fn run(mut commits: Vec<Queued>, shared: &Shared, lane: Arc<Lane>) {
+        let db = &shared.db;
+        let answered = |lane: Arc<Lane>| {
+            lane.batches.fetch_sub(1, Ordering::AcqRel);
+            drop(lane);
+            shared.answered.notify_one();
+        };
         if commits.len() == 1
             && let Some(only) = commits.pop()
         {
-            let outcome =
-                super::within_deadline(only.deadline, commit_alone(db, &only.write)).await;
-            drop(slot);
+            let outcome = super::within_deadline(only.deadline, async {
+                let client = lane.client(&db.pool).await?;
+                commit_alone(client, db.statements, &only.write).await
+            })
+            .await;
+            answered(lane);
             let _ = only.outcome.send(outcome);
             return;
         }
         let Some(earliest) = commits.iter().map(|c| c.deadline).min() else {
+            answered(lane);
             return;
         };
         // Sorted by key, so that batches lock rows in one order wherever the plan allows.
         commits.sort_by(|a, b| a.write.key.cmp(&b.write.key));
         let writes: Vec<&SingleWrite> = commits.iter().map(|c| &c.write).collect();
-        let together = super::within_deadline(earliest, commit_together(db, &writes)).await;
+        let together = super::within_deadline(earliest, async {
+            let client = lane.client(&db.pool).await?;
+            commit_together(client, db.statements, &writes).await
+        })
+        .await;
         match together {
             Ok(Together::Outcomes(outcomes)) => {
-                drop(slot);
+                answered(lane);
                 for (queued, outcome) in commits.into_iter().zip(outcomes) {
                     let _ = queued.outcome.send(Ok(outcome));
                 }
             }
             Ok(Together::Failed) => {
                 // One turn's receipt, or a deadlock, failed them all: each alone, to find out
-                // whose it was.
+                // whose it was, on the same lane.
                 for queued in commits {
                     let outcome = if queued.deadline <= Instant::now() {
                         Err(super::no_answer())
                     } else {
-                        super::within_deadline(queued.deadline, commit_alone(db, &queued.write))
-                            .await
+                        super::within_deadline(queued.deadline, async {
+                            let client = lane.client(&db.pool).await?;
+                            commit_alone(client, db.statements, &queued.write).await
+                        })
+                        .await
                     };
                     let _ = queued.outcome.send(outcome);
                 }
-                drop(slot);
+                answered(lane);
             }
             Err(e) => {
-                drop(slot);
+                answered(lane);
                 // Unavailable, or unexpected, for every commit of the batch, for one cause.
                 let unavailable = matches!(e, StoreError::Unavailable(_));
                 let (StoreError::Unavailable(cause) | StoreError::Unexpected(cause)) = e;
@@ -497,8 +607,12 @@ enum Together {
     Failed,
 }
 
-/// Commits `writes` by [`WRITE_MANY`].
-async fn commit_together(db: &Db, writes: &[&SingleWrite]) -> Result<Together, StoreError> {
+/// Commits `writes` by [`WRITE_MANY`] on `client`.
+async fn commit_together(
+    client: &ClientWrapper,
+    statements: Statements,
+    writes: &[&SingleWrite],
+) -> Result<Together, StoreError> {
     let keys: Vec<&str> = writes.iter().map(|w| w.key.as_str()).collect();
     let states: Vec<Jsonb<'_>> = writes.iter().map(|w| Jsonb::Map(&w.state)).collect();
     let expected = writes
@@ -517,11 +631,10 @@ async fn commit_together(db: &Db, writes: &[&SingleWrite]) -> Result<Together, S
                 .map(|(_, payload)| Jsonb::Text(payload.text()))
         })
         .collect();
-    let client = client_of(&db.pool).await?;
     let rows = match WRITE_MANY
         .query(
-            &client,
-            db.statements,
+            client,
+            statements,
             &[&keys, &states, &expected, &receipt_keys, &receipts],
         )
         .await
@@ -550,8 +663,12 @@ async fn commit_together(db: &Db, writes: &[&SingleWrite]) -> Result<Together, S
     ))
 }
 
-/// Commits `write` by itself, by [`UPDATE_ONE`] or [`CREATE_ONE`].
-async fn commit_alone(db: &Db, write: &SingleWrite) -> Result<CommitOutcome, StoreError> {
+/// Commits `write` by itself on `client`, by [`UPDATE_ONE`] or [`CREATE_ONE`].
+async fn commit_alone(
+    client: &ClientWrapper,
+    statements: Statements,
+    write: &SingleWrite,
+) -> Result<CommitOutcome, StoreError> {
     let key = write.key.as_str();
     let state = Jsonb::Map(&write.state);
     let receipt_key = write.receipt.as_ref().map(|(key, _)| key.as_str());
@@ -559,23 +676,18 @@ async fn commit_alone(db: &Db, write: &SingleWrite) -> Result<CommitOutcome, Sto
         .receipt
         .as_ref()
         .map(|(_, payload)| Jsonb::Text(payload.text()));
-    let client = client_of(&db.pool).await?;
     let rows = match write.expected {
         Expected::Absent => {
             CREATE_ONE
-                .query(
-                    &client,
-                    db.statements,
-                    &[&key, &state, &receipt_key, &receipt],
-                )
+                .query(client, statements, &[&key, &state, &receipt_key, &receipt])
                 .await
         }
         Expected::Version(_) => {
             let expected = expected_version(write.expected)?;
             UPDATE_ONE
                 .query(
-                    &client,
-                    db.statements,
+                    client,
+                    statements,
                     &[&key, &state, &expected, &receipt_key, &receipt],
                 )
                 .await
