@@ -368,12 +368,12 @@ async fn committer(
         // `first` was queued before everything else pending: its deadline is the earliest.
         let room = loop {
             if let Ok(slot) = Arc::clone(&shared.slots).try_acquire_owned() {
-                break Some(Lane::new(slot));
+                break Some((Lane::new(slot), false));
             }
             // Behind a pooler in transaction mode, which may hand the connection to another
             // client at the first batch's end, a batch waits for a lane of its own.
             let pipelines = shared.db.statements == Statements::Prepared;
-            let behind = last
+            let last_lane = last
                 .as_ref()
                 .filter(|_| pipelines)
                 .and_then(|(lane, size)| {
@@ -381,23 +381,23 @@ async fn committer(
                     let running = lane.batches.load(Ordering::Acquire);
                     Some((lane, running, *size))
                 });
-            let wants_more = match &behind {
+            let wants_more = match &last_lane {
                 Some((lane, 1, size)) if waiting.load(Ordering::Acquire) >= *size => {
-                    shared.counts.pipelined.fetch_add(1, Ordering::Relaxed);
-                    break Some(Arc::clone(lane));
+                    break Some((Arc::clone(lane), true));
                 }
                 // One batch runs on the last lane: more commits may make the next worth sending
                 // behind it.
                 Some((_, 1, _)) => open,
                 _ => false,
             };
-            let watches_lane = behind.is_some();
-            drop(behind);
+            let watches_lane = last_lane.is_some();
+            // Not held while waiting: the lane ends with its last batch.
+            drop(last_lane);
             tokio::select! {
                 biased;
                 slot = timeout_at(first.deadline, Arc::clone(&shared.slots).acquire_owned()) => {
                     match slot {
-                        Ok(Ok(slot)) => break Some(Lane::new(slot)),
+                        Ok(Ok(slot)) => break Some((Lane::new(slot), false)),
                         Ok(Err(_closed)) => return,
                         // Every slot stayed busy past its time: PostgreSQL did not answer.
                         Err(_elapsed) => break None,
@@ -410,7 +410,7 @@ async fn committer(
                 },
             }
         };
-        let Some(lane) = room else {
+        let Some((lane, behind)) = room else {
             waiting.fetch_sub(1, Ordering::AcqRel);
             let _ = first.outcome.send(Err(super::no_answer()));
             continue;
@@ -443,6 +443,9 @@ async fn committer(
             continue;
         }
         shared.counts.record(batch.len());
+        if behind {
+            shared.counts.pipelined.fetch_add(1, Ordering::Relaxed);
+        }
         lane.batches.fetch_add(1, Ordering::AcqRel);
         last = Some((Arc::downgrade(&lane), batch.len()));
         let shared = Arc::clone(&shared);
