@@ -917,6 +917,30 @@ async fn one_commit_in_flight_puts_every_waiting_commit_in_the_next_batch() {
     );
 }
 
+/// `n` conversations named `{prefix}{i}`, each created at the first version.
+async fn created(store: &PostgresStore, prefix: &str, n: usize) -> Vec<StateKey> {
+    let keys: Vec<StateKey> = (0..n)
+        .map(|i| conversation(&format!("{prefix}{i}")))
+        .collect();
+    for key in &keys {
+        committed(commit(store, vec![write(key, Expected::Absent, json!({}))]).await);
+    }
+    keys
+}
+
+/// A session of its own holding `key`'s row locked, in a transaction it has left open.
+async fn locked(url: &str, key: &StateKey) -> tokio_postgres::Client {
+    let session = support::pg::session(url).await;
+    session
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM turnstile_state WHERE key = '{}' FOR UPDATE",
+            key.as_str()
+        ))
+        .await
+        .unwrap();
+    session
+}
+
 /// While the only slot is taken, the next batch is sent behind the one running on its
 /// connection once as many commits wait as that one holds — not before, so that batches do not
 /// shrink — and PostgreSQL runs it the moment the first has committed. Every commit still gets
@@ -945,32 +969,7 @@ async fn batches_behind_the_running_one(statements: Statements) {
             .with_commits_in_flight(Some(1)),
     );
     let pipelines = statements == Statements::Prepared;
-    let keys: Vec<StateKey> = (0..8)
-        .map(|i| conversation(&format!("behind{i}")))
-        .collect();
-    for key in &keys {
-        committed(
-            commit(
-                store.as_ref(),
-                vec![write(key, Expected::Absent, json!({}))],
-            )
-            .await,
-        );
-    }
-    let lock = |key: &StateKey| {
-        let url = url.clone();
-        let key = key.as_str().to_owned();
-        async move {
-            let session = support::pg::session(&url).await;
-            session
-                .batch_execute(&format!(
-                    "BEGIN; SELECT 1 FROM turnstile_state WHERE key = '{key}' FOR UPDATE"
-                ))
-                .await
-                .unwrap();
-            session
-        }
-    };
+    let keys = created(store.as_ref(), "behind", 8).await;
     let send = |key: &StateKey, n: i64| {
         let store = Arc::clone(&store);
         let commit = Commit::new(vec![write(
@@ -984,8 +983,8 @@ async fn batches_behind_the_running_one(statements: Statements) {
 
     // The first commit goes alone and waits on a lock in the database, holding the only slot;
     // three queue behind it.
-    let gate = lock(&keys[0]).await;
-    let blocker = lock(&keys[1]).await;
+    let gate = locked(&url, &keys[0]).await;
+    let blocker = locked(&url, &keys[1]).await;
     let alone = send(&keys[0], 2);
     settle().await;
     let first: Vec<_> = keys[1..4].iter().map(|key| send(key, 2)).collect();
@@ -1092,27 +1091,11 @@ async fn group_commit_reports_a_lost_database_to_every_commit_of_a_batch() {
         config.get_dbname().unwrap()
     );
     let store = Arc::new(PostgresStore::connect(&DatabaseUrl::new(through_proxy), 4).unwrap());
-    let keys: Vec<StateKey> = (0..7).map(|i| conversation(&format!("lost{i}"))).collect();
-    for key in &keys {
-        committed(
-            commit(
-                store.as_ref(),
-                vec![write(key, Expected::Absent, json!({}))],
-            )
-            .await,
-        );
-    }
+    let keys = created(store.as_ref(), "lost", 7).await;
 
     // The first key is locked elsewhere, so its commit, alone in the only slot, waits in the
     // database; the others queue behind it for one batch.
-    let locker = support::pg::session(&url).await;
-    locker
-        .batch_execute(&format!(
-            "BEGIN; SELECT 1 FROM turnstile_state WHERE key = '{}' FOR UPDATE",
-            keys[0].as_str()
-        ))
-        .await
-        .unwrap();
+    let locker = locked(&url, &keys[0]).await;
     let send = |key: &StateKey| {
         let store = Arc::clone(&store);
         let commit = Commit::new(vec![write(

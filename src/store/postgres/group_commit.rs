@@ -356,6 +356,9 @@ async fn committer(
     // The lane of the batch sent last, and how many commits that batch holds.
     let mut last: Option<(Weak<Lane>, usize)> = None;
     let mut open = true;
+    // Behind a pooler in transaction mode, which may hand the connection to another client at
+    // the first batch's end, a batch waits for a lane of its own.
+    let pipelines = shared.db.statements == Statements::Prepared;
     loop {
         let first = match held.pop_front() {
             Some(first) => first,
@@ -370,9 +373,6 @@ async fn committer(
             if let Ok(slot) = Arc::clone(&shared.slots).try_acquire_owned() {
                 break Some((Lane::new(slot), false));
             }
-            // Behind a pooler in transaction mode, which may hand the connection to another
-            // client at the first batch's end, a batch waits for a lane of its own.
-            let pipelines = shared.db.statements == Statements::Prepared;
             let last_lane = last
                 .as_ref()
                 .filter(|_| pipelines)
@@ -479,6 +479,24 @@ impl Lane {
     async fn client(&self, pool: &Pool) -> Result<&ClientWrapper, StoreError> {
         Ok(self.client.get_or_try_init(|| client_of(pool)).await?)
     }
+
+    /// [`commit_alone`] on the lane's connection.
+    async fn commit_alone(
+        &self,
+        db: &Db,
+        write: &SingleWrite,
+    ) -> Result<CommitOutcome, StoreError> {
+        commit_alone(self.client(&db.pool).await?, db.statements, write).await
+    }
+
+    /// [`commit_together`] on the lane's connection.
+    async fn commit_together(
+        &self,
+        db: &Db,
+        writes: &[&SingleWrite],
+    ) -> Result<Together, StoreError> {
+        commit_together(self.client(&db.pool).await?, db.statements, writes).await
+    }
 }
 
 /// The keys and receipts of a batch.
@@ -538,11 +556,8 @@ impl Batch<'_> {
         if commits.len() == 1
             && let Some(only) = commits.pop()
         {
-            let outcome = super::within_deadline(only.deadline, async {
-                let client = lane.client(&db.pool).await?;
-                commit_alone(client, db.statements, &only.write).await
-            })
-            .await;
+            let outcome =
+                super::within_deadline(only.deadline, lane.commit_alone(db, &only.write)).await;
             answered(lane);
             let _ = only.outcome.send(outcome);
             return;
@@ -554,12 +569,7 @@ impl Batch<'_> {
         // Sorted by key, so that batches lock rows in one order wherever the plan allows.
         commits.sort_by(|a, b| a.write.key.cmp(&b.write.key));
         let writes: Vec<&SingleWrite> = commits.iter().map(|c| &c.write).collect();
-        let together = super::within_deadline(earliest, async {
-            let client = lane.client(&db.pool).await?;
-            commit_together(client, db.statements, &writes).await
-        })
-        .await;
-        match together {
+        match super::within_deadline(earliest, lane.commit_together(db, &writes)).await {
             Ok(Together::Outcomes(outcomes)) => {
                 answered(lane);
                 for (queued, outcome) in commits.into_iter().zip(outcomes) {
@@ -573,10 +583,10 @@ impl Batch<'_> {
                     let outcome = if queued.deadline <= Instant::now() {
                         Err(super::no_answer())
                     } else {
-                        super::within_deadline(queued.deadline, async {
-                            let client = lane.client(&db.pool).await?;
-                            commit_alone(client, db.statements, &queued.write).await
-                        })
+                        super::within_deadline(
+                            queued.deadline,
+                            lane.commit_alone(db, &queued.write),
+                        )
                         .await
                     };
                     let _ = queued.outcome.send(outcome);
