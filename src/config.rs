@@ -361,6 +361,14 @@ pub struct ServeArgs {
         default_value = "127.0.0.1:3978"
     )]
     pub gateway_listen: GatewayListen,
+    /// Serve the embedded gateway on an address other than loopback without `MicrosoftAppId`:
+    /// every call is then accepted unauthenticated, by anyone who reaches it.
+    #[arg(long, env = "TURNSTILE_GATEWAY_INSECURE")]
+    pub gateway_insecure: bool,
+    /// The embedded gateway's channel credentials, read as `turnstile gateway` reads them and
+    /// enforced when set.
+    #[command(flatten)]
+    pub channel: crate::gateway::ChannelArgs,
 }
 
 /// Where `serve` runs its embedded gateway, if anywhere.
@@ -460,6 +468,30 @@ impl ServeArgs {
     pub fn bots(&self) -> crate::bot::BotRegistry {
         let slow = crate::bots::SlowBot::new(Duration::from_millis(self.slow_bot_delay_ms));
         crate::bots::samples().with("slow", slow)
+    }
+}
+
+impl ServeArgs {
+    /// The embedded gateway's configuration, for a server whose gRPC listener is at `grpc`,
+    /// checked against where it is to listen: the channel credentials, when set, are enforced
+    /// as `turnstile gateway` enforces them; without them it serves loopback only (unless
+    /// `--gateway-insecure`).
+    ///
+    /// # Errors
+    /// [`crate::gateway::ConfigError`] for incomplete credentials, or an address beyond loopback
+    /// without them.
+    pub fn embedded_gateway(
+        &self,
+        grpc: SocketAddr,
+        listen: SocketAddr,
+    ) -> Result<crate::gateway::GatewayConfig, crate::gateway::ConfigError> {
+        let config = crate::gateway::GatewayConfig {
+            credentials: self.channel.credentials()?,
+            direct_line_secrets: self.channel.direct_line_secrets(),
+            ..crate::gateway::GatewayConfig::embedded(grpc)
+        };
+        config.check_exposure(listen, self.gateway_insecure, "--gateway-insecure")?;
+        Ok(config)
     }
 }
 

@@ -83,37 +83,31 @@ async fn serve(args: turnstile::config::ServeArgs) -> anyhow::Result<()> {
             );
             None
         }
-        // A convenience must not keep `TurnService` from serving: a second server on this
-        // machine (or a test fleet) finds the port taken and goes on without it.
-        GatewayListen::At(address) => match tokio::net::TcpListener::bind(address).await {
-            Ok(listener) => Some(listener),
-            Err(e) => {
-                tracing::warn!(
-                    %address, error = %e,
-                    "no embedded gateway: its address cannot be bound; serving gRPC only \
-                     (--gateway-listen sets another address, `off` silences this)"
-                );
-                None
-            }
-        },
+        GatewayListen::At(address) => {
+            let grpc = listener
+                .local_addr()
+                .context("the gRPC listener's address")?;
+            // Credentials set for a bot are enforced here as in `turnstile gateway`; without
+            // them, an address beyond loopback is refused: that mistake exposes a bot.
+            let gateway = args
+                .embedded_gateway(grpc, address)
+                .context("the embedded gateway (--gateway-listen off serves gRPC only)")?;
+            bind_gateway(address)
+                .await
+                .map(|listener| (gateway, listener))
+        }
         GatewayListen::Off => None,
     };
     let shutdown = futures::FutureExt::shared(shutdown_signal());
     // The gateway is a gRPC client of this server over loopback, exactly as it is in its own
     // process; serving both here only saves a newcomer the second command.
-    let gateway = match gateway {
-        Some(gateway_listener) => {
-            let grpc = listener
-                .local_addr()
-                .context("the gRPC listener's address")?;
-            Some(tokio::spawn(turnstile::gateway::serve(
-                turnstile::gateway::GatewayConfig::embedded(grpc),
-                gateway_listener,
-                shutdown.clone(),
-            )))
-        }
-        None => None,
-    };
+    let gateway = gateway.map(|(gateway, gateway_listener)| {
+        tokio::spawn(turnstile::gateway::serve(
+            gateway,
+            gateway_listener,
+            shutdown.clone(),
+        ))
+    });
     turnstile::serve(
         config,
         args.bots(),
@@ -128,6 +122,22 @@ async fn serve(args: turnstile::config::ServeArgs) -> anyhow::Result<()> {
         gateway.await.context("the embedded gateway's task")??;
     }
     Ok(())
+}
+
+/// The embedded gateway's listener. A convenience must not keep `TurnService` from serving: a
+/// second server on this machine (or a test fleet) finds the port taken and goes on without it.
+async fn bind_gateway(address: std::net::SocketAddr) -> Option<tokio::net::TcpListener> {
+    match tokio::net::TcpListener::bind(address).await {
+        Ok(listener) => Some(listener),
+        Err(e) => {
+            tracing::warn!(
+                %address, error = %e,
+                "no embedded gateway: its address cannot be bound; serving gRPC only \
+                 (--gateway-listen sets another address, `off` silences this)"
+            );
+            None
+        }
+    }
 }
 
 /// Prints the status and exits 0 when serving, 1 when not or when no status could be had.
@@ -148,10 +158,23 @@ async fn health_check(args: &turnstile::config::HealthCheckArgs) -> anyhow::Resu
 /// Serves the Bot Framework gateway until SIGINT or SIGTERM.
 async fn gateway(args: turnstile::gateway::GatewayArgs) -> anyhow::Result<()> {
     let config = args.config()?;
+    config.check_exposure(args.listen, args.insecure, "--insecure")?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
-    turnstile::gateway::serve(config, listener, shutdown_signal()).await?;
+    let metrics = match args.metrics_listen {
+        Some(address) => Some(
+            tokio::net::TcpListener::bind(address)
+                .await
+                .with_context(|| format!("binding {address} for metrics"))?,
+        ),
+        None => None,
+    };
+    let listeners = turnstile::gateway::Listeners {
+        http: listener,
+        metrics,
+    };
+    turnstile::gateway::serve(config, listeners, shutdown_signal()).await?;
     Ok(())
 }
 

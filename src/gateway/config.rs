@@ -36,6 +36,10 @@ pub struct GatewayArgs {
         default_value = "127.0.0.1:3978"
     )]
     pub listen: SocketAddr,
+    /// Address of a plain-HTTP `GET /metrics` endpoint (Prometheus text), e.g. `0.0.0.0:9091`:
+    /// a port of its own, apart from the one channels reach. None when unset.
+    #[arg(long, env = "TURNSTILE_GATEWAY_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
     /// The Turnstile server whose `TurnService` runs the turns.
     #[arg(long, env = "TURNSTILE_URL", default_value = "http://127.0.0.1:50051")]
     pub turnstile_url: String,
@@ -67,6 +71,21 @@ pub struct GatewayArgs {
         default_value_t = 8_000
     )]
     pub turn_timeout_ms: u64,
+    /// The bot's channel credentials and Direct Line secrets.
+    #[command(flatten)]
+    pub channel: ChannelArgs,
+    /// Serve on an address other than loopback without `MicrosoftAppId`: every call is then
+    /// accepted unauthenticated, by anyone who reaches the port (a development cluster only).
+    #[arg(long, env = "TURNSTILE_GATEWAY_INSECURE", help_heading = "Security")]
+    pub insecure: bool,
+}
+
+/// The bot's identity towards the channels, under Bot Framework's own names: read the same way
+/// by `turnstile gateway` and by the gateway `turnstile serve` embeds, so that a bot's
+/// `MicrosoftAppId` and `MicrosoftAppPassword` are enforced wherever they are set.
+#[derive(Debug, Clone, Default, Args)]
+#[command(next_help_heading = "Channel credentials (Bot Framework's names)")]
+pub struct ChannelArgs {
     /// The bot's app id; without it the gateway accepts unauthenticated calls (local
     /// development only).
     #[arg(long = "microsoft-app-id", env = "MicrosoftAppId")]
@@ -115,6 +134,19 @@ pub enum ConfigError {
     /// A setting the others require is missing.
     #[error("{0} is required when MicrosoftAppId is set{1}")]
     Missing(&'static str, &'static str),
+    /// No credentials, and an address other machines reach.
+    #[error(
+        "refusing to serve the gateway on {address} without MicrosoftAppId: anyone who reaches \
+         that address could run turns and read replies unauthenticated. Set MicrosoftAppId and \
+         MicrosoftAppPassword (as for any Bot Framework bot), listen on 127.0.0.1, or pass \
+         {flag} for a development network"
+    )]
+    Exposed {
+        /// Where the gateway was to listen.
+        address: SocketAddr,
+        /// The flag that would allow it anyway.
+        flag: &'static str,
+    },
 }
 
 /// How the gateway authenticates channels and itself.
@@ -233,6 +265,32 @@ impl GatewayConfig {
         Self::development(format!("http://{}", loopback(grpc)))
     }
 
+    /// Checks that this gateway may listen on `address`: with credentials anywhere, without
+    /// them on loopback only, unless `insecure` (the `flag` named in the refusal) says
+    /// otherwise, which is then logged loudly.
+    ///
+    /// # Errors
+    /// [`ConfigError::Exposed`] for an address beyond loopback without credentials.
+    pub fn check_exposure(
+        &self,
+        address: SocketAddr,
+        insecure: bool,
+        flag: &'static str,
+    ) -> Result<(), ConfigError> {
+        if self.credentials.is_some() || address.ip().is_loopback() {
+            return Ok(());
+        }
+        if !insecure {
+            return Err(ConfigError::Exposed { address, flag });
+        }
+        tracing::warn!(
+            %address,
+            "{flag}: the gateway serves WITHOUT AUTHENTICATION beyond loopback; anyone who \
+             reaches this address can run turns and read replies"
+        );
+        Ok(())
+    }
+
     /// Whether Direct Line (and the chat page) are served: with a Direct Line secret, or in
     /// development.
     pub fn direct_line_enabled(&self) -> bool {
@@ -259,10 +317,7 @@ impl GatewayArgs {
     /// # Errors
     /// [`ConfigError`] when an app id is set but the settings it needs are missing or unknown.
     pub fn config(&self) -> Result<GatewayConfig, ConfigError> {
-        let credentials = match self.app_id.as_deref().filter(|id| !id.is_empty()) {
-            Some(app_id) => Some(self.credentials(app_id)?),
-            None => None,
-        };
+        let credentials = self.channel.credentials()?;
         Ok(GatewayConfig {
             turnstile_url: self.turnstile_url.clone(),
             bot: self.bot.clone(),
@@ -278,19 +333,36 @@ impl GatewayArgs {
             turn_timeout: Duration::from_millis(self.turn_timeout_ms),
             credentials,
             delivery: DeliveryPolicy::default(),
-            direct_line_secrets: self
-                .direct_line_secret
-                .as_deref()
-                .unwrap_or_default()
-                .split(',')
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .map(Secret::new)
-                .collect(),
+            direct_line_secrets: self.channel.direct_line_secrets(),
         })
     }
+}
 
-    fn credentials(&self, app_id: &str) -> Result<AppCredentials, ConfigError> {
+impl ChannelArgs {
+    /// The app's credentials, or `None` without `MicrosoftAppId` (development).
+    ///
+    /// # Errors
+    /// [`ConfigError`] when an app id is set but the settings it needs are missing or unknown.
+    pub fn credentials(&self) -> Result<Option<AppCredentials>, ConfigError> {
+        match self.app_id.as_deref().filter(|id| !id.is_empty()) {
+            Some(app_id) => self.credentials_of(app_id).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// The Direct Line secrets, first the one that signs tokens.
+    pub fn direct_line_secrets(&self) -> Vec<Secret> {
+        self.direct_line_secret
+            .as_deref()
+            .unwrap_or_default()
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(Secret::new)
+            .collect()
+    }
+
+    fn credentials_of(&self, app_id: &str) -> Result<AppCredentials, ConfigError> {
         let app_type = match self.app_type.as_deref().unwrap_or("") {
             "" => AppType::MultiTenant,
             t if t.eq_ignore_ascii_case("MultiTenant") => AppType::MultiTenant,
@@ -414,5 +486,39 @@ mod tests {
         let mut msi = base.to_vec();
         msi.extend(["--microsoft-app-type", "UserAssignedMSI"]);
         assert!(matches!(parse(&msi), Err(ConfigError::AppType(_))));
+    }
+
+    #[test]
+    fn without_credentials_only_loopback_is_served_unless_insecure() {
+        let any: SocketAddr = "0.0.0.0:3978".parse().expect("address");
+        let lan: SocketAddr = "192.0.2.7:3978".parse().expect("address");
+        let loopback: SocketAddr = "127.0.0.1:3978".parse().expect("address");
+        let v6: SocketAddr = "[::1]:3978".parse().expect("address");
+        let dev = parse(&[]).expect("dev");
+        for address in [loopback, v6] {
+            assert_eq!(dev.check_exposure(address, false, "--insecure"), Ok(()));
+        }
+        for address in [any, lan] {
+            let refused = dev
+                .check_exposure(address, false, "--insecure")
+                .expect_err("beyond loopback");
+            assert_eq!(
+                refused,
+                ConfigError::Exposed {
+                    address,
+                    flag: "--insecure"
+                }
+            );
+            let message = refused.to_string();
+            assert!(message.contains("MicrosoftAppId"), "{message}");
+            assert!(message.contains("--insecure"), "{message}");
+            assert_eq!(dev.check_exposure(address, true, "--insecure"), Ok(()));
+        }
+        let authenticated = parse(&["--microsoft-app-id", "a", "--microsoft-app-password", "p"])
+            .expect("credentials");
+        assert_eq!(
+            authenticated.check_exposure(any, false, "--insecure"),
+            Ok(())
+        );
     }
 }

@@ -40,7 +40,10 @@ use axum::routing::post;
 use serde_json::Value;
 use tokio::net::TcpListener;
 
-pub use config::{AppCredentials, AppType, DeliveryPolicy, GatewayArgs, GatewayConfig, Secret};
+pub use config::{
+    AppCredentials, AppType, ChannelArgs, ConfigError, DeliveryPolicy, GatewayArgs, GatewayConfig,
+    Secret,
+};
 
 use crate::activity::{Activity, types};
 use auth::{AuthError, ChannelAuth};

@@ -1,7 +1,9 @@
 //! `turnstile serve` with its embedded gateway, as a newcomer runs it: the log says where to
 //! chat, the chat page and Direct Line answer there and reach the pizza bot over the server's own
 //! gRPC port, an open Direct Line stream does not hold SIGTERM up, and the gateway stays out when
-//! turned off or when the gRPC port requires a token.
+//! turned off or when the gRPC port requires a token. A bot's `MicrosoftAppId` and
+//! `MicrosoftAppPassword` are enforced by the embedded gateway as by `turnstile gateway`, and
+//! without them neither serves beyond loopback unless told to.
 #![allow(clippy::unwrap_used)]
 
 use crate::support;
@@ -23,8 +25,14 @@ fn free_port() -> u16 {
 
 /// `turnstile` on free ports with a clean environment apart from `env`.
 fn spawn(env: &[(&str, String)]) -> Child {
+    spawn_with(&[], env)
+}
+
+/// `turnstile ARGS…` with a clean environment apart from `env`.
+fn spawn_with(args: &[&str], env: &[(&str, String)]) -> Child {
     let mut command = Command::new(env!("CARGO_BIN_EXE_turnstile"));
     command
+        .args(args)
         .env_clear()
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
@@ -211,4 +219,155 @@ async fn no_gateway_when_turned_off_or_when_the_server_requires_a_token() {
             assert!(log.contains(warning), "{env:?}: {log}");
         }
     }
+}
+
+/// Waits for `turnstile serve` on `grpc` to report SERVING.
+async fn wait_serving(grpc: u16) {
+    let address = format!("http://127.0.0.1:{grpc}");
+    for _ in 0..200 {
+        if support::health_check(&["--address", &address]).0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the server never served");
+}
+
+/// A message activity as a channel POSTs it to `/api/messages`.
+fn channel_activity() -> Value {
+    json!({
+        "type": "message", "id": "m1", "channelId": "msteams",
+        "serviceUrl": "http://127.0.0.1:9/unused",
+        "conversation": {"id": "c1"}, "from": {"id": "ada"}, "recipient": {"id": "bot"},
+        "text": "add ham",
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bots_app_credentials_are_enforced_by_the_embedded_gateway_on_any_address() {
+    for direct_line_secret in [None, Some("dl-secret")] {
+        let (grpc, web) = (free_port(), free_port());
+        let mut env = vec![
+            ("TURNSTILE_LISTEN", format!("127.0.0.1:{grpc}")),
+            ("TURNSTILE_GATEWAY_LISTEN", format!("0.0.0.0:{web}")),
+            ("MicrosoftAppId", "9c5d3e4a-app".to_owned()),
+            ("MicrosoftAppPassword", "app-password".to_owned()),
+        ];
+        if let Some(secret) = direct_line_secret {
+            env.push(("DirectLineSecret", secret.to_owned()));
+        }
+        let child = spawn(&env);
+        wait_serving(grpc).await;
+        let http = reqwest::Client::new();
+        let base = format!("http://127.0.0.1:{web}");
+        let unsigned = http
+            .post(format!("{base}/api/messages"))
+            .json(&channel_activity())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            unsigned.status(),
+            reqwest::StatusCode::UNAUTHORIZED,
+            "a call without the channel's token runs no turn"
+        );
+        let forged = http
+            .post(format!("{base}/api/messages"))
+            .bearer_auth("eyJhbGciOiJub25lIn0.e30.")
+            .json(&channel_activity())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(forged.status(), reqwest::StatusCode::UNAUTHORIZED);
+        let open = http
+            .post(format!("{base}/v3/directline/conversations"))
+            .send()
+            .await
+            .unwrap();
+        let page = http.get(format!("{base}/")).send().await.unwrap();
+        match direct_line_secret {
+            // With an app id and no Direct Line secret, Direct Line and the page are off.
+            None => {
+                assert_eq!(open.status(), reqwest::StatusCode::NOT_FOUND);
+                assert_eq!(page.status(), reqwest::StatusCode::NOT_FOUND);
+            }
+            Some(secret) => {
+                assert_eq!(open.status(), reqwest::StatusCode::UNAUTHORIZED);
+                let started = http
+                    .post(format!("{base}/v3/directline/conversations"))
+                    .bearer_auth(secret)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(started.status(), reqwest::StatusCode::CREATED);
+            }
+        }
+        let (status, log) =
+            tokio::task::spawn_blocking(move || terminate(child, Duration::from_secs(20)))
+                .await
+                .unwrap();
+        assert!(status.success(), "{status}: {log}");
+        assert!(!log.contains("NO MicrosoftAppId"), "{log}");
+        assert!(!log.contains("WITHOUT AUTHENTICATION"), "{log}");
+        assert!(
+            !log.contains("app-password"),
+            "the secret is never logged: {log}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_credentials_an_address_beyond_loopback_stops_the_start_naming_the_fix() {
+    let (grpc, web) = (free_port(), free_port());
+    let serve = spawn(&[
+        ("TURNSTILE_LISTEN", format!("127.0.0.1:{grpc}")),
+        ("TURNSTILE_GATEWAY_LISTEN", format!("0.0.0.0:{web}")),
+    ]);
+    let gateway = spawn_with(
+        &["gateway", "--listen", &format!("0.0.0.0:{}", free_port())],
+        &[],
+    );
+    for (child, flag) in [(serve, "--gateway-insecure"), (gateway, "--insecure")] {
+        let (status, log) =
+            tokio::task::spawn_blocking(move || wait_for_exit(child, Duration::from_secs(20)))
+                .await
+                .unwrap();
+        assert!(!status.success(), "{flag}: it must not serve: {log}");
+        assert!(
+            log.contains("refusing to serve the gateway on 0.0.0.0:"),
+            "{flag}: {log}"
+        );
+        assert!(log.contains("MicrosoftAppId"), "{flag}: {log}");
+        assert!(log.contains(flag), "{flag}: names the way out: {log}");
+    }
+    assert!(
+        reqwest::get(format!("http://127.0.0.1:{web}/"))
+            .await
+            .is_err(),
+        "nothing was served"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_insecure_serves_beyond_loopback_and_warns() {
+    let (grpc, web) = (free_port(), free_port());
+    let child = spawn(&[
+        ("TURNSTILE_LISTEN", format!("127.0.0.1:{grpc}")),
+        ("TURNSTILE_GATEWAY_LISTEN", format!("0.0.0.0:{web}")),
+        ("TURNSTILE_GATEWAY_INSECURE", "true".to_owned()),
+    ]);
+    let (status, page) = get_when_up(&format!("http://127.0.0.1:{web}/")).await;
+    assert_eq!(status, reqwest::StatusCode::OK);
+    assert!(page.contains("<script src=\"/chat.js\">"), "{page}");
+    let (status, log) =
+        tokio::task::spawn_blocking(move || terminate(child, Duration::from_secs(20)))
+            .await
+            .unwrap();
+    assert!(status.success(), "{status}: {log}");
+    assert!(
+        log.contains(
+            "--gateway-insecure: the gateway serves WITHOUT AUTHENTICATION beyond loopback"
+        ),
+        "{log}"
+    );
 }

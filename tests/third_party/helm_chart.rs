@@ -758,6 +758,10 @@ fn the_gateway_renders_with_its_credentials_tls_towards_the_server_and_an_ingres
         "the server's Service, over TLS as the server speaks it"
     );
     assert_eq!(env_value(container, "TURNSTILE_BOT"), "pizza");
+    assert!(
+        !has_env(container, "TURNSTILE_GATEWAY_INSECURE"),
+        "with credentials nothing is served unauthenticated"
+    );
     assert_eq!(
         env_value(container, "TURNSTILE_GATEWAY_TURN_TIMEOUT_MS"),
         "9000"
@@ -871,6 +875,11 @@ fn the_gateway_is_off_by_default_and_refuses_to_run_unauthenticated_unless_asked
         "http://turnstile.default.svc:50051"
     );
     assert!(container["envFrom"].is_null(), "no credentials");
+    assert_eq!(
+        env_value(container, "TURNSTILE_GATEWAY_INSECURE"),
+        "true",
+        "without credentials the gateway refuses 0.0.0.0 unless told so"
+    );
     assert!(!has_env(container, "TURNSTILE_CA_CERT"));
 }
 
