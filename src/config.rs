@@ -220,126 +220,152 @@ pub enum Command {
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
     /// Address to listen on for gRPC.
-    #[arg(long, env = "TURNSTILE_LISTEN", default_value = "127.0.0.1:50051")]
+    #[arg(
+        help_heading = "Listen",
+        long,
+        env = "TURNSTILE_LISTEN",
+        default_value = "127.0.0.1:50051"
+    )]
     pub listen: SocketAddr,
     /// Address to serve Prometheus metrics on (plain HTTP, `GET /metrics`); off when unset.
-    #[arg(long, env = "TURNSTILE_METRICS_LISTEN")]
+    #[arg(help_heading = "Listen", long, env = "TURNSTILE_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Address of the gateway served in the same process (the chat page, Direct Line and
+    /// `/api/messages`), with the channel credentials below when set, else unauthenticated and
+    /// on loopback only; `off` serves gRPC only, as production does with `turnstile gateway`
+    /// beside it.
+    #[arg(
+        help_heading = "Listen",
+        long,
+        env = "TURNSTILE_GATEWAY_LISTEN",
+        default_value = "127.0.0.1:3978"
+    )]
+    pub gateway_listen: GatewayListen,
     /// PostgreSQL connection URL; without it, state is kept in memory (one replica only).
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    #[arg(
+        help_heading = "Database",
+        long,
+        env = "DATABASE_URL",
+        hide_env_values = true
+    )]
     pub database_url: Option<String>,
     /// Most PostgreSQL connections this replica opens.
-    #[arg(long, env = "TURNSTILE_POOL_SIZE", default_value_t = 16)]
+    #[arg(
+        help_heading = "Database",
+        long,
+        env = "TURNSTILE_POOL_SIZE",
+        default_value_t = 16
+    )]
     pub pool_size: usize,
     /// Group-commit statements this replica keeps in flight at once (default: 1, each carrying
     /// every commit that queued meanwhile, the next one sent behind it on its connection). Fewer
     /// put more turns in each statement, which costs the database less per turn; more overlap
     /// the round trips to a distant database.
-    #[arg(long, env = "TURNSTILE_COMMITS_IN_FLIGHT", value_parser = clap::value_parser!(u16).range(1..=64))]
+    #[arg(help_heading = "Database", long, env = "TURNSTILE_COMMITS_IN_FLIGHT", value_parser = clap::value_parser!(u16).range(1..=64))]
     pub commits_in_flight: Option<u16>,
     /// Apply pending migrations before serving (turn off when a migration job does it).
-    #[arg(long, env = "TURNSTILE_MIGRATE_ON_START", default_value_t = true, action = ArgAction::Set)]
+    #[arg(help_heading = "Database", long, env = "TURNSTILE_MIGRATE_ON_START", default_value_t = true, action = ArgAction::Set)]
     pub migrate_on_start: bool,
     /// PostgreSQL URL for the migrations on start, when `--database-url` goes through a pooler in
     /// transaction mode (migrations need a session); default: `--database-url`.
-    #[arg(long, env = "TURNSTILE_MIGRATION_DATABASE_URL", hide_env_values = true)]
+    #[arg(
+        help_heading = "Database",
+        long,
+        env = "TURNSTILE_MIGRATION_DATABASE_URL",
+        hide_env_values = true
+    )]
     pub migration_database_url: Option<String>,
     /// Keep statements prepared on each connection (fastest); `false` behind PgBouncer in
     /// transaction mode, where no statement may outlive its transaction.
-    #[arg(long, env = "TURNSTILE_PREPARED_STATEMENTS", default_value_t = true, action = ArgAction::Set)]
+    #[arg(help_heading = "Database", long, env = "TURNSTILE_PREPARED_STATEMENTS", default_value_t = true, action = ArgAction::Set)]
     pub prepared_statements: bool,
-    /// Most times the bot runs for one turn before the call fails with ABORTED.
-    #[arg(long, env = "TURNSTILE_MAX_ATTEMPTS", default_value_t = 10,
-          value_parser = clap::value_parser!(u32).range(1..))]
-    pub max_attempts: u32,
-    /// Cap of the first backoff wait after a conflict, in milliseconds (doubles per attempt).
-    #[arg(long, env = "TURNSTILE_BACKOFF_BASE_MS", default_value_t = 2)]
-    pub backoff_base_ms: u64,
-    /// Cap of any backoff wait, in milliseconds.
-    #[arg(long, env = "TURNSTILE_BACKOFF_MAX_MS", default_value_t = 200)]
-    pub backoff_max_ms: u64,
     /// Largest activity accepted, in encoded bytes.
-    #[arg(long, env = "TURNSTILE_MAX_ACTIVITY_BYTES", default_value_t = Limits::default().max_activity_bytes)]
+    #[arg(help_heading = "Limits", long, env = "TURNSTILE_MAX_ACTIVITY_BYTES", default_value_t = Limits::default().max_activity_bytes)]
     pub max_activity_bytes: usize,
     /// Longest `text`, `speak` or `summary` accepted, in bytes.
-    #[arg(long, env = "TURNSTILE_MAX_TEXT_BYTES", default_value_t = Limits::default().max_text_bytes)]
+    #[arg(help_heading = "Limits", long, env = "TURNSTILE_MAX_TEXT_BYTES", default_value_t = Limits::default().max_text_bytes)]
     pub max_text_bytes: usize,
     /// Most bytes of all attachments of one activity.
-    #[arg(long, env = "TURNSTILE_MAX_ATTACHMENTS_BYTES", default_value_t = Limits::default().max_attachments_bytes)]
+    #[arg(help_heading = "Limits", long, env = "TURNSTILE_MAX_ATTACHMENTS_BYTES", default_value_t = Limits::default().max_attachments_bytes)]
     pub max_attachments_bytes: usize,
     /// Most bytes of an activity's `channel_data`.
-    #[arg(long, env = "TURNSTILE_MAX_CHANNEL_DATA_BYTES", default_value_t = Limits::default().max_channel_data_bytes)]
+    #[arg(help_heading = "Limits", long, env = "TURNSTILE_MAX_CHANNEL_DATA_BYTES", default_value_t = Limits::default().max_channel_data_bytes)]
     pub max_channel_data_bytes: usize,
     /// Deepest nesting of any JSON value in an activity.
-    #[arg(long, env = "TURNSTILE_MAX_JSON_DEPTH", default_value_t = Limits::default().max_json_depth)]
+    #[arg(help_heading = "Limits", long, env = "TURNSTILE_MAX_JSON_DEPTH", default_value_t = Limits::default().max_json_depth)]
     pub max_json_depth: usize,
-    /// Seconds in-flight turns get to finish after SIGTERM or SIGINT.
-    #[arg(long, env = "TURNSTILE_SHUTDOWN_GRACE_SECS", default_value_t = 30)]
-    pub shutdown_grace_secs: u64,
-    /// Seconds a turn's receipt is kept: a redelivered activity within this time gets the stored
-    /// answer instead of running again.
-    #[arg(long, env = "TURNSTILE_RECEIPT_RETENTION_SECS", default_value_t = 24 * 60 * 60,
+    /// Most turns in flight; beyond it calls are refused at once with RESOURCE_EXHAUSTED.
+    /// Default: 32 per pool connection with PostgreSQL, 1024 in memory.
+    #[arg(help_heading = "Limits", long, env = "TURNSTILE_MAX_IN_FLIGHT",
           value_parser = clap::value_parser!(u64).range(1..))]
-    pub receipt_retention_secs: u64,
-    /// Keys whose last committed state this replica remembers, so that a conversation's next
-    /// turn here skips the load (one database round trip instead of two); 0 turns it off.
-    #[arg(long, env = "TURNSTILE_STATE_CACHE_ENTRIES", default_value_t = 100_000)]
-    pub state_cache_entries: usize,
+    pub max_in_flight: Option<u64>,
     /// File of bearer tokens, one per line; when any token is configured, every `TurnService`
     /// call needs `authorization: Bearer <token>` (health and reflection stay open).
-    #[arg(long, env = "TURNSTILE_AUTH_TOKENS_FILE")]
+    #[arg(help_heading = "Security", long, env = "TURNSTILE_AUTH_TOKENS_FILE")]
     pub auth_tokens_file: Option<PathBuf>,
     /// Bearer tokens, comma-separated; prefer the environment variable or the file, since
     /// command lines are visible to other local users.
-    #[arg(long, env = "TURNSTILE_AUTH_TOKENS", hide_env_values = true)]
+    #[arg(
+        help_heading = "Security",
+        long,
+        env = "TURNSTILE_AUTH_TOKENS",
+        hide_env_values = true
+    )]
     pub auth_tokens: Option<String>,
     /// PEM certificate chain for TLS on the gRPC port (with `--tls-key`); plaintext without.
-    #[arg(long, env = "TURNSTILE_TLS_CERT", requires = "tls_key")]
+    #[arg(
+        help_heading = "Security",
+        long,
+        env = "TURNSTILE_TLS_CERT",
+        requires = "tls_key"
+    )]
     pub tls_cert: Option<PathBuf>,
     /// PEM private key of `--tls-cert`.
-    #[arg(long, env = "TURNSTILE_TLS_KEY", requires = "tls_cert")]
+    #[arg(
+        help_heading = "Security",
+        long,
+        env = "TURNSTILE_TLS_KEY",
+        requires = "tls_cert"
+    )]
     pub tls_key: Option<PathBuf>,
     /// PEM CA certificate(s) client certificates must chain to: turns on mutual TLS.
-    #[arg(long, env = "TURNSTILE_TLS_CLIENT_CA", requires = "tls_cert")]
+    #[arg(
+        help_heading = "Security",
+        long,
+        env = "TURNSTILE_TLS_CLIENT_CA",
+        requires = "tls_cert"
+    )]
     pub tls_client_ca: Option<PathBuf>,
-    /// Most turns in flight; beyond it calls are refused at once with RESOURCE_EXHAUSTED.
-    /// Default: 32 per pool connection with PostgreSQL, 1024 in memory.
-    #[arg(long, env = "TURNSTILE_MAX_IN_FLIGHT",
-          value_parser = clap::value_parser!(u64).range(1..))]
-    pub max_in_flight: Option<u64>,
-    /// Seconds after which a client connection is told to go away (GOAWAY) and the client
-    /// reconnects, so that new replicas get traffic; 0: never.
-    #[arg(long, env = "TURNSTILE_MAX_CONNECTION_AGE_SECS", default_value_t = 300)]
-    pub max_connection_age_secs: u64,
-    /// Seconds calls in flight on an aged connection get before it is closed; 0: no limit.
-    #[arg(
-        long,
-        env = "TURNSTILE_MAX_CONNECTION_AGE_GRACE_SECS",
-        default_value_t = 30
-    )]
-    pub max_connection_age_grace_secs: u64,
-    /// Seconds between HTTP/2 keepalive pings from the server; 0: no pings.
-    #[arg(
-        long,
-        env = "TURNSTILE_HTTP2_KEEPALIVE_INTERVAL_SECS",
-        default_value_t = 60
-    )]
-    pub http2_keepalive_interval_secs: u64,
-    /// Seconds a keepalive ping may go unanswered before the connection is closed.
-    #[arg(long, env = "TURNSTILE_HTTP2_KEEPALIVE_TIMEOUT_SECS", default_value_t = 20,
-          value_parser = clap::value_parser!(u64).range(1..))]
-    pub http2_keepalive_timeout_secs: u64,
+    /// Serve the embedded gateway on an address other than loopback without `MicrosoftAppId`:
+    /// every call is then accepted unauthenticated, by anyone who reaches it.
+    #[arg(help_heading = "Security", long, env = "TURNSTILE_GATEWAY_INSECURE")]
+    pub gateway_insecure: bool,
+    /// The embedded gateway's channel credentials, read as `turnstile gateway` reads them and
+    /// enforced when set.
+    #[command(flatten)]
+    pub channel: crate::gateway::ChannelArgs,
     /// Bots whose turns hold the conversation lock from their first attempt (comma-separated
     /// names): no run of theirs is wasted on a conflict, but each holds a pooled connection while
     /// it runs. The others lock only after a conflict.
-    #[arg(long, env = "TURNSTILE_SERIALIZED_BOTS", value_delimiter = ',')]
+    #[arg(
+        help_heading = "Bots",
+        long,
+        env = "TURNSTILE_SERIALIZED_BOTS",
+        value_delimiter = ','
+    )]
     pub serialized_bots: Vec<String>,
     /// How long every run of the `slow` sample bot takes, in milliseconds.
-    #[arg(long, env = "TURNSTILE_SLOW_BOT_DELAY_MS", default_value_t = 200)]
+    #[arg(
+        help_heading = "Bots",
+        long,
+        env = "TURNSTILE_SLOW_BOT_DELAY_MS",
+        default_value_t = 200
+    )]
     pub slow_bot_delay_ms: u64,
     /// A bot served by a bot worker, as `NAME=URL` (`pizza-py=http://pizza-worker:50061`);
     /// repeatable, comma-separated in the environment. It replaces a built-in bot of that name.
     #[arg(
+        help_heading = "Bots",
         long = "remote-bot",
         env = "TURNSTILE_REMOTE_BOTS",
         value_delimiter = ',',
@@ -347,28 +373,87 @@ pub struct ServeArgs {
     )]
     pub remote_bots: Vec<RemoteBotSpec>,
     /// Bearer token sent to every bot worker (`authorization: Bearer <token>`).
-    #[arg(long, env = "TURNSTILE_REMOTE_BOT_TOKEN", hide_env_values = true)]
+    #[arg(
+        help_heading = "Bots",
+        long,
+        env = "TURNSTILE_REMOTE_BOT_TOKEN",
+        hide_env_values = true
+    )]
     pub remote_bot_token: Option<String>,
     /// PEM CA certificate(s) that `https` bot workers' certificates must chain to.
-    #[arg(long, env = "TURNSTILE_REMOTE_BOT_CA")]
+    #[arg(help_heading = "Bots", long, env = "TURNSTILE_REMOTE_BOT_CA")]
     pub remote_bot_ca: Option<PathBuf>,
-    /// Address of the gateway served in the same process (the chat page, Direct Line and
-    /// `/api/messages`, unauthenticated: development); `off` serves gRPC only, as production
-    /// does with `turnstile gateway` beside it.
+    /// Most times the bot runs for one turn before the call fails with ABORTED.
+    #[arg(help_heading = "Tuning", long, env = "TURNSTILE_MAX_ATTEMPTS", default_value_t = 10,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_attempts: u32,
+    /// Cap of the first backoff wait after a conflict, in milliseconds (doubles per attempt).
     #[arg(
+        help_heading = "Tuning",
         long,
-        env = "TURNSTILE_GATEWAY_LISTEN",
-        default_value = "127.0.0.1:3978"
+        env = "TURNSTILE_BACKOFF_BASE_MS",
+        default_value_t = 2
     )]
-    pub gateway_listen: GatewayListen,
-    /// Serve the embedded gateway on an address other than loopback without `MicrosoftAppId`:
-    /// every call is then accepted unauthenticated, by anyone who reaches it.
-    #[arg(long, env = "TURNSTILE_GATEWAY_INSECURE")]
-    pub gateway_insecure: bool,
-    /// The embedded gateway's channel credentials, read as `turnstile gateway` reads them and
-    /// enforced when set.
-    #[command(flatten)]
-    pub channel: crate::gateway::ChannelArgs,
+    pub backoff_base_ms: u64,
+    /// Cap of any backoff wait, in milliseconds.
+    #[arg(
+        help_heading = "Tuning",
+        long,
+        env = "TURNSTILE_BACKOFF_MAX_MS",
+        default_value_t = 200
+    )]
+    pub backoff_max_ms: u64,
+    /// Seconds in-flight turns get to finish after SIGTERM or SIGINT.
+    #[arg(
+        help_heading = "Tuning",
+        long,
+        env = "TURNSTILE_SHUTDOWN_GRACE_SECS",
+        default_value_t = 30
+    )]
+    pub shutdown_grace_secs: u64,
+    /// Seconds a turn's receipt is kept: a redelivered activity within this time gets the stored
+    /// answer instead of running again.
+    #[arg(help_heading = "Tuning", long, env = "TURNSTILE_RECEIPT_RETENTION_SECS", default_value_t = 24 * 60 * 60,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub receipt_retention_secs: u64,
+    /// Keys whose last committed state this replica remembers, so that a conversation's next
+    /// turn here skips the load (one database round trip instead of two); 0 turns it off.
+    #[arg(
+        help_heading = "Tuning",
+        long,
+        env = "TURNSTILE_STATE_CACHE_ENTRIES",
+        default_value_t = 100_000
+    )]
+    pub state_cache_entries: usize,
+    /// Seconds after which a client connection is told to go away (GOAWAY) and the client
+    /// reconnects, so that new replicas get traffic; 0: never.
+    #[arg(
+        help_heading = "Tuning",
+        long,
+        env = "TURNSTILE_MAX_CONNECTION_AGE_SECS",
+        default_value_t = 300
+    )]
+    pub max_connection_age_secs: u64,
+    /// Seconds calls in flight on an aged connection get before it is closed; 0: no limit.
+    #[arg(
+        help_heading = "Tuning",
+        long,
+        env = "TURNSTILE_MAX_CONNECTION_AGE_GRACE_SECS",
+        default_value_t = 30
+    )]
+    pub max_connection_age_grace_secs: u64,
+    /// Seconds between HTTP/2 keepalive pings from the server; 0: no pings.
+    #[arg(
+        help_heading = "Tuning",
+        long,
+        env = "TURNSTILE_HTTP2_KEEPALIVE_INTERVAL_SECS",
+        default_value_t = 60
+    )]
+    pub http2_keepalive_interval_secs: u64,
+    /// Seconds a keepalive ping may go unanswered before the connection is closed.
+    #[arg(help_heading = "Tuning", long, env = "TURNSTILE_HTTP2_KEEPALIVE_TIMEOUT_SECS", default_value_t = 20,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub http2_keepalive_timeout_secs: u64,
 }
 
 /// Where `serve` runs its embedded gateway, if anywhere.
@@ -718,5 +803,74 @@ mod server_flags {
             .to_string();
         assert!(err.contains("--remote-bot"), "{err}");
         assert!(err.contains("http://host:port"), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod help {
+    use clap::CommandFactory as _;
+
+    use super::Cli;
+
+    /// The headings of `--help`, in order, and the flags under "Options" (none but help and
+    /// version: every setting belongs to a group).
+    fn headings(command: &mut clap::Command) -> (Vec<String>, Vec<String>) {
+        let help = command.render_long_help().to_string();
+        let mut headings = Vec::new();
+        let mut ungrouped = Vec::new();
+        let mut in_options = false;
+        for line in help.lines() {
+            if !line.starts_with(' ') && line.ends_with(':') {
+                let heading = line.trim_end_matches(':').to_owned();
+                in_options = heading == "Options";
+                headings.push(heading);
+            } else if in_options
+                && line.trim_start().starts_with('-')
+                && let Some((_, flag)) = line.split_once("--")
+            {
+                ungrouped.push(flag.split_whitespace().next().unwrap_or("").to_owned());
+            }
+        }
+        (headings, ungrouped)
+    }
+
+    #[test]
+    fn serve_groups_its_settings_under_headings() {
+        let (headings, ungrouped) = headings(&mut Cli::command());
+        let expected = [
+            "Listen",
+            "Database",
+            "Limits",
+            "Security",
+            "Channel credentials (Bot Framework's names)",
+            "Bots",
+            "Tuning",
+        ];
+        let found: Vec<&str> = headings
+            .iter()
+            .map(String::as_str)
+            .filter(|h| expected.contains(h))
+            .collect();
+        assert_eq!(found, expected, "{headings:?}");
+        assert_eq!(ungrouped, ["help", "version"], "flags with no heading");
+    }
+
+    #[test]
+    fn the_gateway_groups_its_settings_under_headings() {
+        let mut cli = Cli::command();
+        let gateway = cli
+            .find_subcommand_mut("gateway")
+            .expect("the gateway subcommand");
+        let (headings, ungrouped) = headings(gateway);
+        for heading in [
+            "Listen",
+            "Turnstile server",
+            "Limits",
+            "Security",
+            "Channel credentials (Bot Framework's names)",
+        ] {
+            assert!(headings.iter().any(|h| h == heading), "{headings:?}");
+        }
+        assert_eq!(ungrouped, ["help"], "flags with no heading");
     }
 }

@@ -31,41 +31,64 @@ pub const CHANNEL_OAUTH_SCOPE: &str = "https://api.botframework.com";
 pub struct GatewayArgs {
     /// Address to serve the Bot Framework endpoint (`POST /api/messages`) on.
     #[arg(
+        help_heading = "Listen",
         long,
         env = "TURNSTILE_GATEWAY_LISTEN",
         default_value = "127.0.0.1:3978"
     )]
     pub listen: SocketAddr,
-    /// Address of a plain-HTTP `GET /metrics` endpoint (Prometheus text), e.g. `0.0.0.0:9091`:
-    /// a port of its own, apart from the one channels reach. None when unset.
-    #[arg(long, env = "TURNSTILE_GATEWAY_METRICS_LISTEN")]
-    pub metrics_listen: Option<SocketAddr>,
     /// The Turnstile server whose `TurnService` runs the turns.
-    #[arg(long, env = "TURNSTILE_URL", default_value = "http://127.0.0.1:50051")]
+    #[arg(
+        help_heading = "Turnstile server",
+        long,
+        env = "TURNSTILE_URL",
+        default_value = "http://127.0.0.1:50051"
+    )]
     pub turnstile_url: String,
     /// The hosted bot that handles the turns; empty selects the server's default bot.
-    #[arg(long, env = "TURNSTILE_BOT", default_value = "")]
+    #[arg(
+        help_heading = "Turnstile server",
+        long,
+        env = "TURNSTILE_BOT",
+        default_value = ""
+    )]
     pub bot: String,
     /// Bearer token for `TurnService`, when the server requires one.
-    #[arg(long, env = "TURNSTILE_AUTH_TOKEN", hide_env_values = true)]
+    #[arg(
+        help_heading = "Turnstile server",
+        long,
+        env = "TURNSTILE_AUTH_TOKEN",
+        hide_env_values = true
+    )]
     pub turnstile_token: Option<String>,
     /// PEM CA the server's certificate chains to, for an `https://` URL; without it the public
     /// (Mozilla) roots are trusted.
-    #[arg(long, env = "TURNSTILE_CA_CERT")]
+    #[arg(help_heading = "Turnstile server", long, env = "TURNSTILE_CA_CERT")]
     pub turnstile_ca_cert: Option<PathBuf>,
     /// The name the server's certificate carries, when it is not the URL's host.
-    #[arg(long, env = "TURNSTILE_TLS_DOMAIN")]
+    #[arg(help_heading = "Turnstile server", long, env = "TURNSTILE_TLS_DOMAIN")]
     pub turnstile_tls_domain: Option<String>,
     /// PEM client certificate for a server that requires mutual TLS (with
     /// `--turnstile-client-key`).
-    #[arg(long, env = "TURNSTILE_CLIENT_CERT", requires = "turnstile_client_key")]
+    #[arg(
+        help_heading = "Turnstile server",
+        long,
+        env = "TURNSTILE_CLIENT_CERT",
+        requires = "turnstile_client_key"
+    )]
     pub turnstile_client_cert: Option<PathBuf>,
     /// The client certificate's PEM key.
-    #[arg(long, env = "TURNSTILE_CLIENT_KEY", requires = "turnstile_client_cert")]
+    #[arg(
+        help_heading = "Turnstile server",
+        long,
+        env = "TURNSTILE_CLIENT_KEY",
+        requires = "turnstile_client_cert"
+    )]
     pub turnstile_client_key: Option<PathBuf>,
     /// Milliseconds a turn may take, retries included; channels give up after 15 s, and the
     /// replies must still be delivered within them.
     #[arg(
+        help_heading = "Limits",
         long,
         env = "TURNSTILE_GATEWAY_TURN_TIMEOUT_MS",
         default_value_t = 8_000
