@@ -372,6 +372,16 @@ pub struct ServeArgs {
         value_name = "NAME=URL"
     )]
     pub remote_bots: Vec<RemoteBotSpec>,
+    /// The bot the embedded gateway's chat page, Direct Line and `/api/messages` talk to: any
+    /// hosted bot, a bot worker's (`--remote-bot`) included; empty: the default bot (`pizza`).
+    #[arg(
+        help_heading = "Bots",
+        long,
+        env = "TURNSTILE_GATEWAY_BOT",
+        default_value = "",
+        value_name = "NAME"
+    )]
+    pub gateway_bot: String,
     /// Bearer token sent to every bot worker (`authorization: Bearer <token>`).
     #[arg(
         help_heading = "Bots",
@@ -570,7 +580,23 @@ impl ServeArgs {
         grpc: SocketAddr,
         listen: SocketAddr,
     ) -> Result<crate::gateway::GatewayConfig, crate::gateway::ConfigError> {
+        let bot = self.gateway_bot.trim();
+        if !bot.is_empty() {
+            let local = self.bots();
+            let hosted: Vec<String> = local
+                .names()
+                .map(str::to_owned)
+                .chain(self.remote_bots.iter().map(|r| r.name().to_owned()))
+                .collect();
+            if !hosted.iter().any(|name| name == bot) {
+                return Err(crate::gateway::ConfigError::UnknownBot {
+                    name: bot.to_owned(),
+                    hosted: hosted.join(", "),
+                });
+            }
+        }
         let config = crate::gateway::GatewayConfig {
+            bot: bot.to_owned(),
             credentials: self.channel.credentials()?,
             direct_line_secrets: self.channel.direct_line_secrets(),
             ..crate::gateway::GatewayConfig::embedded(grpc)

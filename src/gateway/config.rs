@@ -157,6 +157,17 @@ pub enum ConfigError {
     /// A setting the others require is missing.
     #[error("{0} is required when MicrosoftAppId is set{1}")]
     Missing(&'static str, &'static str),
+    /// The bot named for the gateway is not hosted by the server beside it.
+    #[error(
+        "the gateway's bot `{name}` is not hosted here (hosted: {hosted}); name one of them, or \
+         add a bot worker with --remote-bot {name}=http://host:port"
+    )]
+    UnknownBot {
+        /// The name given.
+        name: String,
+        /// The names hosted, comma-separated.
+        hosted: String,
+    },
     /// No credentials, and an address other machines reach.
     #[error(
         "refusing to serve the gateway on {address} without MicrosoftAppId: anyone who reaches \

@@ -371,3 +371,82 @@ async fn gateway_insecure_serves_beyond_loopback_and_warns() {
         "{log}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chat_page_talks_to_the_bot_named_by_gateway_bot() {
+    let (grpc, web) = (free_port(), free_port());
+    let child = spawn(&[
+        ("TURNSTILE_LISTEN", format!("127.0.0.1:{grpc}")),
+        ("TURNSTILE_GATEWAY_LISTEN", format!("127.0.0.1:{web}")),
+        ("TURNSTILE_GATEWAY_BOT", "counter".to_owned()),
+    ]);
+    let (status, _) = get_when_up(&format!("http://127.0.0.1:{web}/")).await;
+    assert_eq!(status, reqwest::StatusCode::OK);
+    let http = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{web}/v3/directline");
+    let started: Value = http
+        .post(format!("{base}/conversations"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let conversation = started["conversationId"].as_str().unwrap();
+    let token = started["token"].as_str().unwrap();
+    for text in ["hello", "again"] {
+        let posted = http
+            .post(format!("{base}/conversations/{conversation}/activities"))
+            .bearer_auth(token)
+            .json(&json!({"type": "message", "from": {"id": "me"}, "text": text}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(posted.status(), reqwest::StatusCode::OK);
+    }
+    let transcript: Value = http
+        .get(format!("{base}/conversations/{conversation}/activities"))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let replies: Vec<&str> = transcript["activities"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["from"]["role"] == "bot")
+        .filter_map(|a| a["text"].as_str())
+        .collect();
+    assert_eq!(replies, ["count: 1", "count: 2"], "{transcript}");
+    let (status, log) =
+        tokio::task::spawn_blocking(move || terminate(child, Duration::from_secs(20)))
+            .await
+            .unwrap();
+    assert!(status.success(), "{status}: {log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_bot_that_is_not_hosted_stops_the_start_naming_it() {
+    let child = spawn(&[
+        ("TURNSTILE_LISTEN", format!("127.0.0.1:{}", free_port())),
+        (
+            "TURNSTILE_GATEWAY_LISTEN",
+            format!("127.0.0.1:{}", free_port()),
+        ),
+        ("TURNSTILE_GATEWAY_BOT", "calzone".to_owned()),
+    ]);
+    let (status, log) =
+        tokio::task::spawn_blocking(move || wait_for_exit(child, Duration::from_secs(20)))
+            .await
+            .unwrap();
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains("the gateway's bot `calzone` is not hosted here"),
+        "{log}"
+    );
+    assert!(log.contains("pizza"), "lists the hosted bots: {log}");
+    assert!(log.contains("--remote-bot calzone="), "{log}");
+}
