@@ -18,19 +18,29 @@ idempotent, keyed by ``turn.activity["id"]``.
 
     asyncio.run(worker.serve("0.0.0.0:50061"))
 
-The gRPC stubs are generated when this package is imported, from the ``worker.proto`` it
+A plain handler runs in a thread of the worker's pool, so one that blocks (a model call, an HTTP
+request) holds up no other turn; an ``async def`` handler runs on the event loop and must not
+block it.
+
+The gRPC stubs are generated when this package is imported, from the copy of ``worker.proto`` it
 carries, by grpcio-tools (``grpc.protos_and_services``): nothing generated is committed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import copy
+import functools
 import inspect
 import json
+import logging
 import os
 import signal
 import sys
+import sysconfig
+import traceback
 from typing import Any, Awaitable, Callable, Optional, Union
 
 import grpc
@@ -52,6 +62,11 @@ def _load_protos():
 pb, _services = _load_protos()
 
 _TRACE = bool(os.environ.get("TURNSTILE_WORKER_TRACE"))
+
+_log = logging.getLogger("turnstile_worker")
+
+#: How many plain (non-async) handlers may run at once, each in a thread of its own.
+DEFAULT_MAX_THREADS = 32
 
 
 class Scope(dict):
@@ -189,9 +204,10 @@ Handler = Callable[[Turn], Union[None, Awaitable[None]]]
 
 
 class _Servicer(_services.BotWorkerServicer):
-    def __init__(self, bots: dict, token: Optional[str]):
+    def __init__(self, bots: dict, token: Optional[str], threads: concurrent.futures.Executor):
         self._bots = bots
         self._authorization = f"Bearer {token}" if token else None
+        self._threads = threads
 
     async def RunTurn(self, request, context):
         if self._authorization is not None:
@@ -213,21 +229,86 @@ class _Servicer(_services.BotWorkerServicer):
                 flush=True,
             )
         try:
-            result = handler(turn)
-            if inspect.isawaitable(result):
-                await result
+            await self._run(handler, turn)
         except Exception as e:  # the bot's bug, reported to Turnstile, which commits nothing
-            await context.abort(
-                grpc.StatusCode.INTERNAL, f"the bot raised {type(e).__name__}: {e}"
+            # The whole traceback goes to this worker's log; Turnstile's caller learns only what
+            # and where, since the exception's message may quote the state or the activity.
+            _log.error(
+                "bot %r failed on activity %s (attempt %d)",
+                request.bot,
+                turn.activity.get("id"),
+                request.attempt,
+                exc_info=True,
             )
+            await context.abort(grpc.StatusCode.INTERNAL, _describe_failure(e))
         return turn._answer()
+
+    async def _run(self, handler, turn):
+        """Runs ``handler`` on ``turn``: a coroutine function on the event loop, anything else
+        in a thread of the pool (with this call's context variables), so that it may block."""
+        if _is_async(handler):
+            await handler(turn)
+            return
+        loop = asyncio.get_running_loop()
+        call = functools.partial(contextvars.copy_context().run, handler, turn)
+        result = await loop.run_in_executor(self._threads, call)
+        if inspect.isawaitable(result):
+            await result
+
+
+def _is_async(handler) -> bool:
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+        getattr(handler, "__call__", None)
+    )
+
+
+# Frames in these directories are Python's or an installed package's (this one included), not
+# the bot's own code.
+_LIBRARY_DIRS = tuple(
+    os.path.join(os.path.realpath(p), "")
+    for p in {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    | {os.path.dirname(os.path.abspath(__file__))}
+)
+
+
+def _describe_failure(error: BaseException) -> str:
+    """What ``error`` is and where it was raised, for the status Turnstile's caller sees:
+    ``the bot raised KeyError in greet (bot.py:12)``; when it was raised inside a library, the
+    innermost frame of the bot's own code follows. Never the exception's message."""
+    frames = traceback.extract_tb(error.__traceback__)
+    # The first frame is this module's call of the handler.
+    frames = [f for f in frames if f.filename != __file__] or frames
+    if not frames:
+        return f"the bot raised {type(error).__name__}"
+    raised = frames[-1]
+    where = f" in {_frame(raised)}"
+    if _is_library(raised.filename):
+        own = [f for f in frames if not _is_library(f.filename)]
+        if own:
+            where += f", called from {_frame(own[-1])}"
+    return f"the bot raised {type(error).__name__}{where}; the traceback is in the worker's log"
+
+
+def _frame(frame: traceback.FrameSummary) -> str:
+    filename = frame.filename
+    relative = os.path.relpath(filename) if os.path.isabs(filename) else filename
+    if not relative.startswith(os.pardir + os.sep):
+        filename = relative
+    return f"{frame.name} ({filename}:{frame.lineno})"
+
+
+def _is_library(filename: str) -> bool:
+    return os.path.realpath(filename).startswith(_LIBRARY_DIRS)
 
 
 class Worker:
     """Serves one or more bots to Turnstile as ``turnstile.v1.BotWorker``."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_threads: int = DEFAULT_MAX_THREADS) -> None:
+        """``max_threads``: how many plain (non-async) handlers may run at once, each in a
+        thread, so that a handler that blocks holds up no other turn."""
         self._bots: dict = {}
+        self._max_threads = max_threads
 
     def bot(self, name: str) -> Callable[[Handler], Handler]:
         """Registers the decorated function (sync or async, taking a :class:`Turn`) as bot
@@ -251,7 +332,11 @@ class Worker:
         if not self._bots:
             raise ValueError("no bots registered: decorate a handler with @worker.bot(name)")
         server = grpc.aio.server()
-        _services.add_BotWorkerServicer_to_server(_Servicer(dict(self._bots), token), server)
+        threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self._max_threads, thread_name_prefix="turnstile-bot"
+        )
+        servicer = _Servicer(dict(self._bots), token, threads)
+        _services.add_BotWorkerServicer_to_server(servicer, server)
         if tls is None:
             port = server.add_insecure_port(address)
         else:
