@@ -1,12 +1,12 @@
-// The counter bot as a bot worker, the same bot as Turnstile's built-in `counter`: every message
-// adds one to a conversation counter and replies `count: N`; an `event` named `read` replies the
-// count without counting.
+// The counter bot in plain JavaScript (CommonJS), the same bot as counter.ts: every message adds
+// one to a conversation counter and replies `count: N`; an `event` named `read` replies the count
+// without counting.
 //
-//   node examples/counter.js 0.0.0.0:50062
+//   node counter.js 0.0.0.0:50062        (in a project with turnstile-worker installed)
 //   turnstile serve --remote-bot counter=http://127.0.0.1:50062
 'use strict';
 
-const { Worker } = require('..');
+const { Worker } = require('turnstile-worker');
 
 function counter(turn) {
   const { activity } = turn;
@@ -20,8 +20,7 @@ function counter(turn) {
   turn.send(`count: ${count}`);
 }
 
-const name = process.env.BOT_NAME || 'counter';
-const worker = new Worker().bot(name, counter);
+const worker = new Worker().bot(process.env.BOT_NAME || 'counter', counter);
 
 if (require.main === module) {
   worker.serve(process.argv[2] || '0.0.0.0:50062').catch((e) => {
