@@ -21,6 +21,7 @@ use tokio::time::Instant;
 
 use crate::activity::incoming::IncomingActivity;
 use crate::activity::{Activity, types};
+use crate::drafts::{DraftError, DraftKind, Drafts};
 use crate::state::{PropertyError, Scope, ScopeState};
 
 /// A bot: handles one turn at a time through a [`TurnContext`].
@@ -143,6 +144,7 @@ pub struct TurnContext<'a> {
     private_conversation: Option<ScopeState>,
     outbox: Vec<Activity>,
     deadline: Option<Instant>,
+    drafts: Option<&'a Drafts>,
 }
 
 impl<'a> TurnContext<'a> {
@@ -162,6 +164,49 @@ impl<'a> TurnContext<'a> {
             private_conversation,
             outbox: Vec::new(),
             deadline: None,
+            drafts: None,
+        }
+    }
+
+    /// The same context, for a turn someone streams: its drafts go to `drafts` (`None`: nobody
+    /// streams it, and drafting does nothing).
+    #[must_use]
+    pub fn with_drafts(mut self, drafts: Option<&'a Drafts>) -> Self {
+        self.drafts = drafts;
+        self
+    }
+
+    /// Whether someone watches this turn's drafts (a `StreamTurn` call). A bot need not ask:
+    /// drafting a turn nobody streams does nothing. It may, to skip work that only drafts need.
+    pub fn streaming(&self) -> bool {
+        self.drafts.is_some()
+    }
+
+    /// Shows `text`, the whole reply written so far (not the new part), to whoever streams the
+    /// turn, while the bot is still writing. A draft is provisional: it is never stored, an
+    /// attempt thrown away for a conflict has its drafts voided, and only what the bot
+    /// [`send`](Self::send)s is delivered, after the commit. So the last draft should be the
+    /// text of the reply the bot then sends.
+    ///
+    /// # Errors
+    /// [`DraftError::TooLarge`] for a draft longer than a reply's text may be.
+    pub fn draft(&self, text: impl Into<String>) -> Result<(), DraftError> {
+        self.offer(DraftKind::Text, text.into())
+    }
+
+    /// Shows a status line ("Looking at the menu…") to whoever streams the turn: not part of
+    /// the reply, and as provisional as a [`draft`](Self::draft).
+    ///
+    /// # Errors
+    /// [`DraftError::TooLarge`] for a status longer than a reply's text may be.
+    pub fn inform(&self, text: impl Into<String>) -> Result<(), DraftError> {
+        self.offer(DraftKind::Informative, text.into())
+    }
+
+    fn offer(&self, kind: DraftKind, text: String) -> Result<(), DraftError> {
+        match self.drafts {
+            Some(drafts) => drafts.offer(self.attempt, kind, text),
+            None => Ok(()),
         }
     }
 

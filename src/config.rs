@@ -362,6 +362,14 @@ pub struct ServeArgs {
         default_value_t = 200
     )]
     pub slow_bot_delay_ms: u64,
+    /// How long the `llm` sample bot takes per word it streams, in milliseconds.
+    #[arg(
+        help_heading = "Bots",
+        long,
+        env = "TURNSTILE_LLM_TOKEN_DELAY_MS",
+        default_value_t = 50
+    )]
+    pub llm_token_delay_ms: u64,
     /// A bot served by a bot worker, as `NAME=URL` (`pizza-py=http://pizza-worker:50061`);
     /// repeatable, comma-separated in the environment. It replaces a built-in bot of that name.
     #[arg(
@@ -562,7 +570,8 @@ impl ServeArgs {
     /// The sample bots (see [`crate::bots::samples`]) as these arguments configure them.
     pub fn bots(&self) -> crate::bot::BotRegistry {
         let slow = crate::bots::SlowBot::new(Duration::from_millis(self.slow_bot_delay_ms));
-        crate::bots::samples().with("slow", slow)
+        let llm = crate::bots::LlmBot::new(Duration::from_millis(self.llm_token_delay_ms));
+        crate::bots::samples().with("slow", slow).with("llm", llm)
     }
 }
 

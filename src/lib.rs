@@ -30,6 +30,7 @@ pub mod bot;
 pub mod bots;
 pub mod config;
 pub mod dialogs;
+pub mod drafts;
 pub mod engine;
 pub mod gateway;
 pub mod grpc;

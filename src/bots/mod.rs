@@ -5,6 +5,8 @@
 //!   load generator use it.
 //! - `slow` — the counter bot taking a set time per run (200 ms unless told), like a bot that
 //!   calls a language model, see [`SlowBot`].
+//! - `llm` — a stand-in for a language-model agent that streams its answer word by word
+//!   (drafts, then the committed reply), see [`LlmBot`].
 //! - `subtract` — the seed sample's dialog (Bot Framework's `42.scaleout`), see [`SubtractBot`].
 //! - remote bots, one per `--remote-bot NAME=URL`: bots in any language, run by a bot worker
 //!   over gRPC, see [`remote`].
@@ -14,12 +16,14 @@
 
 pub mod conformance;
 mod counter;
+pub mod llm;
 mod pizza;
 pub mod remote;
 pub mod slow;
 mod subtract;
 
 pub use counter::CounterBot;
+pub use llm::LlmBot;
 pub use pizza::PizzaBot;
 pub use slow::SlowBot;
 pub use subtract::SubtractBot;
@@ -43,12 +47,13 @@ pub const CONFORMANCE: [(&str, &str); 9] = [
     ("user-state", "UserStateTest"),
 ];
 
-/// The bots `turnstile serve` hosts: `pizza` (the default), `counter`, `slow`, `subtract` and
+/// The bots `turnstile serve` hosts: `pizza` (the default), `counter`, `slow`, `llm`, `subtract` and
 /// the conformance bots.
 pub fn samples() -> BotRegistry {
     BotRegistry::new("pizza", PizzaBot)
         .with("counter", CounterBot)
         .with("slow", SlowBot::default())
+        .with("llm", LlmBot::default())
         .with("subtract", SubtractBot::default())
         .with("waterfall", WaterfallBot::default())
         .with("waterfall-nested", WaterfallNestedBot::default())
@@ -78,5 +83,6 @@ mod tests {
         assert!(bots.get(Some("subtract")).is_ok());
         assert!(bots.get(Some("counter")).is_ok());
         assert!(bots.get(Some("slow")).is_ok());
+        assert!(bots.get(Some("llm")).is_ok());
     }
 }

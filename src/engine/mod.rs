@@ -39,6 +39,7 @@ use crate::bot::{
     Bot, BotError, BotErrorKind, BotRegistry, ConcurrencyPolicy, TurnContext, TurnScopes,
     UnknownBot,
 };
+use crate::drafts::Drafts;
 use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
 use crate::store::cached::CachedStore;
 use crate::store::timed::TimedStore;
@@ -194,15 +195,43 @@ impl Engine {
     /// # Errors
     /// [`TurnError`]: in every case nothing was committed (but see [`StoreError::Unavailable`]
     /// for a connection lost during a commit) and no activity may be delivered.
-    #[tracing::instrument(name = "turn", skip_all, fields(bot, channel, attempts, outcome))]
     pub async fn run_turn(
         &self,
         bot: Option<&str>,
         incoming: &IncomingActivity,
         deadline: Option<Instant>,
     ) -> Result<TurnOutcome, TurnError> {
+        self.run(bot, incoming, deadline, None).await
+    }
+
+    /// [`Engine::run_turn`], for a turn someone streams when `drafts` is given: the bot's
+    /// drafts go there while it runs, and an attempt thrown away for a conflict is reset there
+    /// before its replay. The outcome is the same as `run_turn`'s; a redelivery is answered from
+    /// its receipt before the bot runs, so it drafts nothing.
+    ///
+    /// # Errors
+    /// As [`Engine::run_turn`]; the drafts offered before an error are void.
+    pub async fn run_turn_drafting(
+        &self,
+        bot: Option<&str>,
+        incoming: &IncomingActivity,
+        deadline: Option<Instant>,
+        drafts: Option<&Drafts>,
+    ) -> Result<TurnOutcome, TurnError> {
+        self.run(bot, incoming, deadline, drafts).await
+    }
+
+    /// A turn, drafting to `drafts` if someone streams it, with the bookkeeping of its outcome.
+    #[tracing::instrument(name = "turn", skip_all, fields(bot, channel, attempts, outcome))]
+    async fn run(
+        &self,
+        bot: Option<&str>,
+        incoming: &IncomingActivity,
+        deadline: Option<Instant>,
+        drafts: Option<&Drafts>,
+    ) -> Result<TurnOutcome, TurnError> {
         let started = std::time::Instant::now();
-        let result = self.turn(bot, incoming, deadline).await;
+        let result = self.turn(bot, incoming, deadline, drafts).await;
         let outcome = outcome_name(&result);
         tracing::Span::current().record("outcome", outcome);
         self.metrics.turn(outcome);
@@ -231,12 +260,13 @@ impl Engine {
         bot: Option<&str>,
         incoming: &IncomingActivity,
         deadline: Option<Instant>,
+        drafts: Option<&Drafts>,
     ) -> Result<TurnOutcome, TurnError> {
         let (bot_name, handler) = self.bots.get(bot)?;
         let span = tracing::Span::current();
         span.record("channel", incoming.address().channel.as_str());
         span.record("bot", bot_name);
-        let plan = TurnPlan::new(bot_name, handler.as_ref(), incoming, deadline);
+        let plan = TurnPlan::new(bot_name, handler.as_ref(), incoming, deadline, drafts);
         let mut turn = self.queue_up(&plan.keys.conversation, deadline).await?;
         let last = !turn.others_waiting();
         let mut no_lease = None;
@@ -274,6 +304,10 @@ impl Engine {
         loop {
             attempt += 1;
             span.record("attempts", attempt);
+            if let Some(drafts) = plan.drafts.filter(|_| attempt > 1) {
+                // The attempt before was thrown away: whatever it showed is void.
+                drafts.reset(attempt - 1).await;
+            }
             // Whether this attempt runs without holding the conversation: a conflict then sends
             // the next one to the lock at once, as the queue it is, without a blind wait.
             let unlocked = match mode {
@@ -397,7 +431,10 @@ impl Engine {
     /// this replica's last committed state (a guess its commit checks); a replay follows a guess
     /// that was wrong, or a commit whose outcome is unknown, and reads the store.
     async fn snapshot(&self, plan: &TurnPlan<'_>, attempt: u32) -> Result<Snapshot, TurnError> {
-        let consistency = if attempt == 1 {
+        // A streamed turn reads the store from its first attempt: a redelivery must find its
+        // receipt before the bot runs, or its drafts would show an answer nobody gets. The
+        // extra round trip is nothing beside a turn worth streaming.
+        let consistency = if attempt == 1 && plan.drafts.is_none() {
             Consistency::Guess
         } else {
             Consistency::Current
@@ -713,6 +750,8 @@ struct TurnPlan<'a> {
     receipt: Option<StateKey>,
     /// The caller's deadline, which the bot sees (a bot worker's call gets no longer).
     deadline: Option<Instant>,
+    /// Where the bot's drafts go, when someone streams the turn.
+    drafts: Option<&'a Drafts>,
 }
 
 impl<'a> TurnPlan<'a> {
@@ -721,6 +760,7 @@ impl<'a> TurnPlan<'a> {
         bot: &'a dyn Bot,
         incoming: &'a IncomingActivity,
         deadline: Option<Instant>,
+        drafts: Option<&'a Drafts>,
     ) -> Self {
         let address = incoming.address();
         let keys = TurnKeys::new(bot_name, address);
@@ -731,6 +771,7 @@ impl<'a> TurnPlan<'a> {
             receipt: incoming.id().map(|id| keys.receipt(id)),
             keys,
             deadline,
+            drafts,
         }
     }
 
@@ -749,6 +790,7 @@ impl<'a> TurnPlan<'a> {
                 .map(|k| scope_state(Scope::PrivateConversation, k, snapshot)),
         )
         .with_deadline(self.deadline)
+        .with_drafts(self.drafts)
     }
 
     /// What the attempt asks the store to apply, with the receipt that answers a redelivery,

@@ -48,6 +48,43 @@ impl pb::ProcessTurnRequest {
     }
 }
 
+impl pb::StreamTurnRequest {
+    /// A streaming request carrying `activity` typed, for the hosted bot named `bot` (empty:
+    /// the default).
+    pub fn typed(activity: pb::Activity, bot: impl Into<String>) -> Self {
+        pb::ProcessTurnRequest::typed(activity, bot).into()
+    }
+}
+
+impl From<pb::ProcessTurnRequest> for pb::StreamTurnRequest {
+    fn from(request: pb::ProcessTurnRequest) -> Self {
+        use pb::stream_turn_request::Input as Streamed;
+        Self {
+            input: request.input.map(|input| match input {
+                Input::Activity(activity) => Streamed::Activity(*activity),
+                Input::ActivityJson(json) => Streamed::ActivityJson(json),
+            }),
+            bot: request.bot,
+            json_replies: request.json_replies,
+        }
+    }
+}
+
+/// A streaming request is a `ProcessTurnRequest` field for field, and is read as one.
+impl From<pb::StreamTurnRequest> for pb::ProcessTurnRequest {
+    fn from(request: pb::StreamTurnRequest) -> Self {
+        use pb::stream_turn_request::Input as Streamed;
+        Self {
+            input: request.input.map(|input| match input {
+                Streamed::Activity(activity) => Input::Activity(Box::new(activity)),
+                Streamed::ActivityJson(json) => Input::ActivityJson(json),
+            }),
+            bot: request.bot,
+            json_replies: request.json_replies,
+        }
+    }
+}
+
 /// The activity a request carries, within `limits`.
 ///
 /// # Errors

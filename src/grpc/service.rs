@@ -1,7 +1,12 @@
 //! `TurnService` over gRPC: decode and check the request, hand it to the engine, encode the
-//! committed replies.
+//! committed replies — in one answer (`ProcessTurn`), or after the drafts the bot showed while it
+//! ran (`StreamTurn`).
 
+use std::pin::Pin;
 use std::sync::Arc;
+
+use futures::Stream;
+use tokio::sync::mpsc;
 
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -14,7 +19,11 @@ use super::pb;
 use super::pb::process_turn_request::Input;
 use super::request;
 use crate::activity::incoming::IncomingActivity;
+use crate::drafts::{DRAFT_BUFFER, DraftEvent, DraftKind, Drafts};
 use crate::engine::{Engine, TurnError, TurnOutcome};
+
+/// The events of one `StreamTurn` call: drafts and resets, then the outcome or an error status.
+pub type TurnEvents = Pin<Box<dyn Stream<Item = Result<pb::StreamTurnResponse, Status>> + Send>>;
 
 /// The `TurnService` implementation.
 #[derive(Debug, Clone)]
@@ -58,20 +67,110 @@ impl pb::turn_service_server::TurnService for TurnApi {
         // A child of the RPC layer's server span, which joined the caller's trace.
         let span = tracing::info_span!("process_turn");
         let json_replies = request.get_ref().json_replies;
-        let turn = span.in_scope(|| self.start(request))?;
+        let turn = span.in_scope(|| self.start(request, None))?;
         let outcome = turn
             .instrument(span)
             .await
             .map_err(|e| super::error::turn_task_failed(&e))??;
-        let (activities, activities_json) = request::replies(outcome.activities, json_replies);
-        Ok(Response::new(pb::ProcessTurnResponse {
-            activities,
-            activities_json,
-            attempts: outcome.attempts,
-            version: outcome.conversation_version.map_or(0, |v| v.get()),
-            redelivered: outcome.redelivered,
-        }))
+        Ok(Response::new(response(outcome, json_replies)))
     }
+
+    type StreamTurnStream = TurnEvents;
+
+    async fn stream_turn(
+        &self,
+        request: Request<pb::StreamTurnRequest>,
+    ) -> Result<Response<TurnEvents>, Status> {
+        let span = tracing::info_span!("stream_turn");
+        let request = request.map(pb::ProcessTurnRequest::from);
+        let json_replies = request.get_ref().json_replies;
+        let (drafts, events) = Drafts::channel(DRAFT_BUFFER, self.limits.max_text_bytes);
+        let turn = span.in_scope(|| self.start(request, Some(drafts)))?;
+        Ok(Response::new(Box::pin(stream_events(
+            turn,
+            events,
+            json_replies,
+        ))))
+    }
+}
+
+/// The answer to a committed (or redelivered) turn.
+fn response(outcome: TurnOutcome, json_replies: bool) -> pb::ProcessTurnResponse {
+    let (activities, activities_json) = request::replies(outcome.activities, json_replies);
+    pb::ProcessTurnResponse {
+        activities,
+        activities_json,
+        attempts: outcome.attempts,
+        version: outcome.conversation_version.map_or(0, |v| v.get()),
+        redelivered: outcome.redelivered,
+    }
+}
+
+/// A streamed turn's events: each draft and reset as the bot's attempts offer them, then — once
+/// the turn has ended, which closes its draft channel, so that nothing can follow — the outcome,
+/// or the status a unary call would have got.
+fn stream_events(
+    turn: JoinHandle<Result<TurnOutcome, TurnError>>,
+    events: mpsc::Receiver<DraftEvent>,
+    json_replies: bool,
+) -> impl Stream<Item = Result<pb::StreamTurnResponse, Status>> + Send + 'static {
+    use pb::stream_turn_response::Event;
+    struct Streaming {
+        turn: JoinHandle<Result<TurnOutcome, TurnError>>,
+        events: mpsc::Receiver<DraftEvent>,
+        sequence: u32,
+    }
+    let streaming = Streaming {
+        turn,
+        events,
+        sequence: 0,
+    };
+    futures::stream::unfold(Some(streaming), move |streaming| async move {
+        let mut streaming = streaming?;
+        let event = match streaming.events.recv().await {
+            Some(DraftEvent::Draft {
+                attempt,
+                kind,
+                text,
+            }) => {
+                streaming.sequence += 1;
+                Event::Draft(pb::Draft {
+                    stream_id: stream_id(attempt),
+                    sequence: streaming.sequence,
+                    kind: match kind {
+                        DraftKind::Informative => pb::DraftKind::Informative,
+                        DraftKind::Text => pb::DraftKind::Text,
+                    }
+                    .into(),
+                    text,
+                    attempt,
+                })
+            }
+            Some(DraftEvent::Reset { attempt }) => Event::Reset(pb::DraftReset {
+                stream_id: stream_id(attempt),
+                attempt,
+            }),
+            None => {
+                let outcome = match (&mut streaming.turn).await {
+                    Ok(Ok(outcome)) => Ok(pb::StreamTurnResponse {
+                        event: Some(Event::Outcome(response(outcome, json_replies))),
+                    }),
+                    Ok(Err(e)) => Err(Status::from(e)),
+                    Err(e) => Err(super::error::turn_task_failed(&e)),
+                };
+                return Some((outcome, None));
+            }
+        };
+        Some((
+            Ok(pb::StreamTurnResponse { event: Some(event) }),
+            Some(streaming),
+        ))
+    })
+}
+
+/// The stream id of attempt `attempt`'s drafts: one reply being written per attempt.
+fn stream_id(attempt: u32) -> String {
+    format!("attempt-{attempt}")
 }
 
 impl TurnApi {
@@ -82,9 +181,11 @@ impl TurnApi {
     /// gets the answer. This part is not `async`, so that the call's future, which tonic's
     /// layers move and box, does not also carry the parsed activity and the turn's own future:
     /// moving those was a tenth of the server's instructions per turn (callgrind).
+    /// A streamed turn drafts to `drafts`, which it drops when it ends.
     fn start(
         &self,
         request: Request<pb::ProcessTurnRequest>,
+        drafts: Option<Drafts>,
     ) -> Result<JoinHandle<Result<TurnOutcome, TurnError>>, Status> {
         let in_flight = self.drain.enter()?;
         let deadline = deadline(&request);
@@ -99,7 +200,13 @@ impl TurnApi {
                 // Boxed: the turn's future is several kilobytes, and unboxed it made this task's
                 // future as large, which `spawn` and the span wrapper then copied whole; boxed,
                 // the task stays a few words (`bench/RESULTS.md`).
-                let outcome = Box::pin(engine.run_turn(Some(&bot), &incoming, deadline)).await;
+                let outcome = Box::pin(engine.run_turn_drafting(
+                    Some(&bot),
+                    &incoming,
+                    deadline,
+                    drafts.as_ref(),
+                ))
+                .await;
                 // Only now, committed or not, has this turn left the drain.
                 drop(in_flight);
                 outcome

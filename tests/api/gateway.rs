@@ -719,6 +719,15 @@ impl turnstile::grpc::pb::turn_service_server::TurnService for MetadataRecorder 
         self.0.lock().unwrap().push(seen);
         Ok(tonic::Response::new(Default::default()))
     }
+
+    type StreamTurnStream = turnstile::grpc::service::TurnEvents;
+
+    async fn stream_turn(
+        &self,
+        _: tonic::Request<turnstile::grpc::pb::StreamTurnRequest>,
+    ) -> Result<tonic::Response<Self::StreamTurnStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("the gateway does not stream here"))
+    }
 }
 
 #[tokio::test]
