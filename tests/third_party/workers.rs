@@ -3,9 +3,15 @@
 //! from the receipt without calling the worker, a replica SIGKILLed under load with every count
 //! exact — and each way a worker can fail gives its documented status with nothing committed.
 //!
-//! The tests install what the SDKs need on first use: grpcio and grpcio-tools from PyPI and
-//! @grpc/grpc-js and @grpc/proto-loader from npm, under `<target>/tools`. That needs `python3`
-//! with pip, `npm`, and the registries; without them the tests fail and say so.
+//! The SDKs are tested as their users get them, never from the tree: each SDK's folder is copied
+//! alone to a scratch directory (so that anything it reaches outside itself is missing), the
+//! install commands of its README are run there as written, and the README's example, the
+//! SDK's examples and this file's bots run from what they installed — a fresh venv holding the
+//! wheel pip built, a fresh npm project holding the tarball `npm pack` made. That happens once
+//! per test process, under `<target>/tmp/sdk-<pid>`. The packages come from PyPI and npm once per
+//! target directory (a wheelhouse and an npm cache under `<target>/tools`), which needs `python3`
+//! with pip and venv, `npm`, `bash`, `tar`, and the registries; without them the tests fail and
+//! say so.
 #![allow(clippy::unwrap_used)]
 
 use crate::support;
@@ -15,11 +21,12 @@ use std::io::{BufRead as _, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use support::fleet::Fleet;
 use support::load::{Failure, Gateway, Shape};
+use support::tools::run;
 use support::{TestServer, check, message, texts, toppings};
 use tokio::time::{Instant, sleep};
 use tonic::transport::Channel;
@@ -32,23 +39,399 @@ use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
 use turnstile::store::Store;
 use turnstile::store::memory::MemoryStore;
 
-const PYTHON_PACKAGES: [&str; 2] = ["grpcio==1.76.0", "grpcio-tools==1.76.0"];
-const NODE_PACKAGES: [&str; 2] = ["@grpc/grpc-js@1.14.7", "@grpc/proto-loader@0.8.1"];
+/// What the SDKs' builds and installs take from PyPI, kept as wheels under `<target>/tools`.
+const PYTHON_WHEELS: [&str; 3] = [
+    "grpcio==1.76.0",
+    "grpcio-tools==1.76.0",
+    "setuptools==80.9.0",
+];
 
-// --- installing the SDKs' dependencies ------------------------------------------------------
+/// What an SDK's folder holds after a build or an install, which a plain copy of it lacks.
+const BUILD_OUTPUT: [&str; 6] = [
+    "node_modules",
+    "dist",
+    "build",
+    "__pycache__",
+    ".venv",
+    "venv",
+];
 
-/// A `pip install --target` directory with grpcio and grpcio-tools, for `PYTHONPATH`.
-fn python_packages() -> PathBuf {
-    support::tools::pip("python-worker-grpcio-1.76.0", &PYTHON_PACKAGES)
+/// The contract, at the repository's root: the SDKs' packages must carry these bytes.
+fn worker_proto() -> Vec<u8> {
+    std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("proto/turnstile/v1/worker.proto"))
+        .unwrap()
 }
 
-/// A `node_modules` directory with @grpc/grpc-js and @grpc/proto-loader, for `NODE_PATH`.
-fn node_modules() -> PathBuf {
-    support::tools::npm("node-worker-grpc-js-1.14.7", &NODE_PACKAGES).join("node_modules")
+// --- the SDKs, built and installed as their READMEs say -------------------------------------
+
+/// This process's scratch directory, `<target>/tmp/sdk-<pid>`. Those of earlier test processes
+/// that have exited are removed first.
+fn scratch() -> &'static Path {
+    static SCRATCH: OnceLock<PathBuf> = OnceLock::new();
+    SCRATCH.get_or_init(|| {
+        let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        if let Ok(entries) = std::fs::read_dir(tmp) {
+            for entry in entries.map_while(Result::ok) {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if let Some(pid) = name.strip_prefix("sdk-")
+                    && !Path::new("/proc").join(pid).exists()
+                {
+                    let _ = std::fs::remove_dir_all(entry.path());
+                }
+            }
+        }
+        let dir = tmp.join(format!("sdk-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    })
 }
 
-fn sdk(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("sdk").join(path)
+/// Copies SDK folder `sdk/<name>` to `to` as a user would copy it: everything but build output,
+/// symlinks as symlinks (so one that points outside the folder breaks in the copy).
+fn copy_sdk(name: &str, to: &Path) {
+    fn copy(from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for entry in std::fs::read_dir(from).unwrap().map_while(Result::ok) {
+            let name = entry.file_name();
+            let shown = name.to_string_lossy();
+            if BUILD_OUTPUT.contains(&shown.as_ref())
+                || shown.ends_with(".egg-info")
+                || shown.ends_with(".tgz")
+            {
+                continue;
+            }
+            let (from, to) = (entry.path(), to.join(&name));
+            let kind = entry.file_type().unwrap();
+            if kind.is_symlink() {
+                std::os::unix::fs::symlink(std::fs::read_link(&from).unwrap(), &to).unwrap();
+            } else if kind.is_dir() {
+                copy(&from, &to);
+            } else {
+                std::fs::copy(&from, &to).unwrap();
+            }
+        }
+    }
+    copy(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("sdk").join(name),
+        to,
+    );
+}
+
+/// The one code block of language `lang` in section `## {section}` of the markdown `readme`.
+fn readme_block(readme: &str, section: &str, lang: &str) -> String {
+    let mut blocks = Vec::new();
+    let (mut in_section, mut block): (bool, Option<(String, String)>) = (false, None);
+    for line in readme.lines() {
+        if let Some((language, code)) = &mut block {
+            if line.trim_start().starts_with("```") {
+                if in_section && language == lang {
+                    blocks.push(std::mem::take(code));
+                }
+                block = None;
+            } else {
+                code.push_str(line);
+                code.push('\n');
+            }
+        } else if let Some(fence) = line.trim_start().strip_prefix("```") {
+            block = Some((fence.trim().to_owned(), String::new()));
+        } else if let Some(heading) = line.strip_prefix("## ") {
+            in_section = heading.trim() == section;
+        }
+    }
+    assert_eq!(
+        blocks.len(),
+        1,
+        "the README should have one ```{lang} block under `## {section}`"
+    );
+    blocks.pop().unwrap()
+}
+
+/// `code` with `from` (which must occur exactly once) replaced by `to`: a README's example
+/// serves on a fixed port, a test's on any free one.
+fn replace_once(code: &str, from: &str, to: &str) -> String {
+    assert_eq!(
+        code.matches(from).count(),
+        1,
+        "expected `{from}` once in:\n{code}"
+    );
+    code.replace(from, to)
+}
+
+/// Runs a README's shell block with `bash -eu` in `dir`, with `home` as `~`.
+fn run_shell_block(code: &str, dir: &Path, home: &Path, env: &[(&str, &Path)], what: &str) {
+    std::fs::create_dir_all(home).unwrap();
+    let mut command = Command::new("bash");
+    command
+        .args(["-e", "-u", "-c", code])
+        .current_dir(dir)
+        .env("HOME", home)
+        .env_remove("PYTHONPATH")
+        .env_remove("NODE_PATH")
+        .stdin(Stdio::null());
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    run(&mut command, what);
+}
+
+/// A directory of wheels for everything the Python SDK's build and install need, so that they
+/// run offline: `<target>/tools/python-worker-wheels-…`.
+fn wheelhouse() -> PathBuf {
+    let tag = run(
+        Command::new("python3").args(["-c", "import sys; print(sys.implementation.cache_tag)"]),
+        "python3 (needed for the Python SDK)",
+    );
+    let tag = String::from_utf8_lossy(&tag.stdout).trim().to_owned();
+    support::tools::installed(
+        &format!("python-worker-wheels-{tag}-grpcio-1.76.0-setuptools-80.9.0"),
+        |dir| {
+            run(
+                Command::new("python3")
+                    .args(["-m", "pip", "download", "--quiet"])
+                    .args(["--disable-pip-version-check", "--no-input", "--dest"])
+                    .arg(dir)
+                    .args(PYTHON_WHEELS),
+                &format!("pip download {PYTHON_WHEELS:?} (needs python3 with pip, and PyPI)"),
+            );
+        },
+    )
+}
+
+/// The Python SDK as its README installs it, from a copy of `sdk/python`.
+struct PythonSdk {
+    /// The copy of `sdk/python` it was built from.
+    sdk: PathBuf,
+    /// The bot's project, `~/greeter-bot`: the README's `greeter.py` and this file's `moody.py`.
+    project: PathBuf,
+    /// The fresh environment's interpreter.
+    python: PathBuf,
+}
+
+fn python_sdk() -> &'static PythonSdk {
+    static SDK: OnceLock<PythonSdk> = OnceLock::new();
+    SDK.get_or_init(|| {
+        let started = std::time::Instant::now();
+        let wheels = wheelhouse();
+        let dir = scratch().join("python");
+        let sdk = dir.join("turnstile-worker");
+        copy_sdk("python", &sdk);
+        let readme = std::fs::read_to_string(sdk.join("README.md")).unwrap();
+        // pip builds and installs from the wheelhouse alone; its build environment gets
+        // setuptools from there too.
+        let pip_env: [(&str, &Path); 4] = [
+            ("PIP_NO_INDEX", Path::new("1")),
+            ("PIP_FIND_LINKS", &wheels),
+            ("PIP_DISABLE_PIP_VERSION_CHECK", Path::new("1")),
+            ("PIP_NO_CACHE_DIR", Path::new("1")),
+        ];
+        let home = dir.join("home");
+        run_shell_block(
+            &readme_block(&readme, "Install", "sh"),
+            &sdk,
+            &home,
+            &pip_env,
+            "the Python SDK README's install commands",
+        );
+        let project = home.join("greeter-bot");
+        let python = project.join(".venv/bin/python");
+
+        // The wheel itself carries the contract and the licence.
+        let wheel_dir = dir.join("wheel");
+        let mut wheel = Command::new("python3");
+        wheel
+            .args(["-m", "pip", "wheel", "--quiet", "--no-deps", "-w"])
+            .arg(&wheel_dir)
+            .arg(&sdk);
+        for (name, value) in pip_env {
+            wheel.env(name, value);
+        }
+        run(&mut wheel, "building the Python SDK's wheel");
+        let wheel = std::fs::read_dir(&wheel_dir)
+            .unwrap()
+            .map_while(Result::ok)
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|e| e == "whl"))
+            .expect("pip built no wheel");
+        let listing = run(
+            Command::new("python3")
+                .args([
+                    "-c",
+                    "import sys, zipfile; print('\\n'.join(zipfile.ZipFile(sys.argv[1]).namelist()))",
+                ])
+                .arg(&wheel),
+            "listing the wheel",
+        );
+        let listing = String::from_utf8_lossy(&listing.stdout);
+        for file in [
+            "turnstile_worker/__init__.py",
+            "turnstile_worker/protos/turnstile/v1/worker.proto",
+            "turnstile_worker-0.1.0.dist-info/licenses/LICENSE",
+        ] {
+            assert!(
+                listing.lines().any(|l| l == file),
+                "the wheel lacks {file}:\n{listing}"
+            );
+        }
+
+        // The environment imports the package it installed, and that carries the contract.
+        let installed = run(
+            Command::new(&python)
+                .args([
+                    "-c",
+                    "import os, turnstile_worker; print(os.path.dirname(turnstile_worker.__file__))",
+                ])
+                .current_dir(&project)
+                .env_remove("PYTHONPATH"),
+            "importing turnstile_worker from the fresh environment",
+        );
+        let installed = PathBuf::from(String::from_utf8_lossy(&installed.stdout).trim());
+        assert!(
+            installed.starts_with(project.join(".venv")),
+            "turnstile_worker came from {installed:?}, not the fresh environment"
+        );
+        assert_eq!(
+            std::fs::read(installed.join("protos/turnstile/v1/worker.proto")).unwrap(),
+            worker_proto(),
+            "the installed package's worker.proto is proto/turnstile/v1/worker.proto"
+        );
+
+        let greeter = readme_block(&readme, "A bot", "python");
+        std::fs::write(
+            project.join("greeter.py"),
+            replace_once(&greeter, "\"0.0.0.0:50061\"", "\"127.0.0.1:0\""),
+        )
+        .unwrap();
+        std::fs::write(project.join("moody.py"), MOODY).unwrap();
+        eprintln!(
+            "the Python SDK built and installed in {:.1?}",
+            started.elapsed()
+        );
+        PythonSdk {
+            sdk,
+            project,
+            python,
+        }
+    })
+}
+
+/// The TypeScript SDK as its README installs it, from a copy of `sdk/typescript`.
+struct NodeSdk {
+    /// The bot's project, `~/counter-bot`, compiled: the README's `counter.ts` as
+    /// `dist/counter.js`, the SDK's examples as `examples/counter.js` and
+    /// `dist/examples/counter.js`, this file's `moody.ts` as `dist/moody.js`.
+    project: PathBuf,
+}
+
+fn node_sdk() -> &'static NodeSdk {
+    static SDK: OnceLock<NodeSdk> = OnceLock::new();
+    SDK.get_or_init(|| {
+        let started = std::time::Instant::now();
+        let dir = scratch().join("typescript");
+        let sdk = dir.join("turnstile-worker");
+        copy_sdk("typescript", &sdk);
+        let readme = std::fs::read_to_string(sdk.join("README.md")).unwrap();
+        // npm's cache lives with the target directory, so that a second run needs no network.
+        let tools = support::tools::target_dir().join("tools");
+        let cache = tools.join("npm-cache");
+        let user_config = std::env::var_os("HOME")
+            .map(|home| PathBuf::from(home).join(".npmrc"))
+            .filter(|p| p.exists());
+        let mut npm_env: Vec<(&str, &Path)> = vec![
+            ("npm_config_cache", &cache),
+            ("npm_config_prefer_offline", Path::new("true")),
+            ("npm_config_audit", Path::new("false")),
+            ("npm_config_fund", Path::new("false")),
+            ("npm_config_update_notifier", Path::new("false")),
+        ];
+        // The user's npm configuration (a registry mirror, say) outlives the scratch HOME.
+        if let Some(config) = &user_config {
+            npm_env.push(("npm_config_userconfig", config));
+        }
+        let home = dir.join("home");
+        run_shell_block(
+            &readme_block(&readme, "Install", "sh"),
+            &sdk,
+            &home,
+            &npm_env,
+            "the TypeScript SDK README's install commands (need npm and the registry)",
+        );
+        let project = home.join("counter-bot");
+
+        // The tarball carries the build, the contract and the licence.
+        let tarball = sdk.join("turnstile-worker-0.1.0.tgz");
+        let listing = run(
+            Command::new("tar").arg("tzf").arg(&tarball),
+            "listing the tarball",
+        );
+        let listing = String::from_utf8_lossy(&listing.stdout);
+        for file in [
+            "package/dist/index.js",
+            "package/dist/index.d.ts",
+            "package/proto/turnstile/v1/worker.proto",
+            "package/LICENSE",
+            "package/README.md",
+        ] {
+            assert!(
+                listing.lines().any(|l| l == file),
+                "the tarball lacks {file}:\n{listing}"
+            );
+        }
+        let installed = project.join("node_modules/turnstile-worker");
+        assert!(
+            installed.is_dir() && !installed.is_symlink(),
+            "turnstile-worker is not installed from the tarball in {project:?}"
+        );
+        assert_eq!(
+            std::fs::read(installed.join("proto/turnstile/v1/worker.proto")).unwrap(),
+            worker_proto(),
+            "the installed package's worker.proto is proto/turnstile/v1/worker.proto"
+        );
+
+        std::fs::write(
+            project.join("tsconfig.json"),
+            readme_block(&readme, "A bot", "json"),
+        )
+        .unwrap();
+        let counter = readme_block(&readme, "A bot", "ts");
+        std::fs::write(
+            project.join("counter.ts"),
+            replace_once(&counter, "'0.0.0.0:50062'", "'127.0.0.1:0'"),
+        )
+        .unwrap();
+        std::fs::create_dir_all(project.join("examples")).unwrap();
+        for example in ["counter.ts", "counter.js"] {
+            std::fs::copy(
+                sdk.join("examples").join(example),
+                project.join("examples").join(example),
+            )
+            .unwrap();
+        }
+        std::fs::write(project.join("moody.ts"), MOODY_TS).unwrap();
+        let mut tsc = Command::new("npx");
+        tsc.arg("tsc").current_dir(&project);
+        for (name, value) in &npm_env {
+            tsc.env(name, value);
+        }
+        run(&mut tsc, "compiling the bots with the project's tsc");
+        eprintln!(
+            "the TypeScript SDK built and installed in {:.1?}",
+            started.elapsed()
+        );
+        NodeSdk { project }
+    })
+}
+
+/// The 1-based number of the one line of `code` that contains `needle`.
+fn line_of(code: &str, needle: &str) -> usize {
+    let lines: Vec<usize> = code
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| l.contains(needle))
+        .map(|(i, _)| i + 1)
+        .collect();
+    assert_eq!(lines.len(), 1, "`{needle}` should be on one line");
+    lines[0]
 }
 
 // --- worker processes -----------------------------------------------------------------------
@@ -61,27 +444,45 @@ struct WorkerProcess {
     stderr: Arc<Mutex<Vec<String>>>,
 }
 
+/// `python script args…` in the Python SDK's fresh environment, in the bot's project.
+fn python_command(script: &Path, args: &[&str]) -> Command {
+    let sdk = tokio::task::block_in_place(python_sdk);
+    let mut command = Command::new(&sdk.python);
+    command
+        .arg(script)
+        .args(args)
+        .current_dir(&sdk.project)
+        .env_remove("PYTHONPATH");
+    command
+}
+
+/// `node --enable-source-maps args…` in the TypeScript bot's project.
+fn node_command(args: &[&str]) -> Command {
+    let sdk = tokio::task::block_in_place(node_sdk);
+    let mut command = Command::new("node");
+    command
+        .arg("--enable-source-maps")
+        .args(args)
+        .current_dir(&sdk.project)
+        .env_remove("NODE_PATH");
+    command
+}
+
 impl WorkerProcess {
-    /// A Python worker: `python3 args…` with the SDK importable.
-    fn python(args: &[&str]) -> WorkerProcess {
-        let packages = tokio::task::block_in_place(python_packages);
-        let mut command = Command::new("python3");
-        command.args(args).env(
-            "PYTHONPATH",
-            format!("{}:{}", packages.display(), sdk("python").display()),
-        );
-        WorkerProcess::spawn(command)
+    /// A Python worker: `python script args…`.
+    fn python(script: &Path, args: &[&str]) -> WorkerProcess {
+        WorkerProcess::spawn(python_command(script, args))
     }
 
-    /// A Node worker: `node script` with the SDK's dependencies resolvable.
-    fn node(script: &Path) -> WorkerProcess {
-        let modules = tokio::task::block_in_place(node_modules);
-        let mut command = Command::new("node");
-        command
-            .arg(script)
-            .arg("127.0.0.1:0")
-            .env("NODE_PATH", modules);
-        WorkerProcess::spawn(command)
+    /// A Python worker serving this file's `moody.py`.
+    fn moody_py() -> WorkerProcess {
+        let project = &tokio::task::block_in_place(python_sdk).project;
+        WorkerProcess::python(&project.join("moody.py"), &[])
+    }
+
+    /// A Node worker: `node args…` in the TypeScript bot's project.
+    fn node(args: &[&str]) -> WorkerProcess {
+        WorkerProcess::spawn(node_command(args))
     }
 
     /// Starts `command` and waits (generously) for the line that says which port it serves on.
@@ -167,6 +568,23 @@ impl WorkerProcess {
             .count()
     }
 
+    /// Everything the worker has written to stderr so far.
+    fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().join("\n")
+    }
+
+    /// [`WorkerProcess::stderr`] once it contains `needle`, or after 30 s.
+    async fn stderr_settled(&self, needle: &str) -> String {
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            let stderr = self.stderr();
+            if stderr.contains(needle) || Instant::now() > until {
+                return stderr;
+            }
+            sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -181,9 +599,17 @@ impl Drop for WorkerProcess {
 
 /// A configuration hosting `name` as a remote bot served at `url`.
 fn remote(config: Config, name: &str, url: &str) -> Config {
+    remotes(config, &[(name, url)])
+}
+
+/// A configuration hosting each `(name, url)` as a remote bot.
+fn remotes(config: Config, bots: &[(&str, &str)]) -> Config {
     Config {
         remote_bots: RemoteBots {
-            bots: vec![format!("{name}={url}").parse().unwrap()],
+            bots: bots
+                .iter()
+                .map(|(name, url)| format!("{name}={url}").parse().unwrap())
+                .collect(),
             ..RemoteBots::default()
         },
         ..config
@@ -210,8 +636,8 @@ const RACE_TURNS: usize = 40;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_python_pizza_bot_never_acknowledges_a_lost_topping_over_three_replicas() {
-    let pizza = sdk("python/examples/pizza.py");
-    let worker = WorkerProcess::python(&[pizza.to_str().unwrap(), "127.0.0.1:0"]);
+    let sdk = tokio::task::block_in_place(python_sdk);
+    let worker = WorkerProcess::python(&sdk.sdk.join("examples/pizza.py"), &["127.0.0.1:0"]);
     let url = support::pg::fresh_database().await;
     let config = || remote(support::postgres_config(&url), "pizza-py", &worker.url());
     let (a, b, c) = tokio::join!(
@@ -328,7 +754,8 @@ async fn deliver_four_times(server: &TestServer, worker: &WorkerProcess, id: &st
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redelivery_is_answered_from_the_receipt_without_calling_the_typescript_worker() {
-    let worker = WorkerProcess::node(&sdk("typescript/examples/counter.js"));
+    // The counter of the SDK README's example.
+    let worker = WorkerProcess::node(&["dist/counter.js"]);
     // Without the state cache every attempt loads the receipt with the state: a redelivery never
     // reaches the worker.
     let uncached = Config {
@@ -378,7 +805,7 @@ async fn the_typescript_counter_survives_a_replica_sigkill_with_every_count_exac
         turn_bound: Duration::from_secs(20),
     };
     const VICTIM: usize = 1;
-    let worker = WorkerProcess::node(&sdk("typescript/examples/counter.js"));
+    let worker = WorkerProcess::node(&["dist/examples/counter.js", "127.0.0.1:0"]);
     let url = support::pg::fresh_database().await;
     // `counter` is the TypeScript worker here: it replaces the built-in counter bot.
     let remote_bots = format!("counter={}", worker.url());
@@ -447,12 +874,20 @@ async fn the_typescript_counter_survives_a_replica_sigkill_with_every_count_exac
 
 // --- failures: down, slow, raising ----------------------------------------------------------
 
-/// A Python worker whose bot `moody` counts every message, then fails as the text asks.
-const MOODY: &str = r#"
-import asyncio
+/// `moody.py`, a Python worker. Its bot `moody` counts every message, then fails as the text
+/// asks; `remember X` keeps X in the state without counting. Its bot `together` is a plain
+/// function that answers only once four of its turns are running at the same time.
+const MOODY: &str = r#"import asyncio
+import json
+import threading
+
 from turnstile_worker import Worker
 
 worker = Worker()
+
+# Lets its callers through only when four wait at once (else it breaks, after 20 s).
+TOGETHER = threading.Barrier(4, timeout=20)
+
 
 @worker.bot("moody")
 async def moody(turn):
@@ -462,20 +897,51 @@ async def moody(turn):
             await asyncio.sleep(3)
         turn.send(f"seen: {seen}")
         return
+    if turn.text.startswith("remember "):
+        turn.conversation["secret"] = turn.text[len("remember "):]
+        turn.send("remembered")
+        return
     count = turn.conversation.get("count", 0) + 1
     turn.conversation["count"] = count
     turn.send(f"count: {count}")
-    if turn.text == "boom":
-        raise ValueError("no pizza today")
+    if turn.text.startswith("boom"):
+        raise ValueError(f"no pizza today, with {dict(turn.conversation)} after {turn.text!r}")
+    if turn.text.startswith("parse"):
+        json.loads(turn.text)
     if turn.text == "slow":
         await asyncio.sleep(10)
+
+
+@worker.bot("together")
+def together(turn):
+    TOGETHER.wait()
+    turn.send("together")
+
 
 asyncio.run(worker.serve("127.0.0.1:0"))
 "#;
 
+/// `moody.ts`, the TypeScript twin of `moody.py`'s failing bot: `remember X` keeps X in the
+/// state; `parse…` fails inside `JSON.parse`; anything else throws.
+const MOODY_TS: &str = r#"import { Worker, type Turn } from 'turnstile-worker';
+
+function moody(turn: Turn): void {
+  if (turn.text.startsWith('remember ')) {
+    turn.conversation.secret = turn.text.slice('remember '.length);
+    turn.send('remembered');
+    return;
+  }
+  turn.conversation.count = Number(turn.conversation.count ?? 0) + 1;
+  if (turn.text.startsWith('parse')) JSON.parse(turn.text);
+  throw new TypeError(`no pizza today, with ${JSON.stringify(turn.conversation)} after ${turn.text}`);
+}
+
+new Worker().bot('moody', moody).serve(process.argv[2] ?? '127.0.0.1:0');
+"#;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_raising_slow_or_down_fails_the_turn_with_its_status_and_commits_nothing() {
-    let mut worker = WorkerProcess::python(&["-c", MOODY]);
+    let mut worker = WorkerProcess::moody_py();
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let server = TestServer::start_with_store(
         remote(Config::default(), "moody", &worker.url()),
@@ -491,11 +957,12 @@ async fn a_worker_raising_slow_or_down_fails_the_turn_with_its_status_and_commit
         .unwrap_err();
     assert_eq!(raised.code(), Code::Internal, "{raised:?}");
     assert_eq!(reason(&raised), "BOT_FAILED");
+    let line = line_of(MOODY, "raise ValueError(");
     assert!(
         raised.message().contains("bot worker `moody` failed")
             && raised
                 .message()
-                .contains("raised ValueError: no pizza today"),
+                .contains(&format!("raised ValueError in moody (moody.py:{line})")),
         "the message names the worker and the problem: {raised:?}"
     );
 
@@ -539,7 +1006,7 @@ async fn a_worker_raising_slow_or_down_fails_the_turn_with_its_status_and_commit
 
     // The worker back (on another port, so through another server over the same store): the
     // turn that found it down had committed nothing.
-    let back = WorkerProcess::python(&["-c", MOODY]);
+    let back = WorkerProcess::moody_py();
     let other = TestServer::start_with_store(
         remote(Config::default(), "moody", &back.url()),
         Arc::clone(&store),
@@ -579,7 +1046,7 @@ async fn a_worker_raising_slow_or_down_fails_the_turn_with_its_status_and_commit
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_python_turn_that_only_read_a_scope_is_replayed_when_it_moved() {
-    let worker = WorkerProcess::python(&["-c", MOODY]);
+    let worker = WorkerProcess::moody_py();
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let start = || {
         TestServer::start_with_store(
@@ -619,6 +1086,229 @@ async fn a_python_turn_that_only_read_a_scope_is_replayed_when_it_moved() {
         "the SDK reported the read, so the stale answer was replayed"
     );
     assert_eq!(worker.calls_settled("peek-1", 2).await, [1, 2]);
+}
+
+// --- bot errors: the whole story in the worker's log, the place in the status ----------------
+
+/// Kept in the state before the failing turn: the failure's status must not show it.
+const SECRET_STATE: &str = "sesame-4217";
+/// Said in the failing turn: the failure's status must not show it either.
+const SECRET_TEXT: &str = "said the cat";
+
+/// Has `moody` (served by `worker`) remember [`SECRET_STATE`], then sends it `{failing}
+/// {SECRET_TEXT}`, which fails in the bot with an error whose message quotes both. Returns that
+/// turn's status, checked to be `INTERNAL`, `BOT_FAILED`, and to quote neither.
+async fn fail_with_secrets(worker: &WorkerProcess, failing: &str) -> Status {
+    let server = TestServer::start(
+        remote(Config::default(), "moody", &worker.url()),
+        turnstile::bots::samples(),
+    )
+    .await;
+    let mut client = server.client().await;
+    let conversation = format!("secrets-{failing}");
+    let remembered = client
+        .process_turn(to_bot(
+            "moody",
+            &conversation,
+            &format!("{failing}-remember"),
+            &format!("remember {SECRET_STATE}"),
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(texts(&remembered), ["remembered"]);
+    let status = client
+        .process_turn(to_bot(
+            "moody",
+            &conversation,
+            &format!("{failing}-fail"),
+            &format!("{failing} {SECRET_TEXT}"),
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Internal, "{status:?}");
+    assert_eq!(reason(&status), "BOT_FAILED", "{status:?}");
+    let shown = format!(
+        "{} {}",
+        status.message(),
+        String::from_utf8_lossy(status.details())
+    );
+    for secret in [SECRET_STATE, SECRET_TEXT, "no pizza today"] {
+        assert!(
+            !shown.contains(secret),
+            "the status quotes the error's message ({secret:?}): {status:?}"
+        );
+    }
+    status
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_bot_error_is_logged_whole_and_named_by_its_place_without_the_state() {
+    let worker = WorkerProcess::moody_py();
+    let project = &tokio::task::block_in_place(python_sdk).project;
+
+    let raise = line_of(MOODY, "raise ValueError(");
+    let status = fail_with_secrets(&worker, "boom").await;
+    assert!(
+        status.message().contains(&format!(
+            "bot worker `moody` failed: Internal: the bot raised ValueError in moody (moody.py:{raise})"
+        )),
+        "the status names the exception, the function, the file and the line: {status:?}"
+    );
+    // The worker's log has the traceback, message and all.
+    let frame = format!(
+        "File \"{}\", line {raise}, in moody",
+        project.join("moody.py").display()
+    );
+    let log = worker.stderr_settled(&frame).await;
+    assert!(
+        log.contains("bot 'moody' failed on activity boom-fail (attempt 1)")
+            && log.contains("Traceback (most recent call last):")
+            && log.contains(&frame)
+            && log.contains(&format!(
+                "ValueError: no pizza today, with {{'secret': '{SECRET_STATE}'"
+            )),
+        "the worker's log has the whole traceback:\n{log}"
+    );
+
+    // Raised inside a library: its place, then the bot's own line that called it.
+    let parse = line_of(MOODY, "json.loads(");
+    let status = fail_with_secrets(&worker, "parse").await;
+    assert!(
+        status
+            .message()
+            .contains("the bot raised JSONDecodeError in ")
+            && status
+                .message()
+                .contains(&format!(", called from moody (moody.py:{parse})")),
+        "{status:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_typescript_bot_error_is_logged_whole_and_named_by_its_place_without_the_state() {
+    let worker = WorkerProcess::node(&["dist/moody.js", "127.0.0.1:0"]);
+    let project = &tokio::task::block_in_place(node_sdk).project;
+
+    // Source maps on, so both name lines of moody.ts, not of the compiled moody.js.
+    let throw = line_of(MOODY_TS, "throw new TypeError(");
+    let status = fail_with_secrets(&worker, "boom").await;
+    assert!(
+        status.message().contains(&format!(
+            "bot worker `moody` failed: Internal: the bot threw TypeError in moody (moody.ts:{throw}:"
+        )),
+        "the status names the error, the function, the file and the line: {status:?}"
+    );
+    let frame = format!("at moody ({}:{throw}:", project.join("moody.ts").display());
+    let log = worker.stderr_settled(&frame).await;
+    assert!(
+        log.contains("bot 'moody' failed on activity boom-fail (attempt 1)")
+            && log.contains(&frame)
+            && log.contains(&format!(
+                "TypeError: no pizza today, with {{\"secret\":\"{SECRET_STATE}\""
+            )),
+        "the worker's log has the whole stack:\n{log}"
+    );
+
+    // Thrown inside a dependency: its place, then the bot's own line that called it.
+    let parse = line_of(MOODY_TS, "JSON.parse(");
+    let status = fail_with_secrets(&worker, "parse").await;
+    assert!(
+        status.message().contains(&format!(
+            "the bot threw SyntaxError in JSON.parse (<anonymous>), called from moody (moody.ts:{parse}:"
+        )),
+        "{status:?}"
+    );
+}
+
+// --- the Python SDK runs plain handlers off its event loop -----------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_plain_python_handler_that_blocks_holds_up_no_other_turn() {
+    let worker = WorkerProcess::moody_py();
+    let server = TestServer::start(
+        remote(Config::default(), "together", &worker.url()),
+        turnstile::bots::samples(),
+    )
+    .await;
+    let client = server.client().await;
+    // `together` blocks its thread until four of its turns are in it at once: they all pass only
+    // if the worker runs four plain handlers at the same time. Run on the event loop, the first
+    // would block it, the others would never start, and the barrier would break.
+    let turns = (0..4).map(|i| {
+        let mut client = client.clone();
+        tokio::spawn(async move {
+            let conversation = format!("together-{i}");
+            client
+                .process_turn(to_bot("together", &conversation, &conversation, "hi"))
+                .await
+        })
+    });
+    for (i, turn) in turns.collect::<Vec<_>>().into_iter().enumerate() {
+        let answer = turn
+            .await
+            .unwrap()
+            .unwrap_or_else(|s| panic!("turn {i} did not run beside the others: {s:?}"))
+            .into_inner();
+        assert_eq!(texts(&answer), ["together"]);
+    }
+}
+
+// --- the READMEs' bots and the examples, as their users run them ----------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_bots_and_the_examples_answer_as_written() {
+    let python = tokio::task::block_in_place(python_sdk);
+    let greeter = WorkerProcess::python(&python.project.join("greeter.py"), &[]);
+    let counter_py =
+        WorkerProcess::python(&python.sdk.join("examples/counter.py"), &["127.0.0.1:0"]);
+    let counter_ts = WorkerProcess::node(&["dist/counter.js"]);
+    let mut counter_js = node_command(&["examples/counter.js", "127.0.0.1:0"]);
+    counter_js.env("BOT_NAME", "counter-js");
+    let counter_js = WorkerProcess::spawn(counter_js);
+    let server = TestServer::start(
+        remotes(
+            Config::default(),
+            &[
+                ("greeter", &greeter.url()),
+                ("counter-py", &counter_py.url()),
+                ("counter", &counter_ts.url()),
+                ("counter-js", &counter_js.url()),
+            ],
+        ),
+        turnstile::bots::samples(),
+    )
+    .await;
+    let mut client = server.client().await;
+    for n in 1..=2 {
+        let greeted = client
+            .process_turn(to_bot(
+                "greeter",
+                "readme-greeter",
+                &format!("greet-{n}"),
+                "hi",
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            texts(&greeted),
+            [format!("Hello alice, message {n} from you.")]
+        );
+        for bot in ["counter-py", "counter", "counter-js"] {
+            let counted = client
+                .process_turn(to_bot(
+                    bot,
+                    &format!("readme-{bot}"),
+                    &format!("{bot}-{n}"),
+                    "hi",
+                ))
+                .await
+                .unwrap_or_else(|s| panic!("{bot}: {s:?}"))
+                .into_inner();
+            assert_eq!(texts(&counted), [format!("count: {n}")], "{bot}");
+        }
+    }
 }
 
 // --- failures: garbage and oversized answers; replays on conflict (a worker in Rust) ---------
