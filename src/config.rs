@@ -813,6 +813,37 @@ mod server_flags {
     }
 
     #[test]
+    fn the_gateway_bot_may_be_any_hosted_bot_a_workers_included() {
+        let grpc: SocketAddr = "127.0.0.1:50051".parse().expect("address");
+        let listen: SocketAddr = "127.0.0.1:3978".parse().expect("address");
+        let args = |extra: &[&str]| {
+            Cli::try_parse_from(std::iter::once("turnstile").chain(extra.iter().copied()))
+                .expect("valid arguments")
+                .serve
+        };
+        let default = args(&[]).embedded_gateway(grpc, listen).expect("the default");
+        assert_eq!(default.bot, "");
+        let counter = args(&["--gateway-bot", "counter"])
+            .embedded_gateway(grpc, listen)
+            .expect("a sample bot");
+        assert_eq!(counter.bot, "counter");
+        let worker = args(&[
+            "--remote-bot",
+            "pizza-py=http://127.0.0.1:50061",
+            "--gateway-bot",
+            "pizza-py",
+        ])
+        .embedded_gateway(grpc, listen)
+        .expect("a worker's bot");
+        assert_eq!(worker.bot, "pizza-py");
+        let unknown = args(&["--gateway-bot", "pizza-py"])
+            .embedded_gateway(grpc, listen)
+            .expect_err("no such worker")
+            .to_string();
+        assert!(unknown.contains("`pizza-py` is not hosted"), "{unknown}");
+    }
+
+    #[test]
     fn the_in_flight_limit_is_derived_from_the_pool_unless_set() {
         assert_eq!(serve_config(&[]).max_in_flight(), MEMORY_MAX_IN_FLIGHT);
         let pooled = serve_config(&["--database-url", "postgres://x/y", "--pool-size", "16"]);
