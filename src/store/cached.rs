@@ -14,6 +14,11 @@
 //! when the caller allows it ([`Consistency::Guess`]): the engine's replay follows a guess that
 //! was wrong, and reads the store.
 //!
+//! It also remembers the receipts this replica committed, so that a redelivery of an activity it
+//! answered — a channel's resend that queued here behind the turn it repeats, say — is not
+//! guessed past: its load reads the store, finds the receipt and answers from it, instead of
+//! running the bot again only for its commit to meet the receipt.
+//!
 //! Bounded with two generations: entries go into the young map; when it fills, it becomes the old
 //! map and the previous old map is dropped. A hit in the old map moves the entry back. That is a
 //! cheap approximation of least-recently-used that never scans.
@@ -44,6 +49,9 @@ pub(crate) struct StateCache {
 struct Generations {
     young: KeyMap<Entry>,
     old: KeyMap<Entry>,
+    /// Receipts committed here, in two generations of their own.
+    receipts: KeyMap<()>,
+    old_receipts: KeyMap<()>,
 }
 
 impl StateCache {
@@ -60,12 +68,17 @@ impl StateCache {
         self.generation > 0
     }
 
-    /// A snapshot of `keys` if every one of them is cached.
-    pub(crate) fn snapshot(&self, keys: &[StateKey]) -> Option<Snapshot> {
+    /// A snapshot of `keys` if every one of them is cached, for a turn whose receipt is
+    /// `receipt`: none when this replica committed that receipt, since the turn is then a
+    /// redelivery that only the store's receipt can answer.
+    pub(crate) fn snapshot(&self, keys: &[StateKey], receipt: &StateKey) -> Option<Snapshot> {
         if self.generation == 0 {
             return None;
         }
         let mut maps = self.lock();
+        if maps.receipts.contains_key(receipt) || maps.old_receipts.contains_key(receipt) {
+            return None;
+        }
         let mut rows = KeyMap::with_capacity_and_hasher(keys.len(), KeyHasher::default());
         for key in keys {
             let entry = match maps.young.get(key) {
@@ -100,6 +113,18 @@ impl StateCache {
         maps.old.remove(&key);
         maps.young.insert(key, entry);
         self.rotate(&mut maps);
+    }
+
+    /// Remembers that this replica committed `receipt`.
+    pub(crate) fn remember_receipt(&self, receipt: StateKey) {
+        if self.generation == 0 {
+            return;
+        }
+        let mut maps = self.lock();
+        maps.receipts.insert(receipt, ());
+        if maps.receipts.len() >= self.generation {
+            maps.old_receipts = mem::take(&mut maps.receipts);
+        }
     }
 
     /// Forgets `keys`, whose cached rows proved stale or uncertain.
@@ -175,10 +200,11 @@ impl<S: Store> Store for CachedStore<S> {
     ) -> Result<Snapshot, StoreError> {
         // A guess only for a load whose turn will commit (it asks for a receipt, which its
         // commit creates), since only the commit can tell a stale guess.
-        if consistency == Consistency::Guess && receipt.is_some() {
-            if let Some(snapshot) = self.cache.snapshot(keys) {
-                return Ok(snapshot);
-            }
+        if consistency == Consistency::Guess
+            && let Some(receipt) = receipt
+            && let Some(snapshot) = self.cache.snapshot(keys, receipt)
+        {
+            return Ok(snapshot);
         }
         let snapshot = self.inner.load(keys, receipt).await?;
         if self.cache.is_enabled() {
@@ -295,6 +321,7 @@ impl<S> CachedStore<S> {
 struct Written {
     keys: Vec<StateKey>,
     rows: Vec<(StateKey, Version, Arc<JsonMap>)>,
+    receipt: Option<StateKey>,
 }
 
 impl Written {
@@ -306,6 +333,7 @@ impl Written {
                 .iter()
                 .filter_map(|c| Some((c.key.clone(), c.version_after()?, c.write.clone()?)))
                 .collect(),
+            receipt: commit.receipt().map(|(key, _)| key.clone()),
         }
     }
 
@@ -323,6 +351,9 @@ impl Written {
             {
                 for (key, version, state) in self.rows {
                     cache.remember(key, Some(Versioned { state, version }));
+                }
+                if let Some(receipt) = self.receipt {
+                    cache.remember_receipt(receipt);
                 }
             }
             // A conflict proves the guess stale; an error leaves the rows uncertain.
@@ -375,16 +406,21 @@ mod tests {
     fn a_snapshot_needs_every_key_and_keeps_absent_ones_absent() {
         let cache = StateCache::new(100);
         cache.remember(key(1), row(3));
-        assert!(cache.snapshot(&[key(1), key(2)]).is_none(), "key 2 unknown");
+        assert!(
+            cache.snapshot(&[key(1), key(2)], &key(99)).is_none(),
+            "key 2 unknown"
+        );
         cache.remember(key(2), None);
-        let snapshot = cache.snapshot(&[key(1), key(2)]).expect("both known");
+        let snapshot = cache
+            .snapshot(&[key(1), key(2)], &key(99))
+            .expect("both known");
         assert_eq!(
             snapshot.get(&key(1)).map(|r| r.version),
             Some(Version::new(3))
         );
         assert!(snapshot.get(&key(2)).is_none());
         cache.forget([&key(1)]);
-        assert!(cache.snapshot(&[key(1)]).is_none());
+        assert!(cache.snapshot(&[key(1)], &key(99)).is_none());
     }
 
     #[test]
@@ -394,7 +430,7 @@ mod tests {
             cache.remember(key(n), row(1));
             // Key 0 is used all the time and survives every rotation.
             assert!(
-                cache.snapshot(&[key(0)]).is_some(),
+                cache.snapshot(&[key(0)], &key(99)).is_some(),
                 "lost the hot key at {n}"
             );
         }
@@ -402,9 +438,32 @@ mod tests {
     }
 
     #[test]
+    fn a_receipt_committed_here_is_never_guessed_past() {
+        let cache = StateCache::new(100);
+        cache.remember(key(1), row(3));
+        assert!(cache.snapshot(&[key(1)], &key(50)).is_some());
+        cache.remember_receipt(key(50));
+        assert!(
+            cache.snapshot(&[key(1)], &key(50)).is_none(),
+            "a redelivery reads the store, where its receipt answers it"
+        );
+        assert!(
+            cache.snapshot(&[key(1)], &key(51)).is_some(),
+            "another turn guesses"
+        );
+        for n in 0..200 {
+            cache.remember_receipt(key(1000 + n));
+        }
+        assert!(
+            cache.snapshot(&[key(1)], &key(50)).is_some(),
+            "receipts are bounded like the rows"
+        );
+    }
+
+    #[test]
     fn capacity_zero_disables_it() {
         let cache = StateCache::new(0);
         cache.remember(key(1), row(1));
-        assert!(cache.snapshot(&[key(1)]).is_none());
+        assert!(cache.snapshot(&[key(1)], &key(99)).is_none());
     }
 }

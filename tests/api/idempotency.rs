@@ -172,3 +172,73 @@ async fn one_replica_queues_its_own_turns_instead_of_conflicting() {
     let expected: Vec<String> = (1..=40).map(|n| format!("count: {n}")).collect();
     assert_eq!(counts, expected);
 }
+
+/// The counter bot, counting its runs; a run of a message `hold` waits for a permit first.
+struct RunCounting {
+    runs: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    gate: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+#[async_trait]
+impl Bot for RunCounting {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if turn.text() == "hold" {
+            self.gate.acquire().await?.forget();
+        }
+        CounterBot.on_turn(turn).await
+    }
+}
+
+/// A channel's resend reaching the replica that holds the conversation in its state cache —
+/// after the first delivery committed, or while it still runs (it queues behind it) — is
+/// answered from the receipt without running the bot again: the cache never guesses past a
+/// receipt this replica committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resend_to_the_replica_that_committed_it_does_not_run_the_bot_again() {
+    let url = support::pg::fresh_database().await;
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let bots = BotRegistry::new(
+        "counter",
+        RunCounting {
+            runs: std::sync::Arc::clone(&runs),
+            gate: std::sync::Arc::clone(&gate),
+        },
+    );
+    let server = TestServer::start(postgres_config(&url), bots).await;
+    let mut client = server.client().await;
+    let ran = || runs.load(std::sync::atomic::Ordering::SeqCst);
+
+    // Cached: the conversation's state after a first turn.
+    send(&mut client, with_id("warm")).await;
+    let first = send(&mut client, with_id("again")).await;
+    let resent = send(&mut client, with_id("again")).await;
+    assert!(resent.redelivered);
+    assert_eq!(resent.activities, first.activities);
+    assert_eq!(ran(), 2, "the resend did not run the bot");
+
+    // A resend while the first delivery still runs queues behind it, then is answered.
+    let hold = pb::Activity {
+        text: Some("hold".into()),
+        ..with_id("long")
+    };
+    let mut first_client = client.clone();
+    let first_hold = hold.clone();
+    let running = tokio::spawn(async move { send(&mut first_client, first_hold).await });
+    while ran() < 3 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut resend_client = client.clone();
+    let resend = tokio::spawn(async move { send(&mut resend_client, hold).await });
+    // The resend is queued behind the running turn; let the first finish.
+    gate.add_permits(1);
+    let first = running.await.unwrap();
+    let resend = resend.await.unwrap();
+    assert!(!first.redelivered);
+    assert!(resend.redelivered);
+    assert_eq!(resend.activities, first.activities);
+    assert_eq!(ran(), 3, "the bot ran once for `long`");
+    let next = send(&mut client, with_id("next")).await;
+    assert_eq!(texts(&next), ["count: 4"]);
+}
