@@ -366,8 +366,12 @@ async fn prune_receipts(store: Arc<dyn Store>, retention: Duration) {
     loop {
         ticks.tick().await;
         match store.prune_receipts(retention).await {
-            Ok(0) => {}
-            Ok(pruned) => tracing::debug!(pruned, "pruned expired turn receipts"),
+            Ok(pruned) => {
+                crate::telemetry::metrics::receipts_pruned(pruned);
+                if pruned > 0 {
+                    tracing::debug!(pruned, "pruned expired turn receipts");
+                }
+            }
             Err(e) => tracing::warn!(error = %e, "pruning turn receipts failed; will retry"),
         }
     }

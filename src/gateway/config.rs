@@ -37,6 +37,14 @@ pub struct GatewayArgs {
         default_value = "127.0.0.1:3978"
     )]
     pub listen: SocketAddr,
+    /// Address of a plain-HTTP `GET /metrics` endpoint (Prometheus text), e.g. `0.0.0.0:9091`:
+    /// a port of its own, apart from the one channels reach. None when unset.
+    #[arg(
+        long,
+        env = "TURNSTILE_GATEWAY_METRICS_LISTEN",
+        help_heading = "Listen"
+    )]
+    pub metrics_listen: Option<SocketAddr>,
     /// The Turnstile server whose `TurnService` runs the turns.
     #[arg(
         help_heading = "Turnstile server",

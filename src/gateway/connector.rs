@@ -211,6 +211,7 @@ impl Connector {
                     }
                     let wait = retry_after(&response).unwrap_or(delay);
                     tracing::warn!(%status, attempt, "the channel refused a reply; retrying");
+                    super::metrics::delivery_retried("refused");
                     tokio::time::sleep(wait.min(self.policy.max_delay)).await;
                 }
                 Err(source) => {
@@ -221,6 +222,7 @@ impl Connector {
                         });
                     }
                     tracing::warn!(error = %source, attempt, "the channel is unreachable; retrying");
+                    super::metrics::delivery_retried("unreachable");
                     tokio::time::sleep(delay).await;
                 }
             }

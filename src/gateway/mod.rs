@@ -20,11 +20,16 @@
 //! Beside it, in development or with a Direct Line secret, [`directline`] serves Direct Line 3.0
 //! for Web Chat, through the same `ProcessTurn` call, and `/` serves a small chat page that uses
 //! it.
+//!
+//! For the platform: `/healthz` and `/readyz` ([`health`]) on the same port, and `/metrics`
+//! ([`metrics`]) on a port of its own, never the one an Ingress publishes.
 
 pub mod auth;
 pub mod config;
 pub mod connector;
 pub mod directline;
+pub mod health;
+pub mod metrics;
 mod page;
 pub mod turns;
 
@@ -55,6 +60,24 @@ const EMULATOR_CHANNEL: &str = "emulator";
 /// `deliveryMode` asking for the replies in the HTTP response.
 const EXPECT_REPLIES: &str = "expectReplies";
 
+/// The sockets a gateway answers on.
+#[derive(Debug)]
+pub struct Listeners {
+    /// The Bot Framework endpoint, Direct Line, the chat page and the probes.
+    pub http: TcpListener,
+    /// Plain HTTP `GET /metrics` in Prometheus text format; no metrics endpoint when `None`.
+    pub metrics: Option<TcpListener>,
+}
+
+impl From<TcpListener> for Listeners {
+    fn from(http: TcpListener) -> Self {
+        Self {
+            http,
+            metrics: None,
+        }
+    }
+}
+
 /// Why the gateway could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
@@ -67,6 +90,9 @@ pub enum GatewayError {
     /// Serving HTTP failed.
     #[error("serving HTTP failed")]
     Serve(#[source] std::io::Error),
+    /// The metrics recorder could not be installed.
+    #[error(transparent)]
+    Metrics(#[from] crate::telemetry::metrics::MetricsError),
 }
 
 /// Everything a call needs, shared by all calls.
@@ -77,16 +103,38 @@ struct Gateway {
     connector: Connector,
 }
 
-/// Serves `POST /api/messages` on `listener` until `shutdown` completes, then finishes the calls
-/// in flight (their turns and deliveries) and returns.
+/// Serves `POST /api/messages` on `listeners.http` (and `/metrics` on `listeners.metrics`) until
+/// `shutdown` completes, then finishes the calls in flight (their turns and deliveries) and
+/// returns.
 ///
 /// # Errors
 /// [`GatewayError`] when the configuration is unusable or serving fails.
 pub async fn serve(
     config: GatewayConfig,
-    listener: TcpListener,
+    listeners: impl Into<Listeners>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), GatewayError> {
+    let Listeners {
+        http: listener,
+        metrics: metrics_listener,
+    } = listeners.into();
+    // Scrapes go on while the calls in flight finish, and end with them.
+    let metrics_stop = Arc::new(tokio::sync::Notify::new());
+    let scrapes = match metrics_listener {
+        Some(metrics_listener) => {
+            let handle = crate::telemetry::metrics::recorder()?;
+            metrics::describe();
+            tracing::info!(address = ?metrics_listener.local_addr().ok(), "serving /metrics");
+            let stop = Arc::clone(&metrics_stop);
+            let app = crate::telemetry::metrics::routes(handle);
+            Some(tokio::spawn(async move {
+                axum::serve(metrics_listener, app)
+                    .with_graceful_shutdown(async move { stop.notified().await })
+                    .await
+            }))
+        }
+        None => None,
+    };
     let http = reqwest::Client::builder()
         .timeout(std::time::Duration::from_secs(10))
         .build()
@@ -104,6 +152,7 @@ pub async fn serve(
         );
     }
     let turns = Turns::new(&config)?;
+    let readiness = Arc::new(health::Readiness::new(&config).map_err(TurnsError::from)?);
     let direct_line = config.direct_line_enabled().then(|| {
         Arc::new(directline::DirectLine::new(
             config.direct_line_secrets.clone(),
@@ -139,6 +188,10 @@ pub async fn serve(
             "Direct Line is off: MicrosoftAppId is set and no DirectLineSecret is configured"
         ),
     }
+    // Last, so that every route and the fallback (`_OTHER`) are counted; but the probes.
+    let app = app
+        .merge(health::routes(readiness))
+        .layer(axum::middleware::from_fn(metrics::track));
     tracing::info!(address = ?listener.local_addr().ok(), "serving the Bot Framework endpoint");
     let shutdown = async move {
         shutdown.await;
@@ -148,10 +201,19 @@ pub async fn serve(
             direct_line.stop();
         }
     };
-    axum::serve(listener, app)
+    let served = axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
-        .map_err(GatewayError::Serve)?;
+        .map_err(GatewayError::Serve);
+    metrics_stop.notify_one();
+    if let Some(scrapes) = scrapes {
+        match scrapes.await {
+            Ok(Err(e)) => tracing::warn!(error = %e, "serving /metrics failed"),
+            Err(e) => tracing::warn!(error = %e, "the /metrics task failed"),
+            Ok(Ok(())) => {}
+        }
+    }
+    served?;
     tracing::info!("gateway stopped");
     Ok(())
 }
@@ -291,7 +353,14 @@ impl Gateway {
                 conversation_id,
                 reply_to_id: reply.reply_to_id.as_deref(),
             };
-            self.connector.send(to, json).await?;
+            let sent = self.connector.send(to, json).await;
+            metrics::delivery(match &sent {
+                Ok(()) => "delivered",
+                Err(DeliveryError::Refused { .. }) => "refused",
+                Err(DeliveryError::Unreachable { .. }) => "unreachable",
+                Err(DeliveryError::Token { .. }) => "no_token",
+            });
+            sent?;
         }
         Ok(())
     }

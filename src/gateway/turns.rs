@@ -12,6 +12,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
 
 use super::config::{GatewayConfig, Secret};
+use super::metrics;
 use crate::grpc::affinity::{CONVERSATION_METADATA, conversation_value};
 use crate::grpc::client::{self, ClientError};
 use crate::grpc::pb;
@@ -102,13 +103,20 @@ impl Turns {
                     .insert(CONVERSATION_METADATA, affinity.clone());
             }
             match self.client.clone().process_turn(request).await {
-                Ok(response) => return Ok(response.into_inner()),
+                Ok(response) => {
+                    metrics::turn(Code::Ok);
+                    return Ok(response.into_inner());
+                }
                 Err(status) if retryable(status.code()) && remaining > backoff * 2 => {
                     tracing::info!(code = ?status.code(), "turn not committed; retrying");
+                    metrics::turn_retried(status.code());
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                 }
-                Err(status) => return Err(status),
+                Err(status) => {
+                    metrics::turn(status.code());
+                    return Err(status);
+                }
             }
         }
     }

@@ -17,7 +17,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use tokio::sync::Notify;
 
-use super::error::Refusal;
+use super::error::{Reason, Refusal};
+use crate::telemetry::metrics::REFUSALS;
 
 /// Shared between the handler and the server: whether we are draining, and the turns in flight.
 #[derive(Debug)]
@@ -26,6 +27,9 @@ pub struct Drain {
     in_flight: AtomicUsize,
     max_in_flight: usize,
     idle: Notify,
+    /// [`REFUSALS`] by reason, taken once: a replica sheds load fastest when refusing is cheap.
+    overloaded: metrics::Counter,
+    shutting_down: metrics::Counter,
 }
 
 /// One turn in flight; dropping it ends the turn's part in the drain.
@@ -40,6 +44,8 @@ impl Drain {
             in_flight: AtomicUsize::new(0),
             max_in_flight,
             idle: Notify::new(),
+            overloaded: metrics::counter!(REFUSALS, "reason" => Reason::Overloaded.as_str()),
+            shutting_down: metrics::counter!(REFUSALS, "reason" => Reason::ShuttingDown.as_str()),
         })
     }
 
@@ -55,9 +61,11 @@ impl Drain {
         let before = self.in_flight.fetch_add(1, Ordering::SeqCst);
         let turn = InFlight(Arc::clone(self));
         if self.draining.load(Ordering::SeqCst) {
+            self.shutting_down.increment(1);
             return Err(Refusal::ShuttingDown);
         }
         if before >= self.max_in_flight {
+            self.overloaded.increment(1);
             return Err(Refusal::Overloaded {
                 limit: self.max_in_flight,
             });

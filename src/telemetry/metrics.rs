@@ -4,11 +4,17 @@
 //! The engine and the gRPC layer record through the `metrics` facade's macros; this module
 //! installs the one process-wide recorder that collects them and answers `GET /metrics`. A
 //! recorder can be installed only once per process, so every server in a process (tests start
-//! several) shares it. The HTTP side is axum (already in the tree through tonic): one route,
-//! read-only, so that request parsing is left to a maintained HTTP implementation.
+//! several) shares it, and so does the gateway (`turnstile gateway --metrics-listen`). The HTTP
+//! side is axum (already in the tree through tonic): one route, read-only, so that request
+//! parsing is left to a maintained HTTP implementation.
+//!
+//! What only a scrape reads is sampled by the scrape, not kept up to date on the turns' path:
+//! the connection pool's gauges and the process's own `process_*` metrics (CPU, memory, file
+//! descriptors, from `/proc` through `metrics-process`).
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, SystemTime};
 
 use axum::Router;
 use axum::extract::State;
@@ -41,6 +47,14 @@ pub const REDELIVERIES: &str = "turnstile_redeliveries_total";
 pub const LOCK_WAITS: &str = "turnstile_lock_waits_total";
 /// Always 1, labelled with the running `version`: joins other series to the build that made them.
 pub const BUILD_INFO: &str = "turnstile_build_info";
+/// Turns refused before they started, by `reason` as in the refusal's `ErrorInfo`
+/// (`OVERLOADED`: past `--max-in-flight`; `SHUTTING_DOWN`: draining).
+pub const REFUSALS: &str = "turnstile_refusals_total";
+/// Expired receipts deleted by the pruner.
+pub const RECEIPTS_PRUNED: &str = "turnstile_receipts_pruned_total";
+/// When (Unix seconds) a pruning pass last left no expired receipt behind. Far behind `time()`,
+/// expired receipts pile up: pruning fails or cannot keep up.
+pub const RECEIPTS_PRUNED_AT: &str = "turnstile_receipts_pruned_timestamp_seconds";
 
 /// Latency buckets, in seconds: from a cached turn (sub-millisecond) to the store's call timeout.
 const SECONDS_BUCKETS: &[f64] = &[
@@ -79,6 +93,7 @@ pub fn recorder() -> Result<PrometheusHandle, MetricsError> {
                 .and_then(PrometheusBuilder::install_recorder)
                 .map_err(|e| e.to_string())?;
             describe();
+            process().describe();
             metrics::gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
             Ok(handle)
         })
@@ -107,11 +122,33 @@ fn describe() {
         "Conversation locks and leases asked for, by outcome"
     );
     describe_gauge!(BUILD_INFO, "1, labelled with the running version");
+    describe_counter!(REFUSALS, "Turns refused before they started, by reason");
+    describe_counter!(RECEIPTS_PRUNED, "Expired receipts deleted");
+    describe_gauge!(
+        RECEIPTS_PRUNED_AT,
+        Unit::Seconds,
+        "When a pruning pass last left no expired receipt behind (Unix time)"
+    );
     describe_histogram!(
         super::rpc::RPC_SERVER_DURATION,
         Unit::Seconds,
         "Wall time of one gRPC call on the server, by service, method and status code"
     );
+}
+
+/// The collector of the `process_*` metrics, one per process like the recorder.
+fn process() -> &'static metrics_process::Collector {
+    static COLLECTOR: OnceLock<metrics_process::Collector> = OnceLock::new();
+    COLLECTOR.get_or_init(metrics_process::Collector::default)
+}
+
+/// Records a pruning pass that deleted `pruned` expired receipts and left none behind.
+pub fn receipts_pruned(pruned: u64) {
+    metrics::counter!(RECEIPTS_PRUNED).increment(pruned);
+    let now = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO);
+    metrics::gauge!(RECEIPTS_PRUNED_AT).set(now.as_secs_f64());
 }
 
 /// Answers `GET /metrics` on `listener` with `handle`'s rendering, sampling `store`'s connection
@@ -128,21 +165,38 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let app = Router::new()
         .route("/metrics", get(scrape))
-        .with_state(Scrape { handle, store });
+        .with_state(Scrape {
+            handle,
+            store: Some(store),
+        });
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+/// `GET /metrics` with `handle`'s rendering, for a process without a store (the gateway).
+pub fn routes(handle: PrometheusHandle) -> Router {
+    Router::new()
+        .route("/metrics", get(scrape))
+        .with_state(Scrape {
+            handle,
+            store: None,
+        })
 }
 
 /// What a scrape reads.
 #[derive(Clone)]
 struct Scrape {
     handle: PrometheusHandle,
-    store: Arc<dyn Store>,
+    store: Option<Arc<dyn Store>>,
 }
 
 async fn scrape(State(scrape): State<Scrape>) -> impl IntoResponse {
-    sample_pool(scrape.store.as_ref());
+    if let Some(store) = &scrape.store {
+        sample_pool(store.as_ref());
+    }
+    // A few reads of /proc, once per scrape.
+    process().collect();
     (
         [(
             http::header::CONTENT_TYPE,

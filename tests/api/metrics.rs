@@ -1,5 +1,7 @@
 //! `/metrics`: a scrape over plain HTTP shows the counters move after turns, a redelivery and a
-//! conflict between two replicas sharing one store.
+//! conflict between two replicas sharing one store, refusals and the process's own metrics; and
+//! the gateway's `/healthz`, `/readyz` (following Turnstile's health) and `/metrics` on a port of
+//! its own.
 #![allow(clippy::unwrap_used)]
 
 use crate::support;
@@ -250,4 +252,228 @@ async fn rpc_durations_count_served_and_refused_calls_by_status() {
         closed,
         "the metrics port still accepts after the server stopped"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn process_metrics_refusals_and_receipt_pruning_are_scraped() {
+    let config = Config {
+        max_in_flight: Some(1),
+        ..Config::default()
+    };
+    let (grpc, metrics, _stop, _task) = start_with(config, Arc::new(MemoryStore::new())).await;
+    let c = client(grpc).await;
+    let (_, before) = get(metrics, "/metrics").await;
+    let overloaded = r#"turnstile_refusals_total{reason="OVERLOADED"}"#;
+    assert!(
+        before.contains(overloaded),
+        "refusals are counted from zero, before the first: {before}"
+    );
+
+    // The slow bot holds the one slot for 200 ms: the second turn is refused meanwhile.
+    let slow = |i: usize| {
+        let mut c = c.clone();
+        async move {
+            let activity = support::message(&format!("overload-{i}"), "alice", "count");
+            c.process_turn(turnstile::grpc::pb::ProcessTurnRequest::typed(
+                activity, "slow",
+            ))
+            .await
+        }
+    };
+    let (first, second) = tokio::join!(slow(1), async {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        slow(2).await
+    });
+    first.unwrap();
+    assert_eq!(second.unwrap_err().code(), tonic::Code::ResourceExhausted);
+
+    let (_, after) = get(metrics, "/metrics").await;
+    assert!(
+        value(&after, overloaded) - value(&before, overloaded) >= 1.0,
+        "{after}"
+    );
+    // The process's own metrics, read at the scrape (CPU in whole seconds: maybe 0 so far).
+    for name in [
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_max_fds",
+        "process_start_time_seconds",
+        "process_threads",
+    ] {
+        assert!(value(&after, name) > 0.0, "{name}: {after}");
+    }
+    assert!(
+        after.contains("# TYPE process_cpu_seconds_total counter")
+            && after.contains("\nprocess_cpu_seconds_total "),
+        "{after}"
+    );
+    // The pruner's first pass runs at the start and leaves no expired receipt behind.
+    let pruned_at = value(&after, "turnstile_receipts_pruned_timestamp_seconds");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert!(
+        (now - 600.0..=now + 1.0).contains(&pruned_at),
+        "pruned at {pruned_at}, now {now}"
+    );
+    assert!(
+        after.contains("# TYPE turnstile_receipts_pruned_total counter"),
+        "{after}"
+    );
+}
+
+/// The gateway's probes and metrics: `/healthz` answers while Turnstile is away, `/readyz` only
+/// once Turnstile serves, and `/metrics`, on its own port, counts requests, turns and
+/// deliveries (a channel that refuses a reply once costs one retry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_probes_follow_turnstile_and_metrics_count_turns_and_deliveries() {
+    use axum::http::StatusCode;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    // A Turnstile address with nothing behind it yet.
+    let port = support::free_port();
+    let turnstile_addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let scrape = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (gateway, metrics) = (http.local_addr().unwrap(), scrape.local_addr().unwrap());
+    let (stop_gateway, stopped) = oneshot::channel::<()>();
+    let served = tokio::spawn(turnstile::gateway::serve(
+        turnstile::gateway::GatewayConfig::development(format!("http://{turnstile_addr}")),
+        turnstile::gateway::Listeners {
+            http,
+            metrics: Some(scrape),
+        },
+        async {
+            let _ = stopped.await;
+        },
+    ));
+
+    let (status, body) = get(gateway, "/healthz").await;
+    assert_eq!(status, "HTTP/1.1 200 OK", "{body}");
+    let (status, body) = get(gateway, "/readyz").await;
+    assert_eq!(status, "HTTP/1.1 503 Service Unavailable", "{body}");
+    assert!(!body.contains("127.0.0.1"), "no internal address: {body}");
+
+    // Turnstile comes up: ready within the cached answer's lifetime.
+    let listener = tokio::net::TcpListener::bind(turnstile_addr).await.unwrap();
+    let (stop_server, server_stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(turnstile::serve(
+        Config::default(),
+        turnstile::bots::samples(),
+        listener,
+        async {
+            let _ = server_stopped.await;
+        },
+    ));
+    let ready_within = |expected: &'static str| async move {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            let (status, _) = get(gateway, "/readyz").await;
+            if status == expected {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "/readyz still {status}, expected {expected}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    ready_within("HTTP/1.1 200 OK").await;
+
+    // A channel that refuses the first reply with 503, then takes every reply.
+    let posts = Arc::new(AtomicUsize::new(0));
+    let channel = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let channel_addr = channel.local_addr().unwrap();
+    let app = axum::Router::new()
+        .route(
+            "/v3/conversations/{conversation}/activities/{reply_to}",
+            axum::routing::post(
+                |axum::extract::State(posts): axum::extract::State<Arc<AtomicUsize>>| async move {
+                    if posts.fetch_add(1, Ordering::SeqCst) == 0 {
+                        StatusCode::SERVICE_UNAVAILABLE
+                    } else {
+                        StatusCode::OK
+                    }
+                },
+            ),
+        )
+        .with_state(Arc::clone(&posts));
+    tokio::spawn(async move { axum::serve(channel, app).await });
+
+    let (_, before) = get(metrics, "/metrics").await;
+    let activity = serde_json::json!({
+        "type": "message", "id": "gw-metrics-1", "channelId": "test",
+        "serviceUrl": format!("http://{channel_addr}"),
+        "conversation": {"id": "gw-metrics"},
+        "from": {"id": "user-1"}, "recipient": {"id": "bot"},
+        "text": "hi",
+    });
+    let response = reqwest::Client::new()
+        .post(format!("http://{gateway}/api/messages"))
+        .json(&activity)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert!(posts.load(Ordering::SeqCst) >= 2, "the reply was retried");
+
+    let (status, after) = get(metrics, "/metrics").await;
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    let moved = |name: &str| value(&after, name) - value(&before, name);
+    assert!(
+        moved(r#"turnstile_gateway_requests_total{route="/api/messages",status="200"}"#) >= 1.0,
+        "{after}"
+    );
+    assert!(
+        moved(r#"turnstile_gateway_request_duration_seconds_count{route="/api/messages"}"#) >= 1.0,
+        "{after}"
+    );
+    assert!(
+        moved(r#"turnstile_gateway_turns_total{code="OK"}"#) >= 1.0,
+        "{after}"
+    );
+    assert!(
+        moved(r#"turnstile_gateway_delivery_retries_total{reason="refused"}"#) >= 1.0,
+        "{after}"
+    );
+    assert!(
+        moved(r#"turnstile_gateway_deliveries_total{outcome="delivered"}"#) >= 1.0,
+        "{after}"
+    );
+    assert!(value(&after, "process_resident_memory_bytes") > 0.0);
+    assert!(
+        !after.contains(r#"route="/healthz""#) && !after.contains(r#"route="/readyz""#),
+        "probes are not counted: {after}"
+    );
+
+    // Metrics are not on the port channels reach.
+    let (status, _) = get(gateway, "/metrics").await;
+    assert_eq!(status, "HTTP/1.1 404 Not Found");
+    let (_, after_404) = get(metrics, "/metrics").await;
+    assert!(
+        value(
+            &after_404,
+            r#"turnstile_gateway_requests_total{route="_OTHER",status="404"}"#
+        ) >= 1.0,
+        "unrouted paths share one label: {after_404}"
+    );
+
+    // Turnstile goes away: not ready again, still live.
+    stop_server.send(()).unwrap();
+    server.await.unwrap().unwrap();
+    ready_within("HTTP/1.1 503 Service Unavailable").await;
+    let (status, _) = get(gateway, "/healthz").await;
+    assert_eq!(status, "HTTP/1.1 200 OK");
+
+    // Both ports close with the gateway.
+    stop_gateway.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(30), served)
+        .await
+        .expect("the gateway stopped")
+        .unwrap()
+        .unwrap();
+    assert!(tokio::net::TcpStream::connect(metrics).await.is_err());
 }
