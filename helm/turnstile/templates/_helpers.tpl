@@ -136,6 +136,11 @@ Empty when there are none.
 - name: tls
   mountPath: /etc/turnstile/tls
   readOnly: true
+{{- if and .Values.tls.clientAuth .Values.probes.tls.clientSecret }}
+- name: probe-client
+  mountPath: /etc/turnstile/probe-client
+  readOnly: true
+{{- end }}
 {{- end }}
 {{- include "turnstile.databaseCaVolumeMount" . }}
 {{- with .Values.extraVolumeMounts }}
@@ -159,6 +164,16 @@ The server pods' volumes, matching turnstile.serverVolumeMounts, then extraVolum
 - name: tls
   secret:
     secretName: {{ .Values.tls.existingSecret }}
+{{- if and .Values.tls.clientAuth .Values.probes.tls.clientSecret }}
+- name: probe-client
+  secret:
+    secretName: {{ .Values.probes.tls.clientSecret }}
+    items:
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+{{- end }}
 {{- end }}
 {{- include "turnstile.databaseCaVolume" . }}
 {{- with .Values.extraVolumes }}
@@ -207,4 +222,25 @@ Selector labels of the gateway pods (its Deployment and Service).
 {{- define "turnstile.gatewaySelectorLabels" -}}
 {{ include "turnstile.selectorLabels" . }}
 app.kubernetes.io/component: gateway
+{{- end }}
+
+{{/*
+The server pods' exec probe with TLS, as a JSON list: the image's `turnstile health-check` asks
+the server over TLS on loopback for `service`'s status, checking the certificate against the tls
+Secret's ca.crt under the name it carries, and presenting a client certificate under mutual TLS.
+Called with a dict: root (the top context), service, probe (the probe's timing values).
+*/}}
+{{- define "turnstile.healthCheckCommand" -}}
+{{- $root := .root }}
+{{- $values := $root.Values }}
+{{- $name := $values.probes.tls.serverName | default $values.tests.serverName | default (printf "%s.%s.svc" (include "turnstile.fullname" $root) $root.Release.Namespace) }}
+{{- $command := list "/usr/local/bin/turnstile" "health-check" "--address" (printf "https://127.0.0.1:%v" $values.containerPort) "--ca-cert" "/etc/turnstile/tls/ca.crt" "--tls-domain" $name "--timeout-secs" (toString (.probe.timeoutSeconds | default 1)) }}
+{{- with .service }}
+{{- $command = concat $command (list "--service" .) }}
+{{- end }}
+{{- if $values.tls.clientAuth }}
+{{- $dir := ternary "/etc/turnstile/probe-client" "/etc/turnstile/tls" (not (empty $values.probes.tls.clientSecret)) }}
+{{- $command = concat $command (list "--cert" (printf "%s/tls.crt" $dir) "--key" (printf "%s/tls.key" $dir)) }}
+{{- end }}
+{{- toJson $command }}
 {{- end }}
