@@ -135,6 +135,39 @@ impl fmt::Display for BotError {
 #[error("{0} state is not available: the activity has no `from.id`")]
 pub struct NoSuchScope(Scope);
 
+/// The drafting side of one attempt ([`TurnContext::drafter`]): what it shows whoever streams the
+/// turn, if anyone does.
+#[derive(Debug, Clone, Copy)]
+pub struct Drafter<'a> {
+    drafts: Option<&'a Drafts>,
+    attempt: u32,
+}
+
+impl Drafter<'_> {
+    /// [`TurnContext::draft`].
+    ///
+    /// # Errors
+    /// [`DraftError::TooLarge`] for a draft longer than a reply's text may be.
+    pub fn draft(&self, text: impl Into<String>) -> Result<(), DraftError> {
+        self.offer(DraftKind::Text, text.into())
+    }
+
+    /// [`TurnContext::inform`].
+    ///
+    /// # Errors
+    /// [`DraftError::TooLarge`] for a status longer than a reply's text may be.
+    pub fn inform(&self, text: impl Into<String>) -> Result<(), DraftError> {
+        self.offer(DraftKind::Informative, text.into())
+    }
+
+    fn offer(&self, kind: DraftKind, text: String) -> Result<(), DraftError> {
+        match self.drafts {
+            Some(drafts) => drafts.offer(self.attempt, kind, text),
+            None => Ok(()),
+        }
+    }
+}
+
 /// One attempt at one turn: the activity, the state scopes, and the buffered outbound activities.
 pub struct TurnContext<'a> {
     incoming: &'a IncomingActivity,
@@ -204,9 +237,16 @@ impl<'a> TurnContext<'a> {
     }
 
     fn offer(&self, kind: DraftKind, text: String) -> Result<(), DraftError> {
-        match self.drafts {
-            Some(drafts) => drafts.offer(self.attempt, kind, text),
-            None => Ok(()),
+        self.drafter().offer(kind, text)
+    }
+
+    /// This attempt's drafting alone, [`draft`](Self::draft) and [`inform`](Self::inform)
+    /// apart from the rest of the context: unlike the context it can be held across an
+    /// `.await` in a `Send` future (a remote bot passing on its worker's drafts as they arrive).
+    pub fn drafter(&self) -> Drafter<'a> {
+        Drafter {
+            drafts: self.drafts,
+            attempt: self.attempt,
         }
     }
 

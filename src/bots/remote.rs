@@ -13,6 +13,16 @@
 //!   [`MAX_ANSWER_BYTES`], is [`BotErrorKind::WorkerFailed`]: `INTERNAL`, with a message naming
 //!   the worker and the problem, since that is a bug in the worker its author must see.
 //!
+//! A turn someone streams (`StreamTurn`) calls `BotWorker/StreamRunTurn` instead, and each
+//! draft the worker sends is passed on as it arrives ([`TurnContext::draft`] and
+//! [`TurnContext::inform`]); its `result` is applied exactly as `RunTurn`'s answer. A turn
+//! nobody streams calls `RunTurn`, as a worker that cannot stream is called too: one that
+//! answers `StreamRunTurn` with `UNIMPLEMENTED` (an SDK older than streaming) is asked
+//! `RunTurn` instead, and is not asked to stream again for [`UNARY_ONLY_FOR`]. A stream the
+//! worker gets wrong fails the turn like a malformed answer (`WorkerFailed`): an event after the
+//! result, a stream that ends without one, a draft over the size cap; one that breaks midway
+//! fails it like a worker that went away (`Unavailable`).
+//!
 //! Only this module speaks gRPC among the bots; state and replies cross the wire as JSON text,
 //! so that nothing of a state object or an activity is lost on the way (no protobuf `Struct`,
 //! whose numbers are doubles).
@@ -20,6 +30,7 @@
 use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -29,9 +40,11 @@ use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 use crate::activity::{Activity, JsonMap};
-use crate::bot::{Bot, BotError, BotErrorKind, BotRegistry, TurnContext};
+use crate::bot::{Bot, BotError, BotErrorKind, BotRegistry, Drafter, TurnContext};
+use crate::drafts::DraftError;
 use crate::grpc::pb;
 use crate::grpc::pb::bot_worker_client::BotWorkerClient;
+use crate::grpc::pb::stream_run_turn_response::Event;
 use crate::state::ScopeState;
 
 /// The largest answer read from a worker, in encoded bytes: the replies and the whole new state
@@ -44,6 +57,11 @@ pub const DEFAULT_WORKER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long connecting to a worker may take before the turn fails with `UNAVAILABLE`.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long a worker that answered `StreamRunTurn` with `UNIMPLEMENTED` is called with `RunTurn`
+/// alone before it is asked to stream again: long enough that an old worker costs one extra call
+/// now and then, short enough that an upgraded one streams soon after it is deployed.
+pub const UNARY_ONLY_FOR: Duration = Duration::from_secs(60);
 
 /// The part of the caller's remaining time kept back from the worker for the commit, at most
 /// [`COMMIT_RESERVE_MAX`]: a worker that uses its whole deadline then still fails the turn here,
@@ -223,12 +241,23 @@ impl RemoteBots {
     }
 }
 
-/// A bot whose turns run in a bot worker: each attempt is one `BotWorker/RunTurn` call.
+/// A bot whose turns run in a bot worker: each attempt is one `BotWorker/RunTurn` call, or one
+/// `BotWorker/StreamRunTurn` call when someone streams the turn.
 #[derive(Debug, Clone)]
 pub struct RemoteBot {
     name: String,
     client: BotWorkerClient<Channel>,
     authorization: Option<MetadataValue<Ascii>>,
+    /// Until when the worker is called without streaming, since it said it cannot stream.
+    unary_only_until: Arc<Mutex<Option<Instant>>>,
+}
+
+/// How a streamed call ended.
+enum Streamed {
+    /// The worker's result.
+    Answer(pb::RunTurnResponse),
+    /// The worker cannot stream (`UNIMPLEMENTED` before any event): call `RunTurn`.
+    Unimplemented,
 }
 
 impl RemoteBot {
@@ -241,6 +270,7 @@ impl RemoteBot {
                 .max_decoding_message_size(MAX_ANSWER_BYTES)
                 .max_encoding_message_size(usize::MAX),
             authorization: None,
+            unary_only_until: Arc::default(),
         }
     }
 
@@ -397,27 +427,188 @@ impl Bot for RemoteBot {
                 "was not called: the call's deadline had passed",
             ));
         }
-        let mut request = tonic::Request::new(self.request(turn));
-        request.set_timeout(budget);
+        let until = Instant::now() + budget;
+        let request = self.request(turn);
+        let answer = if turn.streaming() && self.may_stream() {
+            match self
+                .stream_run_turn(turn.drafter(), request.clone(), until)
+                .await?
+            {
+                Streamed::Answer(answer) => answer,
+                Streamed::Unimplemented => {
+                    tracing::info!(
+                        bot = %self.name,
+                        "the bot worker cannot stream (UNIMPLEMENTED): calling RunTurn"
+                    );
+                    *self
+                        .unary_only_until
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + UNARY_ONLY_FOR);
+                    self.run_turn(request, until).await?
+                }
+            }
+        } else {
+            self.run_turn(request, until).await?
+        };
+        self.apply(turn, answer)
+    }
+}
+
+impl RemoteBot {
+    /// Whether the worker may be asked to stream: it has not said lately that it cannot.
+    fn may_stream(&self) -> bool {
+        let until = *self
+            .unary_only_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        until.is_none_or(|until| Instant::now() >= until)
+    }
+
+    /// `message` as a call that must end by `until`, with the bearer token if there is one.
+    fn call<T>(&self, message: T, until: Instant) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        request.set_timeout(until.saturating_duration_since(Instant::now()));
         if let Some(authorization) = &self.authorization {
             request
                 .metadata_mut()
                 .insert("authorization", authorization.clone());
         }
+        request
+    }
+
+    /// The error for a worker still working when the call's time is up.
+    fn too_late(&self) -> BotError {
+        self.fail(
+            BotErrorKind::DeadlineExceeded,
+            "did not answer before the call's deadline",
+        )
+    }
+
+    /// One `RunTurn` call, answered by `until`.
+    async fn run_turn(
+        &self,
+        request: pb::RunTurnRequest,
+        until: Instant,
+    ) -> Result<pb::RunTurnResponse, BotError> {
+        if Instant::now() >= until {
+            return Err(self.too_late());
+        }
         let mut client = self.client.clone();
-        let asked = Instant::now();
-        let answer = match tokio::time::timeout(budget, client.run_turn(request)).await {
-            Err(_) => {
+        let request = self.call(request, until);
+        match tokio::time::timeout_at(until, client.run_turn(request)).await {
+            Err(_) => Err(self.too_late()),
+            Ok(Err(status)) => Err(self.status_error(&status, Instant::now() >= until)),
+            Ok(Ok(answer)) => Ok(answer.into_inner()),
+        }
+    }
+
+    /// One `StreamRunTurn` call, answered by `until`: passes each draft on to `drafter` as
+    /// it arrives, and returns the result once the stream has ended after it.
+    async fn stream_run_turn(
+        &self,
+        drafter: Drafter<'_>,
+        request: pb::RunTurnRequest,
+        until: Instant,
+    ) -> Result<Streamed, BotError> {
+        let pb::RunTurnRequest {
+            bot,
+            activity_json,
+            attempt,
+            conversation,
+            user,
+            private_conversation,
+        } = request;
+        let request = self.call(
+            pb::StreamRunTurnRequest {
+                bot,
+                activity_json,
+                attempt,
+                conversation,
+                user,
+                private_conversation,
+            },
+            until,
+        );
+        let mut client = self.client.clone();
+        let streamed = async {
+            let mut events = match client.stream_run_turn(request).await {
+                Ok(response) => response.into_inner(),
+                Err(status) if unimplemented(&status) => return Ok(Streamed::Unimplemented),
+                Err(status) => return Err(self.status_error(&status, Instant::now() >= until)),
+            };
+            let mut result = None;
+            let mut first = true;
+            loop {
+                let event = match events.message().await {
+                    Ok(Some(event)) => event,
+                    Ok(None) => break,
+                    Err(status) if first && unimplemented(&status) => {
+                        return Ok(Streamed::Unimplemented);
+                    }
+                    Err(status) => {
+                        return Err(self.status_error(&status, Instant::now() >= until));
+                    }
+                };
+                first = false;
+                if result.is_some() {
+                    return Err(self.fail(
+                        BotErrorKind::WorkerFailed,
+                        "sent an event after its result (the result must be the last)",
+                    ));
+                }
+                match event.event {
+                    Some(Event::Draft(draft)) => self.pass_on(drafter, draft)?,
+                    Some(Event::Result(answer)) => result = Some(answer),
+                    None => {
+                        return Err(self.fail(
+                            BotErrorKind::WorkerFailed,
+                            "sent an event that is neither a draft nor a result",
+                        ));
+                    }
+                }
+            }
+            result.map(Streamed::Answer).ok_or_else(|| {
+                self.fail(
+                    BotErrorKind::WorkerFailed,
+                    "ended its stream without a result",
+                )
+            })
+        };
+        tokio::time::timeout_at(until, streamed)
+            .await
+            .unwrap_or_else(|_| Err(self.too_late()))
+    }
+
+    /// Shows a worker's draft to whoever streams the turn.
+    fn pass_on(&self, drafter: Drafter<'_>, draft: pb::WorkerDraft) -> Result<(), BotError> {
+        let shown = match pb::WorkerDraftKind::try_from(draft.kind) {
+            Ok(pb::WorkerDraftKind::Text) => drafter.draft(draft.text),
+            Ok(pb::WorkerDraftKind::Informative) => drafter.inform(draft.text),
+            Ok(pb::WorkerDraftKind::Unspecified) | Err(_) => {
                 return Err(self.fail(
-                    BotErrorKind::DeadlineExceeded,
-                    "did not answer before the call's deadline",
+                    BotErrorKind::WorkerFailed,
+                    format_args!(
+                        "sent a draft of kind {}, which is neither text nor informative",
+                        draft.kind
+                    ),
                 ));
             }
-            Ok(Err(status)) => return Err(self.status_error(&status, asked.elapsed() >= budget)),
-            Ok(Ok(answer)) => answer.into_inner(),
         };
-        self.apply(turn, answer)
+        shown.map_err(|e| match e {
+            DraftError::TooLarge { size, limit } => self.fail(
+                BotErrorKind::WorkerFailed,
+                format_args!(
+                    "sent a draft of {size} bytes, over the limit of {limit} bytes (--max-text-bytes)"
+                ),
+            ),
+        })
     }
+}
+
+/// Whether `status` is a worker saying it has no `StreamRunTurn` (not a failed connection that
+/// a client library reported as such).
+fn unimplemented(status: &tonic::Status) -> bool {
+    status.code() == Code::Unimplemented && std::error::Error::source(status).is_none()
 }
 
 /// Applies one scope's outcome: marks it read, replaces it.

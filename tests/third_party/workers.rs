@@ -1381,6 +1381,16 @@ impl pb::bot_worker_server::BotWorker for FakeService {
             private_conversation: None,
         }))
     }
+
+    type StreamRunTurnStream = tokio_stream::Empty<Result<pb::StreamRunTurnResponse, Status>>;
+
+    /// A worker from before streaming: Turnstile calls RunTurn instead.
+    async fn stream_run_turn(
+        &self,
+        _: tonic::Request<pb::StreamRunTurnRequest>,
+    ) -> Result<tonic::Response<Self::StreamRunTurnStream>, Status> {
+        Err(Status::unimplemented("no streaming"))
+    }
 }
 
 impl FakeWorker {

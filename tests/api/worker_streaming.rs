@@ -1,0 +1,379 @@
+//! A bot worker streams drafts too: a streamed turn (`StreamTurn`) of a remote bot calls
+//! `BotWorker/StreamRunTurn`, passes each of the worker's drafts on as it arrives, and commits
+//! the worker's result; a turn nobody streams calls `RunTurn`, as before. A worker that cannot
+//! stream (`UNIMPLEMENTED`) is called with `RunTurn` instead. Each way a worker can get its
+//! stream wrong — an event after its result, no result, an error after drafting, a draft over
+//! the size cap, a connection that breaks midway — ends the call with a status naming it, and
+//! commits nothing. The worker is a tonic server inside the test; the store is real PostgreSQL.
+#![allow(clippy::unwrap_used)]
+
+use crate::support;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use support::proxy::Proxy;
+use support::{TestServer, message, postgres_config, texts};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Code, Status};
+use tonic_types::StatusExt as _;
+use turnstile::bots::remote::RemoteBots;
+use turnstile::config::Config;
+use turnstile::grpc::pb;
+use turnstile::grpc::pb::stream_run_turn_response::Event as WorkerEvent;
+use turnstile::grpc::pb::stream_turn_response::Event;
+
+/// A worker that counts like the counter bot, drafting `count:` then `count: N`, and gets its
+/// stream wrong on request (the message's text says how). Bot `old` cannot stream.
+#[derive(Default)]
+struct FakeWorker {
+    /// Every call: (method, bot, text).
+    calls: Mutex<Vec<(&'static str, String, String)>>,
+}
+
+struct FakeService(Arc<FakeWorker>);
+
+type Sent = Result<pb::StreamRunTurnResponse, Status>;
+
+impl FakeWorker {
+    /// Records the call; returns the text and the count the answer will hold.
+    fn called(&self, method: &'static str, request: &pb::RunTurnRequest) -> (String, u64) {
+        let activity: serde_json::Value = serde_json::from_str(&request.activity_json).unwrap();
+        let text = activity["text"].as_str().unwrap_or_default().to_owned();
+        self.calls
+            .lock()
+            .unwrap()
+            .push((method, request.bot.clone(), text.clone()));
+        let state: serde_json::Value =
+            serde_json::from_str(&request.conversation.as_ref().unwrap().state_json).unwrap();
+        (text, state["count"].as_u64().unwrap_or(0) + 1)
+    }
+
+    fn calls(&self) -> Vec<(&'static str, String, String)> {
+        self.calls.lock().unwrap().clone()
+    }
+
+    /// Serves on a free port; returns its address.
+    async fn serve(self: &Arc<Self>) -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let service = pb::bot_worker_server::BotWorkerServer::new(FakeService(Arc::clone(self)));
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        addr
+    }
+}
+
+fn answer(count: u64) -> pb::RunTurnResponse {
+    pb::RunTurnResponse {
+        replies_json: vec![serde_json::json!({"text": format!("count: {count}")}).to_string()],
+        conversation: Some(pb::ScopeOutcome {
+            read: true,
+            replaced_json: Some(serde_json::json!({"count": count}).to_string()),
+        }),
+        user: None,
+        private_conversation: None,
+    }
+}
+
+fn draft(kind: pb::WorkerDraftKind, text: impl Into<String>) -> Sent {
+    Ok(pb::StreamRunTurnResponse {
+        event: Some(WorkerEvent::Draft(pb::WorkerDraft {
+            kind: kind as i32,
+            text: text.into(),
+        })),
+    })
+}
+
+fn result(count: u64) -> Sent {
+    Ok(pb::StreamRunTurnResponse {
+        event: Some(WorkerEvent::Result(answer(count))),
+    })
+}
+
+#[tonic::async_trait]
+impl pb::bot_worker_server::BotWorker for FakeService {
+    async fn run_turn(
+        &self,
+        request: tonic::Request<pb::RunTurnRequest>,
+    ) -> Result<tonic::Response<pb::RunTurnResponse>, Status> {
+        let (_, count) = self.0.called("RunTurn", request.get_ref());
+        Ok(tonic::Response::new(answer(count)))
+    }
+
+    type StreamRunTurnStream = ReceiverStream<Sent>;
+
+    async fn stream_run_turn(
+        &self,
+        request: tonic::Request<pb::StreamRunTurnRequest>,
+    ) -> Result<tonic::Response<Self::StreamRunTurnStream>, Status> {
+        let r = request.into_inner();
+        let bot = r.bot.clone();
+        let (text, count) = self.0.called(
+            "StreamRunTurn",
+            &pb::RunTurnRequest {
+                bot: r.bot,
+                activity_json: r.activity_json,
+                attempt: r.attempt,
+                conversation: r.conversation,
+                user: r.user,
+                private_conversation: r.private_conversation,
+            },
+        );
+        if bot == "old" {
+            return Err(Status::unimplemented("Method not found!"));
+        }
+        use pb::WorkerDraftKind::{Informative, Text};
+        let events = match text.as_str() {
+            "after" => vec![draft(Text, "count: 1"), result(count), draft(Text, "more")],
+            "no-result" => vec![draft(Text, "count: 1")],
+            "fails" => vec![
+                draft(Text, "half an answer"),
+                Err(Status::internal("the model went away")),
+            ],
+            "big" => vec![draft(Text, "x".repeat(100))],
+            "break" => vec![draft(Text, "half an answer")],
+            _ => vec![
+                draft(Informative, "Thinking…"),
+                draft(Text, "count:"),
+                draft(Text, format!("count: {count}")),
+                result(count),
+            ],
+        };
+        let (tx, rx) = mpsc::channel(8);
+        tokio::spawn(async move {
+            for event in events {
+                if tx.send(event).await.is_err() {
+                    return;
+                }
+            }
+            if text == "break" {
+                // Never ends: the test cuts the connection under it.
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                drop(tx);
+            }
+        });
+        Ok(tonic::Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Every event of a `StreamTurn` call to `bot`, and how it ended.
+async fn stream(
+    server: &TestServer,
+    activity: pb::Activity,
+    bot: &str,
+) -> (Vec<Event>, Result<(), Status>) {
+    let mut client = server.client().await;
+    let mut events = Vec::new();
+    let mut stream = match client
+        .stream_turn(pb::StreamTurnRequest::typed(activity, bot))
+        .await
+    {
+        Ok(response) => response.into_inner(),
+        Err(status) => return (events, Err(status)),
+    };
+    loop {
+        match stream.message().await {
+            Ok(Some(response)) => events.push(response.event.unwrap()),
+            Ok(None) => return (events, Ok(())),
+            Err(status) => return (events, Err(status)),
+        }
+    }
+}
+
+/// Each draft as `kind text`.
+fn drafts(events: &[Event]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Draft(d) => Some(format!("{:?} {}", d.kind(), d.text)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn outcome(events: &[Event]) -> &pb::ProcessTurnResponse {
+    match events.last() {
+        Some(Event::Outcome(outcome)) => outcome,
+        other => panic!("the last event is not the outcome: {other:?}"),
+    }
+}
+
+/// A server on PostgreSQL hosting each `(name, address)` as a remote bot.
+async fn server_for(config: Config, bots: &[(&str, std::net::SocketAddr)]) -> TestServer {
+    let config = Config {
+        remote_bots: RemoteBots {
+            bots: bots
+                .iter()
+                .map(|(name, addr)| format!("{name}=http://{addr}").parse().unwrap())
+                .collect(),
+            ..RemoteBots::default()
+        },
+        ..config
+    };
+    TestServer::start(config, turnstile::bots::samples()).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workers_drafts_stream_before_its_committed_result_and_an_unstreamed_turn_calls_run_turn()
+{
+    let url = support::pg::fresh_database().await;
+    let worker = Arc::new(FakeWorker::default());
+    let addr = worker.serve().await;
+    let server = server_for(postgres_config(&url), &[("fake", addr)]).await;
+    let activity = message("w-stream", "ada", "hello");
+
+    let (events, ended) = stream(&server, activity.clone(), "fake").await;
+    ended.unwrap();
+    assert_eq!(
+        drafts(&events),
+        ["Informative Thinking…", "Text count:", "Text count: 1"],
+        "the worker's drafts, in order: {events:?}"
+    );
+    let committed = outcome(&events);
+    assert_eq!(texts(committed), ["count: 1"]);
+    assert_eq!(committed.version, 1);
+    assert_eq!(
+        worker.calls(),
+        [("StreamRunTurn", "fake".to_owned(), "hello".to_owned())]
+    );
+
+    // A redelivery: the receipt answers, the worker is not called, nothing is drafted.
+    let (again, ended) = stream(&server, activity, "fake").await;
+    ended.unwrap();
+    assert_eq!(again.len(), 1, "the outcome alone: {again:?}");
+    assert!(outcome(&again).redelivered);
+    assert_eq!(worker.calls().len(), 1);
+
+    // A turn nobody streams costs what it did: one RunTurn.
+    let mut client = server.client().await;
+    let reply = client
+        .process_turn(pb::ProcessTurnRequest::typed(
+            message("w-stream", "ada", "more"),
+            "fake",
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(texts(&reply), ["count: 2"]);
+    assert_eq!(
+        worker.calls().last().unwrap(),
+        &("RunTurn", "fake".to_owned(), "more".to_owned())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_cannot_stream_is_called_with_run_turn_and_its_turn_commits() {
+    let url = support::pg::fresh_database().await;
+    let worker = Arc::new(FakeWorker::default());
+    let addr = worker.serve().await;
+    let server = server_for(postgres_config(&url), &[("old", addr)]).await;
+
+    let (events, ended) = stream(&server, message("w-old", "ada", "one"), "old").await;
+    ended.unwrap();
+    assert_eq!(events.len(), 1, "no drafts, the outcome: {events:?}");
+    assert_eq!(texts(outcome(&events)), ["count: 1"]);
+    // The next streamed turn goes straight to RunTurn: the worker said it cannot stream.
+    let (events, ended) = stream(&server, message("w-old", "ada", "two"), "old").await;
+    ended.unwrap();
+    assert_eq!(texts(outcome(&events)), ["count: 2"]);
+    let methods: Vec<(&str, String)> = worker
+        .calls()
+        .into_iter()
+        .map(|(method, _, text)| (method, text))
+        .collect();
+    assert_eq!(
+        methods,
+        [
+            ("StreamRunTurn", "one".to_owned()),
+            ("RunTurn", "one".to_owned()),
+            ("RunTurn", "two".to_owned()),
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_the_worker_gets_wrong_or_that_breaks_ends_with_a_status_naming_it_and_commits_nothing()
+ {
+    let url = support::pg::fresh_database().await;
+    let worker = Arc::new(FakeWorker::default());
+    let addr = worker.serve().await;
+    let proxy = Proxy::start(addr).await;
+    let mut config = postgres_config(&url);
+    config.limits.max_text_bytes = 64;
+    let server = server_for(config, &[("fake", addr), ("cut", proxy.addr())]).await;
+
+    for (text, problem) in [
+        (
+            "after",
+            "bot worker `fake` sent an event after its result (the result must be the last)",
+        ),
+        (
+            "no-result",
+            "bot worker `fake` ended its stream without a result",
+        ),
+        (
+            "fails",
+            "bot worker `fake` failed: Internal: the model went away",
+        ),
+        (
+            "big",
+            "bot worker `fake` sent a draft of 100 bytes, over the limit of 64 bytes (--max-text-bytes)",
+        ),
+    ] {
+        let (events, ended) = stream(&server, message("w-bad", "ada", text), "fake").await;
+        let status = ended.expect_err(text);
+        assert_eq!(status.code(), Code::Internal, "{text}: {status:?}");
+        assert_eq!(
+            status.get_details_error_info().unwrap().reason,
+            "BOT_FAILED",
+            "{text}"
+        );
+        assert!(
+            status.message().starts_with(problem),
+            "{text}: the message should name the problem: {:?}",
+            status.message()
+        );
+        assert!(
+            !events.iter().any(|e| matches!(e, Event::Outcome(_))),
+            "{text}: {events:?}"
+        );
+    }
+
+    // The connection breaks after a draft has reached the caller: the worker went away.
+    let mut client = server.client().await;
+    let mut events = client
+        .stream_turn(pb::StreamTurnRequest::typed(
+            message("w-bad", "ada", "break"),
+            "cut",
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = events.message().await.unwrap().unwrap().event.unwrap();
+    assert_eq!(drafts(&[first]), ["Text half an answer"]);
+    assert!(proxy.cut(Duration::ZERO) > 0, "a connection to cut");
+    let status = events.message().await.expect_err("the stream broke");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(
+        status.get_details_error_info().unwrap().reason,
+        "BOT_UNAVAILABLE"
+    );
+    assert!(
+        status
+            .message()
+            .starts_with("bot worker `cut` is unavailable"),
+        "{status:?}"
+    );
+
+    // Nothing of any of them committed: the next turn counts from zero.
+    let (events, ended) = stream(&server, message("w-bad", "ada", "hello"), "fake").await;
+    ended.unwrap();
+    let committed = outcome(&events);
+    assert_eq!(texts(committed), ["count: 1"]);
+    assert_eq!(committed.version, 1);
+}
