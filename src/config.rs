@@ -249,6 +249,14 @@ pub struct ServeArgs {
         hide_env_values = true
     )]
     pub database_url: Option<String>,
+    /// File holding the PostgreSQL password, used when the database URL has none (a Kubernetes
+    /// Secret mounted as a file): keeps it off the command line, which `ps` shows.
+    #[arg(
+        help_heading = "Database",
+        long,
+        env = "TURNSTILE_DATABASE_PASSWORD_FILE"
+    )]
+    pub database_password_file: Option<PathBuf>,
     /// Most PostgreSQL connections this replica opens.
     #[arg(
         help_heading = "Database",
@@ -500,14 +508,17 @@ impl ServeArgs {
         Config {
             store: match &self.database_url {
                 Some(url) => StoreConfig::Postgres {
-                    url: DatabaseUrl::new(url.clone()),
+                    url: DatabaseUrl::new(url.clone())
+                        .with_password_file(self.database_password_file.clone()),
                     pool_size: self.pool_size,
                     commits_in_flight: self.commits_in_flight.map(usize::from),
                 },
                 None => StoreConfig::Memory,
             },
             migrate_on_start: self.migrate_on_start,
-            migration_url: self.migration_database_url.clone().map(DatabaseUrl::new),
+            migration_url: self.migration_database_url.clone().map(|url| {
+                DatabaseUrl::new(url).with_password_file(self.database_password_file.clone())
+            }),
             statements: if self.prepared_statements {
                 Statements::Prepared
             } else {
@@ -627,6 +638,17 @@ pub struct MigrateArgs {
     /// mode (migrations need a session).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
+    /// File holding the PostgreSQL password, used when the URL has none.
+    #[arg(long, env = "TURNSTILE_DATABASE_PASSWORD_FILE")]
+    pub database_password_file: Option<PathBuf>,
+}
+
+impl MigrateArgs {
+    /// The database these arguments name.
+    pub fn database_url(&self) -> DatabaseUrl {
+        DatabaseUrl::new(self.database_url.clone())
+            .with_password_file(self.database_password_file.clone())
+    }
 }
 
 /// `turnstile health-check`.

@@ -9,7 +9,7 @@ use tracing_subscriber::EnvFilter;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 use turnstile::config::{Cli, Command, GatewayListen};
-use turnstile::store::postgres::{self, DatabaseUrl};
+use turnstile::store::postgres;
 use turnstile::telemetry::traces;
 
 /// mimalloc: glibc malloc took a third of the server's CPU under load (bench/RESULTS.md).
@@ -50,7 +50,7 @@ async fn main() -> anyhow::Result<()> {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Some(Command::Migrate(args)) => {
-            let applied = postgres::migrate(&DatabaseUrl::new(args.database_url)).await?;
+            let applied = postgres::migrate(&args.database_url()).await?;
             tracing::info!(applied, "migrations applied");
             Ok(())
         }

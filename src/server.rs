@@ -37,12 +37,10 @@ const CONNECTION_CLOSE_WAIT: Duration = Duration::from_secs(5);
 /// Why the server could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
-    /// Pending migrations could not be applied.
-    #[error("migrating the database failed")]
-    Migrate(#[source] anyhow::Error),
-    /// The store could not be set up (an invalid database URL, say).
-    #[error("setting up the state store failed")]
-    Store(#[source] anyhow::Error),
+    /// The database cannot be used: its URL is invalid, it cannot be reached (the error names
+    /// where and why), or a migration failed.
+    #[error(transparent)]
+    Database(#[from] postgres::DatabaseError),
     /// gRPC reflection could not be built from the embedded descriptors.
     #[error("building gRPC reflection failed")]
     Reflection(#[from] tonic_reflection::server::Error),
@@ -99,7 +97,7 @@ impl From<TcpListener> for Listeners {
 /// Builds the store `config` names, migrating it first when configured to.
 ///
 /// # Errors
-/// [`ServeError::Migrate`] or [`ServeError::Store`].
+/// [`ServeError::Database`].
 pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServeError> {
     Ok(match &config.store {
         StoreConfig::Memory => {
@@ -116,14 +114,11 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServeError> {
         } => {
             if config.migrate_on_start {
                 let migration_url = config.migration_url.as_ref().unwrap_or(url);
-                let applied = postgres::migrate(migration_url)
-                    .await
-                    .map_err(ServeError::Migrate)?;
+                let applied = postgres::migrate(migration_url).await?;
                 tracing::info!(applied, "database migrations up to date");
             }
             Arc::new(
-                PostgresStore::connect_with(url, *pool_size, config.statements)
-                    .map_err(ServeError::Store)?
+                PostgresStore::connect_with(url, *pool_size, config.statements)?
                     .with_commits_in_flight(*commits_in_flight),
             )
         }

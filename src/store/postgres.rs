@@ -10,8 +10,10 @@
 //! in transaction mode, sent unnamed with their parameters so that none outlives its transaction
 //! ([`Statements`]). Connections use TLS as libpq's `sslmode` and `sslrootcert` say ([`tls`]).
 //! A serialized turn holds its conversation in a transaction of its own ([`lock`]).
+//!
+//! The database URL is parsed at the start with errors that name the mistake ([`url`]), and a
+//! connection that fails says where to and why ([`diagnose`]).
 
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,14 +32,18 @@ use super::{
 use crate::activity::JsonMap;
 use crate::state::StateKey;
 
+mod diagnose;
 mod group_commit;
 mod jsonb;
 mod lock;
 pub mod tls;
+mod url;
 
+pub use diagnose::ConnectError;
 pub use group_commit::GroupCommitStats;
 use group_commit::{GroupCommit, SingleWrite};
 pub use lock::lock_table;
+pub use url::{DatabaseUrl, ParsedUrl, UrlError};
 
 mod embedded {
     refinery::embed_migrations!("migrations");
@@ -196,34 +202,53 @@ impl Sql {
     }
 }
 
-/// A PostgreSQL connection URL or key-value string, which may hold a password: never printed.
-#[derive(Clone)]
-pub struct DatabaseUrl(String);
+/// Why the database cannot be used: its URL, the connection, or a migration.
+#[derive(Debug, thiserror::Error)]
+pub enum DatabaseError {
+    /// The URL is not valid.
+    #[error(transparent)]
+    Url(#[from] UrlError),
+    /// No connection could be made.
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    /// A statement of a session outside the pool failed.
+    #[error("{doing} failed")]
+    Session {
+        /// What the session was doing.
+        doing: &'static str,
+        /// The driver's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// A migration failed.
+    #[error("applying the database migrations failed")]
+    Migration(#[source] refinery::Error),
+    /// The pool gave no connection for another reason than the connection's own failure.
+    #[error("getting a pooled PostgreSQL connection failed")]
+    Pool(#[source] PoolError),
+    /// The pool could not be built.
+    #[error("building the PostgreSQL connection pool failed")]
+    PoolBuild(#[source] deadpool_postgres::BuildError),
+}
 
 impl DatabaseUrl {
-    /// Wraps a connection string as given on the command line or in the environment.
-    pub fn new(url: impl Into<String>) -> Self {
-        Self(url.into())
-    }
-
-    /// Parses the connection string: the driver's configuration, with the TLS settings (libpq's
-    /// `sslmode` and `sslrootcert`, from the string or else from `PGSSLMODE` and
-    /// `PGSSLROOTCERT`) taken out and turned into a TLS connector.
+    /// Parses the connection string ([`DatabaseUrl::parse`]) and adds what every connection of
+    /// this service needs: timeouts, keepalives, the application name, and the TLS connector.
     ///
     /// # Errors
-    /// When it is not a valid PostgreSQL URL or key-value string (the error does not repeat
-    /// it), or its TLS settings are unknown or name a root certificate file that cannot be read.
-    pub fn connector(&self, statements: Statements) -> anyhow::Result<Connector> {
-        let (rest, tls) = tls::split(&self.0, |name| std::env::var(name).ok())
-            .map_err(|e| anyhow!("the database URL is not valid: {e}"))?;
-        let mut config = tokio_postgres::Config::from_str(&rest)
-            .map_err(|e| anyhow!("the database URL is not valid: {e}"))?;
-        let mut mode = tls.driver_mode();
+    /// [`UrlError`] when the string is not valid, or its TLS settings name a root certificate
+    /// file that cannot be read.
+    pub fn connector(&self, statements: Statements) -> Result<Connector, UrlError> {
+        let ParsedUrl {
+            mut config,
+            tls: settings,
+        } = self.parse()?;
+        let mut mode = settings.driver_mode();
         let unix_only = config
             .get_hosts()
             .iter()
             .all(|h| matches!(h, tokio_postgres::config::Host::Unix(_)));
-        if unix_only && tls.mode == tls::SslMode::Prefer {
+        if unix_only && settings.mode == tls::SslMode::Prefer {
             // libpq never asks for TLS over a Unix socket.
             mode = tokio_postgres::config::SslMode::Disable;
         }
@@ -247,13 +272,14 @@ impl DatabaseUrl {
         config
             .keepalives(true)
             .keepalives_idle(Duration::from_secs(10));
-        let connector = tls
+        let tls = settings
             .connector()
-            .map_err(|e| anyhow!("TLS to PostgreSQL cannot be set up: {e:#}"))?;
+            .map_err(|e| UrlError::TlsSetup(format!("{e:#}")))?;
         Ok(Connector {
+            target: diagnose::Target::of(&config, &settings),
             config,
-            tls: connector,
-            settings: tls,
+            tls,
+            settings,
         })
     }
 }
@@ -263,6 +289,8 @@ pub struct Connector {
     config: tokio_postgres::Config,
     tls: MakeRustlsConnect,
     settings: tls::TlsSettings,
+    /// Where the connections go, for the words of their errors.
+    target: diagnose::Target,
 }
 
 impl Connector {
@@ -280,24 +308,21 @@ impl Connector {
     /// (returned, so that the caller can wait for the session to end).
     ///
     /// # Errors
-    /// When no host of the URL accepts the connection within [`SESSION_CONNECT_TIMEOUT`]; the
-    /// error says which TLS settings were tried.
+    /// [`ConnectError`] when no host of the URL accepts the connection within
+    /// [`SESSION_CONNECT_TIMEOUT`], saying where to, why, and which TLS settings were tried.
     pub async fn connect(
         &self,
-    ) -> anyhow::Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>)> {
-        let tried = tls::describe(&self.settings);
-        let (client, connection) = tokio::time::timeout(
+    ) -> Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>), ConnectError> {
+        let (client, connection) = match tokio::time::timeout(
             SESSION_CONNECT_TIMEOUT,
             self.config.connect(self.tls.clone()),
         )
         .await
-        .map_err(|_| {
-            anyhow!(
-                "no connection to PostgreSQL within {SESSION_CONNECT_TIMEOUT:?} ({tried}): \
-                         is a TLS handshake or the server stuck?"
-            )
-        })?
-        .with_context(|| format!("connecting to PostgreSQL ({tried})"))?;
+        {
+            Err(_) => return Err(self.target.no_answer(SESSION_CONNECT_TIMEOUT)),
+            Ok(Err(e)) => return Err(self.target.diagnose(e).await),
+            Ok(Ok(connected)) => connected,
+        };
         let driver = tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "a PostgreSQL session closed with an error");
@@ -307,33 +332,36 @@ impl Connector {
     }
 }
 
-impl std::fmt::Debug for DatabaseUrl {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("DatabaseUrl(<redacted>)")
-    }
-}
-
 /// Applies the embedded migrations that `url`'s database lacks, under an advisory lock so that
 /// replicas starting together take turns. Returns how many were applied.
 ///
 /// # Errors
-/// When the database cannot be reached or a migration fails.
-pub async fn migrate(url: &DatabaseUrl) -> anyhow::Result<usize> {
+/// [`DatabaseError`]: the URL is invalid, the database cannot be reached (the error says why),
+/// or a migration fails.
+pub async fn migrate(url: &DatabaseUrl) -> Result<usize, DatabaseError> {
     // A session of its own, straight to PostgreSQL: the advisory lock and refinery's
     // transactions need one, so this URL must not go through a transaction-mode pooler.
     let (mut client, connection) = url.connector(Statements::Prepared)?.connect().await?;
-    client
-        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
-        .await
-        .context("taking the migration lock")?;
-    let report = embedded::migrations::runner()
-        .run_async(&mut client)
-        .await
-        .context("applying migrations");
+    let applied = migrate_on(&mut client).await;
     // Closing the session releases the advisory lock, even if the migration failed.
     drop(client);
     let _ = connection.await;
-    Ok(report?.applied_migrations().len())
+    applied
+}
+
+async fn migrate_on(client: &mut tokio_postgres::Client) -> Result<usize, DatabaseError> {
+    client
+        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
+        .await
+        .map_err(|source| DatabaseError::Session {
+            doing: "taking the migration lock",
+            source,
+        })?;
+    let report = embedded::migrations::runner()
+        .run_async(client)
+        .await
+        .map_err(DatabaseError::Migration)?;
+    Ok(report.applied_migrations().len())
 }
 
 /// Turn state in PostgreSQL, shared by every replica.
@@ -359,20 +387,20 @@ impl PostgresStore {
     /// demand, so this succeeds while the database is down.
     ///
     /// # Errors
-    /// When the URL is invalid.
-    pub fn connect(url: &DatabaseUrl, pool_size: usize) -> anyhow::Result<Self> {
+    /// [`DatabaseError::Url`] when the URL is invalid.
+    pub fn connect(url: &DatabaseUrl, pool_size: usize) -> Result<Self, DatabaseError> {
         Self::connect_with(url, pool_size, Statements::Prepared)
     }
 
     /// [`PostgresStore::connect`], with statements sent as `statements` says.
     ///
     /// # Errors
-    /// When the URL or its TLS settings are invalid.
+    /// [`DatabaseError::Url`] when the URL or its TLS settings are invalid.
     pub fn connect_with(
         url: &DatabaseUrl,
         pool_size: usize,
         statements: Statements,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self, DatabaseError> {
         let connector = url.connector(statements)?;
         let manager = Manager::from_config(
             connector.config,
@@ -390,7 +418,7 @@ impl PostgresStore {
             .recycle_timeout(Some(CONNECTION_TIMEOUT))
             .runtime(Runtime::Tokio1)
             .build()
-            .context("building the connection pool")?;
+            .map_err(DatabaseError::PoolBuild)?;
         Ok(Self {
             group: Arc::new(GroupCommit::new(
                 pool.clone(),
@@ -770,18 +798,13 @@ fn is_unreachable_state(code: &SqlState) -> bool {
 
 /// The kind of the I/O error under `e`, if one is in its chain of sources.
 fn io_kind(e: &tokio_postgres::Error) -> Option<std::io::ErrorKind> {
-    let mut source = std::error::Error::source(e);
-    while let Some(cause) = source {
-        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
-            return Some(io.kind());
-        }
-        source = cause.source();
-    }
-    None
+    diagnose::io_error(e).map(std::io::Error::kind)
 }
 
 #[cfg(test)]
 mod tests {
+    use std::str::FromStr as _;
+
     use super::*;
 
     #[test]

@@ -229,3 +229,236 @@ async fn health_check_exits_zero_only_for_a_serving_server() {
         .unwrap();
     assert!(status.success(), "{log}");
 }
+
+/// What `turnstile migrate` and `turnstile serve` (which migrates on start) print when they
+/// cannot use the database `configure` sets: both fail, with the same headline (the `Error:`
+/// line), which is returned with what follows it. Neither prints the password `hunter2`.
+fn database_error(configure: impl Fn(&mut Command) -> &mut Command) -> String {
+    let migrate = configure(turnstile().arg("migrate")).output().unwrap();
+    let serve = configure(turnstile().args([
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--gateway-listen",
+        "off",
+    ]))
+    .output()
+    .unwrap();
+    let mut headlines = Vec::new();
+    for (command, out) in [("migrate", migrate), ("serve", serve)] {
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "{command} succeeded: {stderr}");
+        assert!(
+            !stderr.contains("hunter2"),
+            "{command} printed the password: {stderr}"
+        );
+        let at = stderr
+            .find("Error: ")
+            .unwrap_or_else(|| panic!("{command} printed no error: {stderr}"));
+        headlines.push(stderr[at..].to_owned());
+    }
+    let first_line = |s: &str| s.lines().next().unwrap_or_default().to_owned();
+    assert_eq!(
+        first_line(&headlines[0]),
+        first_line(&headlines[1]),
+        "migrate and serve headline the same problem"
+    );
+    headlines.swap_remove(0)
+}
+
+fn with_url(url: &str) -> impl Fn(&mut Command) -> &mut Command + '_ {
+    move |command| command.args(["--database-url", url])
+}
+
+/// The `Error:` line alone.
+fn headline(error: &str) -> &str {
+    error.lines().next().unwrap_or_default()
+}
+
+#[test]
+fn a_refused_connection_names_the_host_and_port() {
+    let port = free_port();
+    let error = database_error(with_url(&format!(
+        "postgres://app:hunter2@127.0.0.1:{port}/turnstile"
+    )));
+    assert!(
+        headline(&error).contains(&format!("connection to 127.0.0.1:{port} refused"))
+            && headline(&error).contains("is PostgreSQL running and listening there?"),
+        "{error}"
+    );
+    assert!(!error.contains("migrating the database failed"), "{error}");
+}
+
+#[test]
+fn an_unknown_host_is_named() {
+    let error = database_error(with_url("postgres://app:hunter2@db-host.invalid/turnstile"));
+    assert!(
+        headline(&error).contains("cannot resolve the database host `db-host.invalid`"),
+        "{error}"
+    );
+}
+
+#[test]
+fn an_unencoded_at_in_the_password_says_to_percent_encode_it() {
+    let error = database_error(with_url("postgres://app:hunter2@x@db-host/turnstile"));
+    assert!(
+        headline(&error).contains("more than one `@`") && headline(&error).contains("%40"),
+        "{error}"
+    );
+    assert!(!error.contains("x@db-host"), "{error}");
+}
+
+#[test]
+fn a_misspelt_scheme_gets_a_did_you_mean() {
+    let error = database_error(with_url("postgress://app:hunter2@db-host/turnstile"));
+    assert!(
+        headline(&error).contains("`postgress://`")
+            && headline(&error).contains("did you mean postgres:// or postgresql://?"),
+        "{error}"
+    );
+}
+
+#[test]
+fn unknown_parameters_get_a_did_you_mean() {
+    let error = database_error(with_url(
+        "postgres://app:hunter2@db-host/turnstile?ssl=true",
+    ));
+    assert!(
+        headline(&error).contains("unknown parameter `ssl`: did you mean `sslmode`?"),
+        "{error}"
+    );
+    let error = database_error(with_url(
+        "host=db-host user=app password=hunter2 connect_timout=5",
+    ));
+    assert!(
+        headline(&error)
+            .contains("unknown parameter `connect_timout`: did you mean `connect_timeout`?"),
+        "{error}"
+    );
+}
+
+#[test]
+fn an_empty_database_url_says_so() {
+    let error = database_error(|command| command.env("DATABASE_URL", ""));
+    assert!(
+        headline(&error).contains("the database URL (--database-url, DATABASE_URL) is empty"),
+        "{error}"
+    );
+}
+
+/// A port on 127.0.0.1 where every connection gets `greeting` (after the client's first bytes,
+/// when `listen_first`), then is closed: something that is not PostgreSQL.
+fn impostor(greeting: &'static [u8], listen_first: bool) -> u16 {
+    use std::io::{Read as _, Write as _};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut stream in listener.incoming().map_while(Result::ok) {
+            if listen_first {
+                let _ = stream.read(&mut [0; 64]);
+            }
+            let _ = stream.write_all(greeting);
+        }
+    });
+    port
+}
+
+#[test]
+fn a_port_that_does_not_speak_postgresql_is_named() {
+    let http = impostor(
+        b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        true,
+    );
+    let ssh = impostor(b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n", false);
+    for port in [http, ssh] {
+        let error = database_error(with_url(&format!(
+            "postgres://app:hunter2@127.0.0.1:{port}/turnstile"
+        )));
+        assert!(
+            headline(&error).contains(&format!(
+                "127.0.0.1:{port} accepted the connection but does not speak PostgreSQL"
+            )),
+            "{error}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_unknown_database_or_user_is_named_by_sqlstate() {
+    let url = support::pg::fresh_database().await;
+    let (server, _) = url.rsplit_once('/').unwrap();
+    let error = database_error(with_url(&format!("{server}/no_such_database")));
+    assert!(
+        headline(&error).contains("database `no_such_database` does not exist")
+            && headline(&error).contains("3D000"),
+        "{error}"
+    );
+    let error = database_error(with_url(&url.replacen("postgres@", "nobody:hunter2@", 1)));
+    assert!(
+        headline(&error).contains("does not let user `nobody` connect")
+            && headline(&error).contains("28000"),
+        "{error}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_or_missing_password_is_named() {
+    // A cluster of its own that asks every user but `postgres` for a password.
+    let cluster = tokio::task::spawn_blocking(|| {
+        support::pg::Cluster::start_with(&["password_encryption=scram-sha-256"], |cluster| {
+            cluster.write_private(
+                &cluster.data_dir().join("pg_hba.conf"),
+                b"local all all trust\n\
+                  host all postgres 127.0.0.1/32 trust\n\
+                  host all all 127.0.0.1/32 scram-sha-256\n",
+            );
+        })
+    })
+    .await
+    .unwrap();
+    let admin = support::pg::session(&cluster.url("postgres")).await;
+    admin
+        .batch_execute("CREATE ROLE app LOGIN PASSWORD 'right'; CREATE DATABASE app OWNER app")
+        .await
+        .unwrap();
+    let at = format!("127.0.0.1:{}", cluster.port());
+
+    let error = database_error(with_url(&format!("postgres://app:hunter2@{at}/postgres")));
+    assert!(
+        headline(&error).contains(&format!(
+            "password authentication failed for user `app` at {at}"
+        )) && headline(&error).contains("28P01"),
+        "{error}"
+    );
+    let error = database_error(with_url(&format!("postgres://app@{at}/postgres")));
+    assert!(
+        headline(&error).contains(&format!(
+            "PostgreSQL at {at} asks user `app` for a password and none was given"
+        )),
+        "{error}"
+    );
+
+    // The password from a file (a mounted Secret), as the README says; a password in the URL
+    // wins over it, as over libpq's password file.
+    let dir = tempfile::tempdir().unwrap();
+    let password_file = dir.path().join("password");
+    std::fs::write(&password_file, "right\n").unwrap();
+    let migrated = turnstile()
+        .args(["migrate", "--database-password-file"])
+        .arg(&password_file)
+        .env("DATABASE_URL", format!("postgres://app@{at}/app"))
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&migrated.stderr);
+    assert!(migrated.status.success(), "{log}");
+    let error = database_error(|command| {
+        command
+            .args([
+                "--database-url",
+                &format!("postgres://app:hunter2@{at}/app"),
+            ])
+            .env("TURNSTILE_DATABASE_PASSWORD_FILE", &password_file)
+    });
+    assert!(headline(&error).contains("28P01"), "{error}");
+    drop(cluster);
+}

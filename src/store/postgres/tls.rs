@@ -34,6 +34,8 @@ use rustls::{
 };
 use tokio_postgres_rustls::MakeRustlsConnect;
 
+use super::url::{UrlParts, key_values, percent_decode};
+
 /// How a connection uses TLS: libpq's `sslmode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SslMode {
@@ -172,10 +174,9 @@ pub(super) fn split(
     conn: &str,
     env: impl Fn(&str) -> Option<String>,
 ) -> anyhow::Result<(String, TlsSettings)> {
-    let (rest, given) = if is_url(conn) {
-        split_url(conn)
-    } else {
-        split_key_values(conn)
+    let (rest, given) = match UrlParts::of(conn) {
+        Some(parts) => split_url(&parts, conn),
+        None => split_key_values(conn),
     };
     let nonempty = |v: Option<String>| v.filter(|v| !v.is_empty());
     let mode = nonempty(given.mode).or_else(|| nonempty(env("PGSSLMODE")));
@@ -230,14 +231,12 @@ impl Given {
     }
 }
 
-fn is_url(conn: &str) -> bool {
-    conn.starts_with("postgres://") || conn.starts_with("postgresql://")
-}
-
 /// `postgres://…?a=b&sslmode=…`: the query's parameters are `&`-separated and percent-encoded.
-fn split_url(url: &str) -> (String, Given) {
+/// The query starts where tokio-postgres finds it, after the credentials, so that a `?` in a
+/// password is not taken for it.
+fn split_url(parts: &UrlParts<'_>, url: &str) -> (String, Given) {
     let mut given = Given::default();
-    let Some((base, query)) = url.split_once('?') else {
+    let Some(query) = parts.query else {
         return (url.to_owned(), given);
     };
     let kept: Vec<&str> = query
@@ -247,6 +246,7 @@ fn split_url(url: &str) -> (String, Given) {
             !given.take(&percent_decode(key), percent_decode(value))
         })
         .collect();
+    let base = &url[..url.len() - query.len() - 1];
     let rest = if kept.is_empty() {
         base.to_owned()
     } else {
@@ -255,78 +255,24 @@ fn split_url(url: &str) -> (String, Given) {
     (rest, given)
 }
 
-/// `host=… sslmode=… sslrootcert='/a path'`: libpq's key-value syntax — spaces around `=`
-/// allowed, values single-quoted or not, a backslash escaping the next character. The pairs of
-/// ours are cut out; everything else is left exactly as written for tokio-postgres to parse (and
-/// to reject, if it is malformed).
+/// `host=… sslmode=… sslrootcert='/a path'`: the pairs of ours are cut out; everything else is
+/// left exactly as written for tokio-postgres to parse (and to reject, if it is malformed).
 fn split_key_values(conn: &str) -> (String, Given) {
     let mut given = Given::default();
+    let Some(pairs) = key_values(conn) else {
+        // Not key-value syntax after all: leave it all to tokio-postgres's error.
+        return (conn.to_owned(), given);
+    };
     let mut rest = String::with_capacity(conn.len());
-    let mut chars = conn.char_indices().peekable();
     let mut kept_from = 0;
-    loop {
-        while chars.next_if(|(_, c)| c.is_whitespace()).is_some() {}
-        let Some(&(start, _)) = chars.peek() else {
-            break;
-        };
-        let mut key = String::new();
-        while let Some((_, c)) = chars.next_if(|(_, c)| *c != '=' && !c.is_whitespace()) {
-            key.push(c);
-        }
-        while chars.next_if(|(_, c)| c.is_whitespace()).is_some() {}
-        if chars.next_if(|(_, c)| *c == '=').is_none() {
-            // Not key-value syntax after all: leave it all to tokio-postgres's error.
-            return (conn.to_owned(), Given::default());
-        }
-        while chars.next_if(|(_, c)| c.is_whitespace()).is_some() {}
-        let mut value = String::new();
-        if chars.next_if(|(_, c)| *c == '\'').is_some() {
-            loop {
-                match chars.next() {
-                    Some((_, '\'')) | None => break,
-                    Some((_, '\\')) => value.extend(chars.next().map(|(_, c)| c)),
-                    Some((_, c)) => value.push(c),
-                }
-            }
-        } else {
-            while let Some((_, c)) = chars.next_if(|(_, c)| !c.is_whitespace()) {
-                if c == '\\' {
-                    value.extend(chars.next().map(|(_, c)| c));
-                } else {
-                    value.push(c);
-                }
-            }
-        }
-        let end = chars.peek().map_or(conn.len(), |(i, _)| *i);
-        if given.take(&key, value) {
-            rest.push_str(&conn[kept_from..start]);
-            kept_from = end;
+    for pair in pairs {
+        if given.take(&pair.key, pair.value) {
+            rest.push_str(&conn[kept_from..pair.span.start]);
+            kept_from = pair.span.end;
         }
     }
     rest.push_str(&conn[kept_from..]);
     (rest.trim().to_owned(), given)
-}
-
-/// Decodes `%XX` escapes (and leaves a malformed one as written).
-fn percent_decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        match (bytes[i], bytes.get(i + 1), bytes.get(i + 2)) {
-            (b'%', Some(&h), Some(&l)) if hex(h).is_some() && hex(l).is_some() => {
-                let (h, l) = (hex(h).unwrap_or(0), hex(l).unwrap_or(0));
-                out.push(u8::try_from(h * 16 + l).unwrap_or(b'?'));
-                i += 3;
-            }
-            (b, _, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// `prefer` and `require`: encrypted, but any certificate is accepted — libpq's meaning, which
@@ -484,6 +430,15 @@ mod tests {
             config.get_target_session_attrs(),
             tokio_postgres::config::TargetSessionAttrs::ReadWrite
         );
+    }
+
+    #[test]
+    fn a_question_mark_in_the_password_is_not_the_query() {
+        let (rest, tls) = split_ok("postgres://u:p?w@h/app?sslmode=require", no_env);
+        assert_eq!(rest, "postgres://u:p?w@h/app");
+        assert_eq!(tls.mode, SslMode::Require);
+        let config: tokio_postgres::Config = rest.parse().unwrap();
+        assert_eq!(config.get_password(), Some(&b"p?w"[..]));
     }
 
     #[test]
