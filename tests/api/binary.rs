@@ -417,10 +417,13 @@ async fn a_wrong_or_missing_password_is_named() {
     .await
     .unwrap();
     let admin = support::pg::session(&cluster.url("postgres")).await;
-    admin
-        .batch_execute("CREATE ROLE app LOGIN PASSWORD 'right'; CREATE DATABASE app OWNER app")
-        .await
-        .unwrap();
+    // Two statements: CREATE DATABASE cannot run in the transaction a batch of them is.
+    for statement in [
+        "CREATE ROLE app LOGIN PASSWORD 'right'",
+        "CREATE DATABASE app OWNER app",
+    ] {
+        admin.batch_execute(statement).await.unwrap();
+    }
     let at = format!("127.0.0.1:{}", cluster.port());
 
     let error = database_error(with_url(&format!("postgres://app:hunter2@{at}/postgres")));
