@@ -843,7 +843,9 @@ mod server_flags {
                 .expect("valid arguments")
                 .serve
         };
-        let default = args(&[]).embedded_gateway(grpc, listen).expect("the default");
+        let default = args(&[])
+            .embedded_gateway(grpc, listen)
+            .expect("the default");
         assert_eq!(default.bot, "");
         let counter = args(&["--gateway-bot", "counter"])
             .embedded_gateway(grpc, listen)

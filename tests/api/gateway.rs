@@ -726,7 +726,9 @@ impl turnstile::grpc::pb::turn_service_server::TurnService for MetadataRecorder 
         &self,
         _: tonic::Request<turnstile::grpc::pb::StreamTurnRequest>,
     ) -> Result<tonic::Response<Self::StreamTurnStream>, tonic::Status> {
-        Err(tonic::Status::unimplemented("the gateway does not stream here"))
+        Err(tonic::Status::unimplemented(
+            "the gateway does not stream here",
+        ))
     }
 }
 
