@@ -35,6 +35,7 @@ use tonic_types::StatusExt as _;
 use turnstile::bots::remote::RemoteBots;
 use turnstile::config::Config;
 use turnstile::grpc::pb;
+use turnstile::grpc::pb::stream_turn_response::Event as StreamEvent;
 use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
 use turnstile::store::Store;
 use turnstile::store::memory::MemoryStore;
@@ -318,8 +319,9 @@ fn python_sdk() -> &'static PythonSdk {
 /// The TypeScript SDK as its README installs it, from a copy of `sdk/typescript`.
 struct NodeSdk {
     /// The bot's project, `~/counter-bot`, compiled: the README's `counter.ts` as
-    /// `dist/counter.js`, the SDK's examples as `examples/counter.js` and
-    /// `dist/examples/counter.js`, this file's `moody.ts` as `dist/moody.js`.
+    /// `dist/counter.js`, the SDK's examples as `examples/counter.js`,
+    /// `dist/examples/counter.js` and `dist/examples/llm.js`, this file's `moody.ts` as
+    /// `dist/moody.js`.
     project: PathBuf,
 }
 
@@ -400,7 +402,7 @@ fn node_sdk() -> &'static NodeSdk {
         )
         .unwrap();
         std::fs::create_dir_all(project.join("examples")).unwrap();
-        for example in ["counter.ts", "counter.js"] {
+        for example in ["counter.ts", "counter.js", "llm.ts"] {
             std::fs::copy(
                 sdk.join("examples").join(example),
                 project.join("examples").join(example),
@@ -556,6 +558,17 @@ impl WorkerProcess {
             }
             sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// How many `StreamRunTurn` calls the worker got for activity `id`.
+    fn stream_calls(&self, id: &str) -> usize {
+        let needle = format!(" activity={id} ");
+        self.stderr
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.starts_with("turnstile-worker: StreamRunTurn") && l.contains(&needle))
+            .count()
     }
 
     /// How many calls the worker got in all.
@@ -912,6 +925,19 @@ async def moody(turn):
         await asyncio.sleep(10)
 
 
+@worker.bot("drafter-py")
+def drafter(turn):
+    # A plain handler, in a thread: its drafts cross to the event loop.
+    count = turn.conversation.get("count", 0) + 1
+    turn.conversation["count"] = count
+    turn.inform("Thinking…")
+    turn.draft("x" * 100 if turn.text == "huge" else "half an answer")
+    if turn.text == "fail":
+        raise RuntimeError("the model went away")
+    turn.draft(f"count: {count}")
+    turn.send(f"count: {count}")
+
+
 @worker.bot("together")
 def together(turn):
     TOGETHER.wait()
@@ -922,7 +948,8 @@ asyncio.run(worker.serve("127.0.0.1:0"))
 "#;
 
 /// `moody.ts`, the TypeScript twin of `moody.py`'s failing bot: `remember X` keeps X in the
-/// state; `parse…` fails inside `JSON.parse`; anything else throws.
+/// state; `parse…` fails inside `JSON.parse`; anything else throws. And `drafter-ts`, like
+/// `moody.py`'s `drafter-py`.
 const MOODY_TS: &str = r#"import { Worker, type Turn } from 'turnstile-worker';
 
 function moody(turn: Turn): void {
@@ -936,7 +963,17 @@ function moody(turn: Turn): void {
   throw new TypeError(`no pizza today, with ${JSON.stringify(turn.conversation)} after ${turn.text}`);
 }
 
-new Worker().bot('moody', moody).serve(process.argv[2] ?? '127.0.0.1:0');
+async function drafter(turn: Turn): Promise<void> {
+  const count = Number(turn.conversation.count ?? 0) + 1;
+  turn.conversation.count = count;
+  await turn.inform('Thinking…');
+  await turn.draft(turn.text === 'huge' ? 'x'.repeat(100) : 'half an answer');
+  if (turn.text === 'fail') throw new RangeError('the model went away');
+  await turn.draft(`count: ${count}`);
+  turn.send(`count: ${count}`);
+}
+
+new Worker().bot('moody', moody).bot('drafter-ts', drafter).serve(process.argv[2] ?? '127.0.0.1:0');
 "#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1308,6 +1345,240 @@ async fn the_readme_bots_and_the_examples_answer_as_written() {
                 .into_inner();
             assert_eq!(texts(&counted), [format!("count: {n}")], "{bot}");
         }
+    }
+}
+
+// --- streaming: the llm samples' drafts through StreamTurn ----------------------------------
+
+/// Every event of a `StreamTurn` call, and how it ended.
+async fn stream_turn(
+    server: &TestServer,
+    bot: &str,
+    activity: pb::Activity,
+) -> (Vec<StreamEvent>, Result<(), Status>) {
+    let mut client = server.client().await;
+    let mut events = Vec::new();
+    let mut stream = match client
+        .stream_turn(pb::StreamTurnRequest::typed(activity, bot))
+        .await
+    {
+        Ok(response) => response.into_inner(),
+        Err(status) => return (events, Err(status)),
+    };
+    loop {
+        match stream.message().await {
+            Ok(Some(response)) => events.push(response.event.unwrap()),
+            Ok(None) => return (events, Ok(())),
+            Err(status) => return (events, Err(status)),
+        }
+    }
+}
+
+/// The committed outcome, which must be the last event and the only one.
+fn streamed_outcome(events: &[StreamEvent]) -> &pb::ProcessTurnResponse {
+    let outcomes = events
+        .iter()
+        .filter(|e| matches!(e, StreamEvent::Outcome(_)))
+        .count();
+    assert_eq!(outcomes, 1, "{events:?}");
+    match events.last() {
+        Some(StreamEvent::Outcome(outcome)) => outcome,
+        other => panic!("the last event is not the outcome: {other:?}"),
+    }
+}
+
+/// Checks a streamed llm sample's answer to its `n`th message: a status line, then the reply's
+/// growing text, then the outcome, whose reply is the last draft.
+fn check_llm_stream(bot: &str, n: usize, events: &[StreamEvent]) {
+    let drafts: Vec<&pb::Draft> = events
+        .iter()
+        .filter_map(|e| match e {
+            StreamEvent::Draft(d) => Some(d),
+            _ => None,
+        })
+        .collect();
+    assert!(drafts.len() > 10, "{bot}: a draft per word: {events:?}");
+    assert_eq!(drafts[0].kind(), pb::DraftKind::Informative, "{bot}");
+    assert_eq!(drafts[0].text, "Thinking…", "{bot}");
+    for (i, draft) in drafts.iter().enumerate() {
+        assert_eq!(draft.sequence, u32::try_from(i + 1).unwrap(), "{bot}");
+        assert_eq!(draft.attempt, 1, "{bot}");
+    }
+    let text: Vec<&str> = drafts[1..]
+        .iter()
+        .map(|d| {
+            assert_eq!(d.kind(), pb::DraftKind::Text, "{bot}");
+            d.text.as_str()
+        })
+        .collect();
+    for pair in text.windows(2) {
+        assert!(
+            pair[1].starts_with(pair[0]) && pair[1].len() > pair[0].len(),
+            "{bot}: the text so far grows: {pair:?}"
+        );
+    }
+    let committed = streamed_outcome(events);
+    assert!(!committed.redelivered, "{bot}");
+    assert_eq!(
+        texts(committed),
+        [*text.last().unwrap()],
+        "{bot}: the last draft is the committed reply"
+    );
+    assert!(
+        text.last()
+            .unwrap()
+            .contains(&format!("answer number {n} of")),
+        "{bot}: the transcript counts the turns: {text:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_and_typescript_llm_samples_stream_their_tokens_and_commit_the_whole_answer() {
+    let python = tokio::task::block_in_place(python_sdk);
+    let mut llm_py = python_command(&python.sdk.join("examples/llm.py"), &["127.0.0.1:0"]);
+    llm_py.env("LLM_TOKEN_DELAY_MS", "2");
+    let llm_py = WorkerProcess::spawn(llm_py);
+    let mut llm_ts = node_command(&["dist/examples/llm.js", "127.0.0.1:0"]);
+    llm_ts.env("LLM_TOKEN_DELAY_MS", "2");
+    let llm_ts = WorkerProcess::spawn(llm_ts);
+    let url = support::pg::fresh_database().await;
+    let server = TestServer::start(
+        remotes(
+            support::postgres_config(&url),
+            &[("llm-py", &llm_py.url()), ("llm-ts", &llm_ts.url())],
+        ),
+        turnstile::bots::samples(),
+    )
+    .await;
+
+    for (bot, worker) in [("llm-py", &llm_py), ("llm-ts", &llm_ts)] {
+        let conversation = format!("stream-{bot}");
+        let first = message(&conversation, "ada", "hello");
+        let id = first.id.clone().unwrap();
+        let (events, ended) = stream_turn(&server, bot, first.clone()).await;
+        ended.unwrap_or_else(|s| panic!("{bot}: {s:?}\n{}", worker.stderr()));
+        check_llm_stream(bot, 1, &events);
+        let committed = streamed_outcome(&events).clone();
+        assert_eq!(committed.version, 1, "{bot}");
+
+        // A redelivery gets the outcome alone: the worker is not called, nothing is drafted.
+        let (again, ended) = stream_turn(&server, bot, first).await;
+        ended.unwrap();
+        assert_eq!(again.len(), 1, "{bot}: the outcome alone: {again:?}");
+        let redelivered = streamed_outcome(&again);
+        assert!(redelivered.redelivered, "{bot}");
+        assert_eq!(texts(redelivered), texts(&committed), "{bot}");
+        assert_eq!(
+            worker.stream_calls(&id),
+            1,
+            "{bot}: called once:\n{}",
+            worker.stderr()
+        );
+
+        // The transcript was kept: the second answer knows it is the second.
+        let (events, ended) =
+            stream_turn(&server, bot, message(&conversation, "ada", "again")).await;
+        ended.unwrap();
+        check_llm_stream(bot, 2, &events);
+
+        // A turn nobody streams just answers, through RunTurn.
+        let mut client = server.client().await;
+        let unstreamed = message(&conversation, "ada", "quietly");
+        let unstreamed_id = unstreamed.id.clone().unwrap();
+        let reply = client
+            .process_turn(pb::ProcessTurnRequest::typed(unstreamed, bot))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            texts(&reply)[0].contains("answer number 3 of"),
+            "{bot}: {reply:?}"
+        );
+        assert_eq!(
+            worker.calls_settled(&unstreamed_id, 1).await,
+            [1],
+            "{bot}: RunTurn"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_bot_that_drafts_then_fails_or_drafts_too_much_commits_nothing() {
+    let python = WorkerProcess::moody_py();
+    let typescript = WorkerProcess::node(&["dist/moody.js"]);
+    let url = support::pg::fresh_database().await;
+    let mut config = remotes(
+        support::postgres_config(&url),
+        &[
+            ("drafter-py", &python.url()),
+            ("drafter-ts", &typescript.url()),
+        ],
+    );
+    config.limits.max_text_bytes = 64;
+    let server = TestServer::start(config, turnstile::bots::samples()).await;
+    for (bot, failure) in [
+        (
+            "drafter-py",
+            "the bot raised RuntimeError in drafter (moody.py:",
+        ),
+        (
+            "drafter-ts",
+            "the bot threw RangeError in drafter (moody.ts:",
+        ),
+    ] {
+        let conversation = format!("drafts-{bot}");
+        let (events, ended) =
+            stream_turn(&server, bot, message(&conversation, "ada", "fail")).await;
+        let status = ended.expect_err(bot);
+        assert_eq!(status.code(), Code::Internal, "{bot}: {status:?}");
+        assert_eq!(reason(&status), "BOT_FAILED", "{bot}");
+        assert!(status.message().contains(failure), "{bot}: {status:?}");
+        assert!(
+            !status.message().contains("half an answer") && !status.message().contains("went away"),
+            "{bot}: no draft or error text in the status: {status:?}"
+        );
+        assert!(
+            !events.iter().any(|e| matches!(e, StreamEvent::Outcome(_))),
+            "{bot}"
+        );
+
+        let (events, ended) =
+            stream_turn(&server, bot, message(&conversation, "ada", "huge")).await;
+        let status = ended.expect_err(bot);
+        assert_eq!(status.code(), Code::Internal, "{bot}: {status:?}");
+        assert!(
+            status.message().starts_with(&format!(
+                "bot worker `{bot}` sent a draft of 100 bytes, over the limit of 64 bytes"
+            )),
+            "{bot}: {status:?}"
+        );
+        assert!(
+            !events.iter().any(|e| matches!(e, StreamEvent::Outcome(_))),
+            "{bot}"
+        );
+
+        // Neither committed anything: the next turn counts from zero.
+        let (events, ended) = stream_turn(&server, bot, message(&conversation, "ada", "ok")).await;
+        ended.unwrap();
+        let drafts: Vec<String> = events
+            .iter()
+            .filter_map(|e| match e {
+                StreamEvent::Draft(d) => Some(format!("{:?} {}", d.kind(), d.text)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            drafts,
+            [
+                "Informative Thinking…",
+                "Text half an answer",
+                "Text count: 1"
+            ],
+            "{bot}"
+        );
+        let committed = streamed_outcome(&events);
+        assert_eq!(texts(committed), ["count: 1"], "{bot}");
+        assert_eq!(committed.version, 1, "{bot}");
     }
 }
 

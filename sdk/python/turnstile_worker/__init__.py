@@ -22,6 +22,17 @@ A plain handler runs in a thread of the worker's pool, so one that blocks (a mod
 request) holds up no other turn; an ``async def`` handler runs on the event loop and must not
 block it.
 
+A handler may show its answer as it writes it, when the turn is streamed (``StreamTurn``):
+``await turn.inform("Thinking…")`` shows a status line, ``await turn.draft(text_so_far)`` the
+reply so far, and ``reply = await turn.stream(tokens)`` drafts the growing text of an async
+iterator of model tokens and returns the whole of it. Drafts are provisional; only what the
+handler ``send``s is delivered, after the commit. On a turn nobody streams they do nothing.
+
+    @worker.bot("llm")
+    async def llm(turn):
+        await turn.inform("Thinking…")
+        turn.send(await turn.stream(model.tokens(turn.text)))
+
 The gRPC stubs are generated when this package is imported, from the copy of ``worker.proto`` it
 carries, by grpcio-tools (``grpc.protos_and_services``): nothing generated is committed.
 """
@@ -41,7 +52,7 @@ import signal
 import sys
 import sysconfig
 import traceback
-from typing import Any, Awaitable, Callable, Optional, Union
+from typing import Any, AsyncIterable, Awaitable, Callable, Iterable, Optional, Union
 
 import grpc
 
@@ -145,10 +156,47 @@ class Scope(dict):
         return dict(super().items())
 
 
-class Turn:
-    """One attempt of one turn: the activity, the three state scopes, and ``send``."""
+class _Done:
+    """What ``Turn.draft`` returns: awaitable, done at once, so that an ``async def`` handler
+    writes ``await turn.draft(text)`` and a plain one ``turn.draft(text)``."""
 
-    def __init__(self, request):
+    __slots__ = ()
+
+    def __await__(self):
+        return iter(())
+
+
+_DONE = _Done()
+
+
+class _Drafts:
+    """The drafts of one streamed attempt, on their way to the stream: put from the event loop
+    or from a handler's thread alike, in the order they were made."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+
+    def put(self, item) -> None:
+        if self.closed:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self.queue.put_nowait(item)
+        else:
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class Turn:
+    """One attempt of one turn: the activity, the three state scopes, ``send``, and the drafts a
+    streamed turn shows while it runs (``draft``, ``inform``, ``stream``)."""
+
+    def __init__(self, request, drafts: Optional[_Drafts] = None):
+        self._drafts = drafts
         self.bot: str = request.bot
         #: The inbound activity, a Bot Framework JSON object (camelCase keys).
         self.activity: dict = json.loads(request.activity_json)
@@ -186,6 +234,47 @@ class Turn:
         activity.update(fields)
         self.replies.append(activity)
 
+    @property
+    def streaming(self) -> bool:
+        """Whether someone watches this turn's drafts. A handler need not ask: drafting a turn
+        nobody streams does nothing. It may, to skip work only drafts need."""
+        return self._drafts is not None
+
+    def draft(self, text: str) -> Awaitable[None]:
+        """Shows ``text``, the whole reply written so far (not the new part), to whoever streams
+        the turn. Provisional: never stored, voided if the attempt is replayed; only what you
+        ``send`` is delivered, so the last draft should be the text you then send. Returns at
+        once; ``await`` it in an ``async def`` handler, or call it plainly from a plain one."""
+        self._offer(pb.WORKER_DRAFT_KIND_TEXT, text)
+        return _DONE
+
+    def inform(self, text: str) -> Awaitable[None]:
+        """Shows a status line ("Looking at the menu…") to whoever streams the turn: not part of
+        the reply, as provisional as a draft. Awaitable or plain, like :meth:`draft`."""
+        self._offer(pb.WORKER_DRAFT_KIND_INFORMATIVE, text)
+        return _DONE
+
+    async def stream(self, tokens: Union[AsyncIterable[str], Iterable[str]]) -> str:
+        """Drafts the growing text of ``tokens`` (an async iterator of a model's tokens, or a
+        plain iterable) as each arrives, and returns the whole text: ``turn.send(await
+        turn.stream(tokens))``. In a plain handler, loop and call :meth:`draft` instead."""
+        text = ""
+        if hasattr(tokens, "__aiter__"):
+            async for token in tokens:
+                text += token
+                self.draft(text)
+        else:
+            for token in tokens:
+                text += token
+                self.draft(text)
+        return text
+
+    def _offer(self, kind, text) -> None:
+        if not isinstance(text, str):
+            raise TypeError(f"a draft is a str, not {type(text).__name__}")
+        if self._drafts is not None:
+            self._drafts.put(pb.WorkerDraft(kind=kind, text=text))
+
     def _answer(self):
         answer = pb.RunTurnResponse(replies_json=[json.dumps(r) for r in self.replies])
         for name, loaded in self._loaded.items():
@@ -209,7 +298,8 @@ class _Servicer(_services.BotWorkerServicer):
         self._authorization = f"Bearer {token}" if token else None
         self._threads = threads
 
-    async def RunTurn(self, request, context):
+    async def _handler(self, request, context, method: str):
+        """The bot ``request`` names, once the call's token is checked."""
         if self._authorization is not None:
             sent = dict(context.invocation_metadata()).get("authorization")
             if sent != self._authorization:
@@ -220,28 +310,63 @@ class _Servicer(_services.BotWorkerServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"this worker serves no bot named {request.bot!r} (it serves: {', '.join(self._bots)})",
             )
-        turn = Turn(request)
         if _TRACE:
+            activity = json.loads(request.activity_json)
             print(
-                f"turnstile-worker: RunTurn bot={request.bot} activity={turn.activity.get('id')} "
+                f"turnstile-worker: {method} bot={request.bot} activity={activity.get('id')} "
                 f"attempt={request.attempt}",
                 file=sys.stderr,
                 flush=True,
             )
+        return handler
+
+    async def _failed(self, request, turn, error, context):
+        """Reports the bot's bug to Turnstile, which commits nothing. The whole traceback goes to
+        this worker's log; Turnstile's caller learns only what and where, since the exception's
+        message may quote the state or the activity."""
+        _log.error(
+            "bot %r failed on activity %s (attempt %d)",
+            request.bot,
+            turn.activity.get("id"),
+            request.attempt,
+            exc_info=error,
+        )
+        await context.abort(grpc.StatusCode.INTERNAL, _describe_failure(error))
+
+    async def RunTurn(self, request, context):
+        handler = await self._handler(request, context, "RunTurn")
+        turn = Turn(request)
         try:
             await self._run(handler, turn)
-        except Exception as e:  # the bot's bug, reported to Turnstile, which commits nothing
-            # The whole traceback goes to this worker's log; Turnstile's caller learns only what
-            # and where, since the exception's message may quote the state or the activity.
-            _log.error(
-                "bot %r failed on activity %s (attempt %d)",
-                request.bot,
-                turn.activity.get("id"),
-                request.attempt,
-                exc_info=True,
-            )
-            await context.abort(grpc.StatusCode.INTERNAL, _describe_failure(e))
+        except Exception as e:  # the bot's bug
+            await self._failed(request, turn, e, context)
         return turn._answer()
+
+    async def StreamRunTurn(self, request, context):
+        """RunTurn for a streamed turn: the handler's drafts as it makes them, then its answer."""
+        handler = await self._handler(request, context, "StreamRunTurn")
+        drafts = _Drafts(asyncio.get_running_loop())
+        turn = Turn(request, drafts)
+        done = object()
+        task = asyncio.ensure_future(self._run(handler, turn))
+        # After every draft the handler made: a thread's drafts reach the loop before its end.
+        task.add_done_callback(lambda _: drafts.queue.put_nowait(done))
+        try:
+            while True:
+                draft = await drafts.queue.get()
+                if draft is done:
+                    break
+                yield pb.StreamRunTurnResponse(draft=draft)
+        finally:
+            # Drafts made after the end (by a thread the handler left running) go nowhere; a
+            # call Turnstile gave up on stops its handler, if it is a coroutine.
+            drafts.closed = True
+            if not task.done():
+                task.cancel()
+        error = task.exception()
+        if error is not None:
+            await self._failed(request, turn, error, context)
+        yield pb.StreamRunTurnResponse(result=turn._answer())
 
     async def _run(self, handler, turn):
         """Runs ``handler`` on ``turn``: a coroutine function on the event loop, anything else

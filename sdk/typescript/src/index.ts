@@ -7,6 +7,12 @@
 // for one turn, and only the run that commits counts. Keep side effects out of it, or make them
 // idempotent, keyed by `turn.activity.id`.
 //
+// A handler may show its answer as it writes it, when the turn is streamed (`StreamTurn`):
+// `await turn.inform('Thinking…')` shows a status line, `await turn.draft(textSoFar)` the reply so
+// far, and `const reply = await turn.stream(tokens)` drafts the growing text of an async iterable
+// of model tokens and returns the whole of it. Drafts are provisional; only what the handler
+// `send`s is delivered, after the commit. On a turn nobody streams they do nothing.
+//
 // The contract (`proto/turnstile/v1/worker.proto`, a copy the package carries) is loaded at run
 // time by @grpc/proto-loader: there is no generated code.
 
@@ -101,6 +107,18 @@ interface RunTurnResponse {
   private_conversation?: ScopeOutcome;
 }
 
+/** `WorkerDraft`: what a streamed attempt shows while it runs. */
+interface WorkerDraft {
+  kind: 'WORKER_DRAFT_KIND_INFORMATIVE' | 'WORKER_DRAFT_KIND_TEXT';
+  text: string;
+}
+
+/** `StreamRunTurnResponse`: a draft, or the result, last. */
+type StreamRunTurnResponse = { draft: WorkerDraft } | { result: RunTurnResponse };
+
+/** Where a streamed attempt's drafts go. */
+type DraftSink = (draft: WorkerDraft) => void;
+
 type ScopeField = 'conversation' | 'user' | 'private_conversation';
 
 /** The scopes, by their field names in the contract and in a `Turn`. */
@@ -151,7 +169,10 @@ function trackedScope(state: ScopeState): TrackedScope {
   return tracked;
 }
 
-/** One attempt of one turn: the activity, the three state scopes, and `send`. */
+/**
+ * One attempt of one turn: the activity, the three state scopes, `send`, and the drafts a
+ * streamed turn shows while it runs (`draft`, `inform`, `stream`).
+ */
 export class Turn {
   /** The bot's name, as Turnstile knows it. */
   readonly bot: string;
@@ -168,9 +189,11 @@ export class Turn {
   /** The replies sent so far in this attempt. */
   readonly replies: Activity[] = [];
   readonly #scopes = new Map<ScopeField, TrackedScope>();
+  #drafts: DraftSink | null;
 
   /** @internal A turn is made by the worker from Turnstile's request. */
-  constructor(request: RunTurnRequest) {
+  constructor(request: RunTurnRequest, drafts: DraftSink | null = null) {
+    this.#drafts = drafts;
     this.bot = request.bot;
     this.activity = JSON.parse(request.activity_json) as Activity;
     this.attempt = request.attempt;
@@ -205,6 +228,51 @@ export class Turn {
   send(reply: string | Activity, fields: Activity = {}): void {
     const activity: Activity = typeof reply === 'string' ? { type: 'message', text: reply } : { ...reply };
     this.replies.push(Object.assign(activity, fields));
+  }
+
+  /**
+   * Whether someone watches this turn's drafts. A handler need not ask: drafting a turn nobody
+   * streams does nothing. It may, to skip work only drafts need.
+   */
+  get streaming(): boolean {
+    return this.#drafts !== null;
+  }
+
+  /**
+   * Shows `text`, the whole reply written so far (not the new part), to whoever streams the
+   * turn. Provisional: never stored, voided if the attempt is replayed; only what you `send` is
+   * delivered, so the last draft should be the text you then send.
+   */
+  async draft(text: string): Promise<void> {
+    this.#offer('WORKER_DRAFT_KIND_TEXT', text);
+  }
+
+  /** Shows a status line ('Looking at the menu…'): not part of the reply, provisional. */
+  async inform(text: string): Promise<void> {
+    this.#offer('WORKER_DRAFT_KIND_INFORMATIVE', text);
+  }
+
+  /**
+   * Drafts the growing text of `tokens` (a model's tokens, as an async iterable or a plain one)
+   * as each arrives, and resolves to the whole text: `turn.send(await turn.stream(tokens))`.
+   */
+  async stream(tokens: AsyncIterable<string> | Iterable<string>): Promise<string> {
+    let text = '';
+    for await (const token of tokens) {
+      text += token;
+      this.#offer('WORKER_DRAFT_KIND_TEXT', text);
+    }
+    return text;
+  }
+
+  #offer(kind: WorkerDraft['kind'], text: string): void {
+    if (typeof text !== 'string') throw new TypeError(`a draft is a string, not ${typeof text}`);
+    this.#drafts?.({ kind, text });
+  }
+
+  /** @internal No draft goes anywhere any more: the attempt has ended. */
+  endDrafts(): void {
+    this.#drafts = null;
   }
 
   /** @internal The answer to Turnstile: the replies, and what the attempt did to each scope. */
@@ -257,6 +325,9 @@ export class Worker {
       ) => {
         void runTurn(bots, call, callback, options.token);
       },
+      StreamRunTurn: (call: grpc.ServerWritableStream<RunTurnRequest, StreamRunTurnResponse>) => {
+        void streamRunTurn(bots, call, options.token);
+      },
     });
     const credentials = options.tls
       ? grpc.ServerCredentials.createSsl(null, [{ cert_chain: options.tls.cert, private_key: options.tls.key }])
@@ -281,33 +352,53 @@ export class Worker {
   }
 }
 
-/** Answers one `RunTurn` call. */
-async function runTurn(
+/** A failed call's status. */
+interface Failure {
+  code: grpc.status;
+  details: string;
+}
+
+/** The bot `call` asks for, once its token is checked; a failure otherwise. */
+function handlerFor(
   bots: Map<string, Handler>,
-  call: grpc.ServerUnaryCall<RunTurnRequest, RunTurnResponse>,
-  callback: grpc.sendUnaryData<RunTurnResponse>,
+  call: grpc.ServerUnaryCall<RunTurnRequest, unknown> | grpc.ServerWritableStream<RunTurnRequest, unknown>,
   token: string | undefined,
-): Promise<void> {
+  method: string,
+): Handler | Failure {
   if (token && call.metadata.get('authorization')[0] !== `Bearer ${token}`) {
-    callback({ code: grpc.status.UNAUTHENTICATED, details: 'no valid bearer token' });
-    return;
+    return { code: grpc.status.UNAUTHENTICATED, details: 'no valid bearer token' };
   }
   const request = call.request;
   const handler = bots.get(request.bot);
   if (!handler) {
-    callback({
+    return {
       code: grpc.status.NOT_FOUND,
       details: `this worker serves no bot named '${request.bot}' (it serves: ${[...bots.keys()].join(', ')})`,
-    });
-    return;
+    };
   }
+  if (TRACE) {
+    let id: unknown;
+    try {
+      id = (JSON.parse(request.activity_json) as Activity).id;
+    } catch {
+      id = undefined;
+    }
+    console.error(`turnstile-worker: ${method} bot=${request.bot} activity=${id} attempt=${request.attempt}`);
+  }
+  return handler;
+}
+
+/** Runs `handler` on the turn `request` is; the turn, or the failure to report. */
+async function runHandler(
+  handler: Handler,
+  request: RunTurnRequest,
+  drafts: DraftSink | null,
+): Promise<Turn | Failure> {
   let turn: Turn | undefined;
   try {
-    turn = new Turn(request);
-    if (TRACE) {
-      console.error(`turnstile-worker: RunTurn bot=${request.bot} activity=${turn.activity.id} attempt=${request.attempt}`);
-    }
+    turn = new Turn(request, drafts);
     await handler(turn);
+    return turn;
   } catch (e) {
     // The bot's bug, reported to Turnstile, which commits nothing. The whole stack goes to this
     // worker's log; Turnstile's caller learns only what and where, since the error's message may
@@ -317,10 +408,55 @@ async function runTurn(
       `turnstile-worker: bot '${request.bot}' failed${activity} (attempt ${request.attempt}):`,
       e instanceof Error && e.stack ? e.stack : e,
     );
-    callback({ code: grpc.status.INTERNAL, details: describeFailure(e) });
+    return { code: grpc.status.INTERNAL, details: describeFailure(e) };
+  } finally {
+    turn?.endDrafts();
+  }
+}
+
+/** Answers one `RunTurn` call. */
+async function runTurn(
+  bots: Map<string, Handler>,
+  call: grpc.ServerUnaryCall<RunTurnRequest, RunTurnResponse>,
+  callback: grpc.sendUnaryData<RunTurnResponse>,
+  token: string | undefined,
+): Promise<void> {
+  const handler = handlerFor(bots, call, token, 'RunTurn');
+  if (typeof handler !== 'function') {
+    callback(handler);
     return;
   }
-  callback(null, turn.answer());
+  const turn = await runHandler(handler, call.request, null);
+  if (turn instanceof Turn) callback(null, turn.answer());
+  else callback(turn);
+}
+
+/** Answers one `StreamRunTurn` call: the handler's drafts as it makes them, then its answer. */
+async function streamRunTurn(
+  bots: Map<string, Handler>,
+  call: grpc.ServerWritableStream<RunTurnRequest, StreamRunTurnResponse>,
+  token: string | undefined,
+): Promise<void> {
+  const handler = handlerFor(bots, call, token, 'StreamRunTurn');
+  if (typeof handler !== 'function') {
+    call.emit('error', handler);
+    return;
+  }
+  // A call Turnstile gave up on takes no more drafts; the handler finishes on its own.
+  let open = true;
+  call.on('cancelled', () => {
+    open = false;
+  });
+  const turn = await runHandler(handler, call.request, (draft) => {
+    if (open) call.write({ draft });
+  });
+  if (!open) return;
+  if (turn instanceof Turn) {
+    call.write({ result: turn.answer() });
+    call.end();
+  } else {
+    call.emit('error', turn);
+  }
 }
 
 /**

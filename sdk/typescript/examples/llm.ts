@@ -1,0 +1,57 @@
+// A language-model bot as a bot worker, streaming its answer: a stand-in for a model, so that
+// streaming can be tried anywhere — no network, no model. The fake model yields a canned answer
+// a word at a time, LLM_TOKEN_DELAY_MS (50) apart; the bot shows "Thinking…", then its reply as
+// it grows, and sends the whole reply, which is what is delivered once the turn commits. Like a
+// real agent it keeps the conversation's transcript in conversation state (`transcript`: the
+// user's and its own messages, in order).
+//
+// In a project set up as the README says (with this file as llm.ts):
+//   npx tsc && LLM_TOKEN_DELAY_MS=50 node --enable-source-maps dist/llm.js 0.0.0.0:50064
+//   turnstile serve --remote-bot llm-ts=http://127.0.0.1:50064
+// Then `StreamTurn` with `bot: "llm-ts"` streams the drafts, and `ProcessTurn` just answers.
+import { setTimeout as sleep } from 'node:timers/promises';
+import { Worker, type Turn } from 'turnstile-worker';
+
+/** One message of the transcript kept in conversation state. */
+type Message = { role: 'user' | 'assistant'; text: string };
+
+/** Writes a canned answer one word ("token") every `delayMs`. */
+export class FakeModel {
+  constructor(readonly delayMs: number) {}
+
+  async *tokens(prompt: string, turn: number): AsyncGenerator<string> {
+    // A function of the prompt and the transcript alone, as the replay rule asks.
+    const answer =
+      `You said "${prompt}". This is answer number ${turn} of this conversation, ` +
+      'written one word at a time the way a language model writes.';
+    const words = answer.split(' ');
+    for (const [i, word] of words.entries()) {
+      await sleep(this.delayMs);
+      yield i === words.length - 1 ? word : `${word} `;
+    }
+  }
+}
+
+const model = new FakeModel(Number(process.env.LLM_TOKEN_DELAY_MS ?? 50));
+
+export async function llm(turn: Turn): Promise<void> {
+  if (turn.activity.type !== 'message') return;
+  const transcript = (turn.conversation.transcript ?? []) as Message[];
+  await turn.inform('Thinking…');
+  const reply = await turn.stream(model.tokens(turn.text, Math.floor(transcript.length / 2) + 1));
+  const said: Message[] = [
+    { role: 'user', text: turn.text },
+    { role: 'assistant', text: reply },
+  ];
+  turn.conversation.transcript = [...transcript, ...said];
+  turn.send(reply);
+}
+
+export const worker = new Worker().bot(process.env.BOT_NAME || 'llm-ts', llm);
+
+if (require.main === module) {
+  worker.serve(process.argv[2] || '0.0.0.0:50064').catch((e: unknown) => {
+    console.error(e);
+    process.exit(1);
+  });
+}
