@@ -1,7 +1,8 @@
 //! A bot worker streams drafts too: a streamed turn (`StreamTurn`) of a remote bot calls
 //! `BotWorker/StreamRunTurn`, passes each of the worker's drafts on as it arrives, and commits
-//! the worker's result; a turn nobody streams calls `RunTurn`, as before. A worker that cannot
-//! stream (`UNIMPLEMENTED`) is called with `RunTurn` instead. Each way a worker can get its
+//! the worker's result; a conflict between replicas voids the first attempt's drafts and the
+//! replay, a new call, drafts anew; a turn nobody streams calls `RunTurn`, as before. A worker
+//! that cannot stream (`UNIMPLEMENTED`) is called with `RunTurn` instead. Each way a worker can get its
 //! stream wrong — an event after its result, no result, an error after drafting, a draft over
 //! the size cap, a connection that breaks midway — ends the call with a status naming it, and
 //! commits nothing. The worker is a tonic server inside the test; the store is real PostgreSQL.
@@ -14,7 +15,7 @@ use std::time::Duration;
 
 use support::proxy::Proxy;
 use support::{TestServer, message, postgres_config, texts};
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Status};
 use tonic_types::StatusExt as _;
@@ -30,6 +31,8 @@ use turnstile::grpc::pb::stream_turn_response::Event;
 struct FakeWorker {
     /// Every call: (method, bot, text).
     calls: Mutex<Vec<(&'static str, String, String)>>,
+    /// What the first attempt of a `wait` message waits for after drafting.
+    gate: Notify,
 }
 
 struct FakeService(Arc<FakeWorker>);
@@ -113,6 +116,7 @@ impl pb::bot_worker_server::BotWorker for FakeService {
     ) -> Result<tonic::Response<Self::StreamRunTurnStream>, Status> {
         let r = request.into_inner();
         let bot = r.bot.clone();
+        let attempt = r.attempt;
         let (text, count) = self.0.called(
             "StreamRunTurn",
             &pb::RunTurnRequest {
@@ -137,6 +141,7 @@ impl pb::bot_worker_server::BotWorker for FakeService {
             ],
             "big" => vec![draft(Text, "x".repeat(100))],
             "break" => vec![draft(Text, "half an answer")],
+            "wait" => vec![draft(Text, format!("count: {count}"))],
             _ => vec![
                 draft(Informative, "Thinking…"),
                 draft(Text, "count:"),
@@ -145,11 +150,19 @@ impl pb::bot_worker_server::BotWorker for FakeService {
             ],
         };
         let (tx, rx) = mpsc::channel(8);
+        let worker = Arc::clone(&self.0);
         tokio::spawn(async move {
             for event in events {
                 if tx.send(event).await.is_err() {
                     return;
                 }
+            }
+            if text == "wait" {
+                // The first attempt holds here, its draft shown, while another replica commits.
+                if attempt == 1 {
+                    worker.gate.notified().await;
+                }
+                let _ = tx.send(result(count)).await;
             }
             if text == "break" {
                 // Never ends: the test cuts the connection under it.
@@ -376,4 +389,74 @@ async fn a_stream_the_worker_gets_wrong_or_that_breaks_ends_with_a_status_naming
     let committed = outcome(&events);
     assert_eq!(texts(committed), ["count: 1"]);
     assert_eq!(committed.version, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conflict_mid_stream_voids_the_workers_drafts_and_its_replay_drafts_anew() {
+    let url = support::pg::fresh_database().await;
+    let worker = Arc::new(FakeWorker::default());
+    let addr = worker.serve().await;
+    let a = server_for(postgres_config(&url), &[("fake", addr)]).await;
+    let b = server_for(postgres_config(&url), &[("fake", addr)]).await;
+    let mut b_client = b.client().await;
+    b_client
+        .process_turn(pb::ProcessTurnRequest::typed(
+            message("w-race", "ada", "first"),
+            "fake",
+        ))
+        .await
+        .unwrap();
+
+    let mut a_client = a.client().await;
+    let mut events = a_client
+        .stream_turn(pb::StreamTurnRequest::typed(
+            message("w-race", "ada", "wait"),
+            "fake",
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    // The worker's first draft: attempt 1 has read the state and waits in the worker.
+    let first = events.message().await.unwrap().unwrap().event.unwrap();
+    assert!(
+        matches!(&first, Event::Draft(d) if d.attempt == 1 && d.text == "count: 2"),
+        "{first:?}"
+    );
+    // Meanwhile replica B commits a turn of the same conversation.
+    let other = b_client
+        .process_turn(pb::ProcessTurnRequest::typed(
+            message("w-race", "bob", "other"),
+            "fake",
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(texts(&other), ["count: 2"]);
+    worker.gate.notify_one();
+
+    let mut rest = vec![first];
+    while let Some(response) = events.message().await.unwrap() {
+        rest.push(response.event.unwrap());
+    }
+    let seen: Vec<String> = rest
+        .iter()
+        .map(|e| match e {
+            Event::Draft(d) => format!("draft {} {}", d.attempt, d.text),
+            Event::Reset(r) => format!("reset {}", r.attempt),
+            Event::Outcome(o) => format!("outcome {}", o.attempts),
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            "draft 1 count: 2",
+            "reset 1",
+            "draft 2 count: 3",
+            "outcome 2"
+        ],
+        "the void draft, its reset, the replay's draft on fresh state, then the outcome"
+    );
+    let committed = outcome(&rest);
+    assert_eq!(texts(committed), ["count: 3"]);
+    assert_eq!(committed.version, 3);
 }
