@@ -2,10 +2,11 @@
 //! `BotWorker/StreamRunTurn`, passes each of the worker's drafts on as it arrives, and commits
 //! the worker's result; a conflict between replicas voids the first attempt's drafts and the
 //! replay, a new call, drafts anew; a turn nobody streams calls `RunTurn`, as before. A worker
-//! that cannot stream (`UNIMPLEMENTED`) is called with `RunTurn` instead. Each way a worker can get its
-//! stream wrong — an event after its result, no result, an error after drafting, a draft over
-//! the size cap, a connection that breaks midway — ends the call with a status naming it, and
-//! commits nothing. The worker is a tonic server inside the test; the store is real PostgreSQL.
+//! that cannot stream (`UNIMPLEMENTED`) is called with `RunTurn` instead. Each way a worker can
+//! get its stream wrong — an event after its result, no result, an error after drafting, a draft
+//! over the size cap, a connection that breaks midway — ends the call with a status naming it,
+//! and commits nothing. The worker is a tonic server inside the test; the store is real
+//! PostgreSQL.
 #![allow(clippy::unwrap_used)]
 
 use crate::support;
