@@ -34,6 +34,10 @@ use crate::telemetry::rpc::RpcTelemetryLayer;
 /// How long connections get to close once every turn has finished during shutdown.
 const CONNECTION_CLOSE_WAIT: Duration = Duration::from_secs(5);
 
+/// How often a server that did not migrate on start checks the database's schema until it is
+/// one it can serve: a migration Job's work is noticed within this, without a restart.
+const SCHEMA_CHECK_INTERVAL: Duration = Duration::from_secs(2);
+
 /// Why the server could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -99,13 +103,19 @@ impl From<TcpListener> for Listeners {
 /// # Errors
 /// [`ServeError::Database`].
 pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServeError> {
+    Ok(open(config).await?.0)
+}
+
+/// [`open_store`], and the PostgreSQL store again when it was not migrated on start: its schema
+/// is for [`watch_schema`] to check before it serves.
+async fn open(config: &Config) -> Result<(Arc<dyn Store>, Option<PostgresStore>), ServeError> {
     Ok(match &config.store {
         StoreConfig::Memory => {
             tracing::warn!(
                 "no database URL: keeping state in memory, which serves one replica only and is \
                  lost on exit; set --database-url (DATABASE_URL) to share state between replicas"
             );
-            Arc::new(MemoryStore::new())
+            (Arc::new(MemoryStore::new()), None)
         }
         StoreConfig::Postgres {
             url,
@@ -117,12 +127,12 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServeError> {
                 let applied = postgres::migrate(migration_url).await?;
                 tracing::info!(applied, "database migrations up to date");
             }
-            Arc::new(
-                PostgresStore::connect_with(url, *pool_size, config.statements)?
-                    .with_commits_in_flight(*commits_in_flight),
-            )
+            let store = PostgresStore::connect_with(url, *pool_size, config.statements)?
+                .with_commits_in_flight(*commits_in_flight);
+            let unmigrated = (!config.migrate_on_start).then(|| store.clone());
+            (Arc::new(store), unmigrated)
         }
-        StoreConfig::Shared(shared) => Arc::clone(&shared.0),
+        StoreConfig::Shared(shared) => (Arc::clone(&shared.0), None),
     })
 }
 
@@ -159,7 +169,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let bots = with_policies(config.remote_bots.register(bots)?, &config)?;
-    let store = open_store(&config).await?;
+    let (store, unmigrated) = open(&config).await?;
     let listeners: Listeners = listeners.into();
     let Listeners {
         grpc: listener,
@@ -199,9 +209,24 @@ pub async fn serve(
         .max_encoding_message_size(max_message);
 
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<TurnServiceServer<TurnApi>>()
-        .await;
+    // Ready to turn means a schema its statements were written for: until a check says so,
+    // `TurnService` is NOT_SERVING (the server as a whole, "", is up: liveness must not restart a
+    // replica that waits for its migration Job) and turns are refused at the store's gate.
+    let schema_watch = match unmigrated {
+        None => {
+            health_reporter
+                .set_serving::<TurnServiceServer<TurnApi>>()
+                .await;
+            None
+        }
+        Some(store) => {
+            store.hold_until_schema_checked();
+            health_reporter
+                .set_not_serving::<TurnServiceServer<TurnApi>>()
+                .await;
+            Some(tokio::spawn(watch_schema(store, health_reporter.clone())))
+        }
+    };
     // The `google.rpc` error-detail types too: every error status carries them, and a client
     // that learns the contract by reflection (grpcurl) decodes them only if it can look them up.
     let reflection_v1 = tonic_reflection::server::Builder::configure()
@@ -222,6 +247,12 @@ pub async fn serve(
         async move {
             shutdown.await;
             drain.start();
+            if let Some(watch) = schema_watch {
+                // Stopped, not just told to stop, before NOT_SERVING: it must not report SERVING
+                // after that.
+                watch.abort();
+                let _ = watch.await;
+            }
             health_reporter
                 .set_not_serving::<TurnServiceServer<TurnApi>>()
                 .await;
@@ -350,6 +381,40 @@ fn authenticate(config: &Config) -> Result<Authenticate, ServeError> {
         );
     }
     Ok(authenticate)
+}
+
+/// Checks the database's schema, at once and then every [`SCHEMA_CHECK_INTERVAL`], until it is
+/// one this binary serves (its own version, or a newer one: migrations only add); then reports
+/// `TurnService` SERVING and returns. Each new reason for not serving is logged once.
+async fn watch_schema(store: PostgresStore, health: tonic_health::server::HealthReporter) {
+    let mut logged = String::new();
+    loop {
+        let waiting = match store.check_schema().await {
+            Ok(status @ postgres::SchemaStatus::Ahead { .. }) => {
+                tracing::warn!(
+                    "{status}: serving beside it, as migrations only add; upgrade this replica"
+                );
+                break;
+            }
+            Ok(status @ postgres::SchemaStatus::Current { .. }) => {
+                tracing::info!("{status}: serving turns");
+                break;
+            }
+            Ok(behind) => behind.to_string(),
+            Err(e) => format!(
+                "cannot check the database schema: {:#}",
+                anyhow::Error::from(e)
+            ),
+        };
+        if waiting != logged {
+            tracing::warn!(
+                "TurnService NOT_SERVING: {waiting}; checking again every {SCHEMA_CHECK_INTERVAL:?}"
+            );
+            logged = waiting;
+        }
+        tokio::time::sleep(SCHEMA_CHECK_INTERVAL).await;
+    }
+    health.set_serving::<TurnServiceServer<TurnApi>>().await;
 }
 
 /// Deletes receipts older than `retention`, a few times per retention period (at most every five

@@ -25,6 +25,7 @@ use crate::activity::incoming::InvalidActivity;
 use crate::bot::BotErrorKind;
 use crate::engine::TurnError;
 use crate::store::StoreError;
+use crate::store::postgres::SchemaBehind;
 
 /// The `ErrorInfo.domain` of every error this service returns.
 pub const ERROR_DOMAIN: &str = "turnstile.dev";
@@ -35,6 +36,10 @@ const RETRY_ABORTED: Duration = Duration::from_millis(250);
 /// Before retrying when the store is unavailable: a pool wait or a database restart is over in
 /// seconds, and hammering a recovering database slows it down.
 const RETRY_STORE_UNAVAILABLE: Duration = Duration::from_secs(1);
+/// Before retrying when the database's schema is behind this server's: a migration Job takes
+/// seconds to minutes, and this replica reports NOT_SERVING meanwhile, so a retry is better sent
+/// elsewhere or a little later.
+const RETRY_SCHEMA_BEHIND: Duration = Duration::from_secs(5);
 /// Before retrying a turn whose bot worker could not be reached: a worker restarting or being
 /// rescheduled is back within seconds.
 const RETRY_BOT_UNAVAILABLE: Duration = Duration::from_secs(1);
@@ -58,6 +63,9 @@ pub enum Reason {
     ConflictRetriesExhausted,
     /// `UNAVAILABLE`: the state store cannot be reached.
     StoreUnavailable,
+    /// `UNAVAILABLE`: the database's schema is behind this server's (`turnstile migrate` has not
+    /// run yet).
+    SchemaBehind,
     /// `UNAVAILABLE`: this replica is draining before it stops.
     ShuttingDown,
     /// `UNAVAILABLE`: the bot is a bot worker that cannot be reached.
@@ -88,6 +96,7 @@ impl Reason {
             Self::UnknownBot => "UNKNOWN_BOT",
             Self::ConflictRetriesExhausted => "CONFLICT_RETRIES_EXHAUSTED",
             Self::StoreUnavailable => "STORE_UNAVAILABLE",
+            Self::SchemaBehind => "SCHEMA_BEHIND",
             Self::ShuttingDown => "SHUTTING_DOWN",
             Self::BotUnavailable => "BOT_UNAVAILABLE",
             Self::Overloaded => "OVERLOADED",
@@ -255,6 +264,9 @@ impl From<TurnError> for Status {
                     HashMap::new(),
                 )
             }
+            TurnError::Store(StoreError::Unavailable(e)) if e.is::<SchemaBehind>() => {
+                schema_behind(e.downcast_ref::<SchemaBehind>())
+            }
             TurnError::Store(e @ StoreError::Unavailable(_)) => {
                 tracing::warn!(error = ?anyhow_chain(&e), "state store unavailable");
                 with_details(
@@ -277,6 +289,32 @@ impl From<TurnError> for Status {
             }
         }
     }
+}
+
+/// The status for a turn refused because the database's schema is behind: the server logged why
+/// when it found out (and reports NOT_SERVING), so the turn itself is not logged.
+fn schema_behind(behind: Option<&SchemaBehind>) -> Status {
+    let mut metadata = HashMap::new();
+    let message = match behind {
+        Some(behind) => {
+            let found = behind
+                .found
+                .map_or_else(|| "none".to_owned(), |v| v.to_string());
+            metadata.insert("schema_version".to_owned(), found);
+            metadata.insert("needed_version".to_owned(), behind.needed.to_string());
+            format!("{behind}; the turn was not committed, retry later")
+        }
+        None => "the database schema is behind this server's; the turn was not committed, retry \
+                 later"
+            .to_owned(),
+    };
+    with_details(
+        Code::Unavailable,
+        message,
+        Reason::SchemaBehind,
+        Some(RETRY_SCHEMA_BEHIND),
+        metadata,
+    )
 }
 
 /// The status for a turn whose task ended without an answer: it panicked outside the bot (the
@@ -334,6 +372,29 @@ mod tests {
         assert_eq!(
             (info.reason.as_str(), info.domain.as_str()),
             ("INVALID_ACTIVITY", ERROR_DOMAIN)
+        );
+    }
+
+    #[test]
+    fn a_schema_behind_is_unavailable_naming_the_versions_and_the_fix() {
+        let behind = SchemaBehind {
+            found: Some(2),
+            needed: 3,
+        };
+        let status = Status::from(TurnError::Store(StoreError::Unavailable(behind.into())));
+        assert_eq!(status.code(), Code::Unavailable);
+        assert!(
+            status.message().contains("turnstile migrate"),
+            "{}",
+            status.message()
+        );
+        let info = status.get_details_error_info().expect("an ErrorInfo");
+        assert_eq!(info.reason, "SCHEMA_BEHIND");
+        assert_eq!(info.metadata["schema_version"], "2");
+        assert_eq!(info.metadata["needed_version"], "3");
+        assert_eq!(
+            status.get_details_retry_info().and_then(|r| r.retry_delay),
+            Some(RETRY_SCHEMA_BEHIND)
         );
     }
 

@@ -11,15 +11,18 @@
 //! ([`Statements`]). Connections use TLS as libpq's `sslmode` and `sslrootcert` say ([`tls`]).
 //! A serialized turn holds its conversation in a transaction of its own ([`lock`]).
 //!
-//! The database URL is parsed at the start with errors that name the mistake ([`url`]), and a
-//! connection that fails says where to and why ([`diagnose`]).
+//! The database URL is parsed at the start with errors that name the mistake ([`url`]), a
+//! connection that fails says where to and why ([`diagnose`]), and a server started over a
+//! schema its migrations have not reached holds turns at a gate until they have ([`schema`]).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, anyhow};
 use async_trait::async_trait;
-use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
+use deadpool_postgres::{
+    Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime, TimeoutType,
+};
 use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{Json, ToSql, Type};
@@ -36,6 +39,7 @@ mod diagnose;
 mod group_commit;
 mod jsonb;
 mod lock;
+pub mod schema;
 pub mod tls;
 mod url;
 
@@ -43,6 +47,7 @@ pub use diagnose::ConnectError;
 pub use group_commit::GroupCommitStats;
 use group_commit::{GroupCommit, SingleWrite};
 pub use lock::lock_table;
+pub use schema::{SchemaBehind, SchemaStatus};
 pub use url::{DatabaseUrl, ParsedUrl, UrlError};
 
 mod embedded {
@@ -333,7 +338,9 @@ impl Connector {
 }
 
 /// Applies the embedded migrations that `url`'s database lacks, under an advisory lock so that
-/// replicas starting together take turns. Returns how many were applied.
+/// replicas starting together take turns. Returns how many were applied. A database migrated
+/// past this binary (a newer release's rolling upgrade, or a rollback of this one) is left as
+/// it is, with a warning: migrations only add, so this binary serves beside it.
 ///
 /// # Errors
 /// [`DatabaseError`]: the URL is invalid, the database cannot be reached (the error says why),
@@ -357,6 +364,17 @@ async fn migrate_on(client: &mut tokio_postgres::Client) -> Result<usize, Databa
             doing: "taking the migration lock",
             source,
         })?;
+    let found = schema::applied_version(client)
+        .await
+        .map_err(|source| DatabaseError::Session {
+            doing: "reading the schema version",
+            source,
+        })?;
+    if let status @ SchemaStatus::Ahead { .. } = SchemaStatus::of(found) {
+        // refinery would refuse a history with versions it does not have.
+        tracing::warn!("{status}; no migration to apply");
+        return Ok(0);
+    }
     let report = embedded::migrations::runner()
         .run_async(client)
         .await
@@ -372,6 +390,10 @@ pub struct PostgresStore {
     group: Arc<GroupCommit>,
     /// Connections kept out of the pool by conversation leases (held or asked for).
     leases: lock::LeaseSlots,
+    /// Closed while the schema is behind this binary's, when the server asked for checks.
+    schema: Arc<schema::SchemaGate>,
+    /// Where the pool's connections go, for the words of their errors.
+    target: Arc<diagnose::Target>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -402,6 +424,7 @@ impl PostgresStore {
         statements: Statements,
     ) -> Result<Self, DatabaseError> {
         let connector = url.connector(statements)?;
+        let target = Arc::new(connector.target);
         let manager = Manager::from_config(
             connector.config,
             connector.tls,
@@ -428,7 +451,43 @@ impl PostgresStore {
             leases: lock::LeaseSlots::new(lease_slots(pool_size)),
             pool,
             statements,
+            schema: Arc::new(schema::SchemaGate::open()),
+            target,
         })
+    }
+
+    /// Refuses every call from now until [`PostgresStore::check_schema`] finds a schema this
+    /// binary can serve: for a server that did not migrate on start. (A store is open at first,
+    /// as one built by hand over a database its caller migrated.)
+    pub fn hold_until_schema_checked(&self) {
+        self.schema.close_until_checked();
+    }
+
+    /// Reads the database's schema version, compares it with this binary's, and opens or closes
+    /// the store's gate as it says.
+    ///
+    /// # Errors
+    /// [`DatabaseError`] when no connection can be had (saying why) or the version cannot be
+    /// read; the gate stays as it was.
+    pub async fn check_schema(&self) -> Result<SchemaStatus, DatabaseError> {
+        let client = match self.pool.get().await {
+            Ok(client) => client,
+            Err(PoolError::Backend(e)) => return Err(self.target.diagnose(e).await.into()),
+            Err(PoolError::Timeout(TimeoutType::Create)) => {
+                return Err(self.target.no_answer(CONNECTION_TIMEOUT).into());
+            }
+            Err(e) => return Err(DatabaseError::Pool(e)),
+        };
+        let found =
+            schema::applied_version(&client)
+                .await
+                .map_err(|source| DatabaseError::Session {
+                    doing: "reading the schema version",
+                    source,
+                })?;
+        let status = SchemaStatus::of(found);
+        self.schema.record(status);
+        Ok(status)
     }
 
     /// This store with at most `commits_in_flight` group-commit statements in flight at once,
@@ -489,17 +548,19 @@ async fn client_of(pool: &Pool) -> Result<deadpool_postgres::Object, StoreError>
 
 #[async_trait]
 impl Store for PostgresStore {
-    #[tracing::instrument(skip_all, fields(keys = keys.len()))]
+    #[tracing::instrument(level = "debug", skip_all, fields(keys = keys.len()))]
     async fn load(
         &self,
         keys: &[StateKey],
         receipt: Option<&StateKey>,
     ) -> Result<Snapshot, StoreError> {
+        self.schema.admit()?;
         within_call_timeout(self.load_now(keys, receipt)).await
     }
 
-    #[tracing::instrument(skip_all, fields(keys = commit.changes().len()))]
+    #[tracing::instrument(level = "debug", skip_all, fields(keys = commit.changes().len()))]
     async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
+        self.schema.admit()?;
         // Each commit's future boxed where it is made: unboxed, it made this future kilobytes
         // large, and the timeout, the span wrapper and `async_trait`'s box each copied it whole
         // (about 1,700 instructions per turn, `bench/RESULTS.md`).
@@ -511,7 +572,7 @@ impl Store for PostgresStore {
         }
     }
 
-    #[tracing::instrument(skip_all)]
+    #[tracing::instrument(level = "debug", skip_all)]
     async fn lock_conversation(
         &self,
         conversation: &StateKey,
@@ -519,10 +580,11 @@ impl Store for PostgresStore {
         receipt: Option<&StateKey>,
         wait: Duration,
     ) -> Result<ConversationLock, StoreError> {
+        self.schema.admit()?;
         lock::lock_conversation(self, conversation, keys, receipt, wait).await
     }
 
-    #[tracing::instrument(skip_all)]
+    #[tracing::instrument(level = "debug", skip_all)]
     async fn lease_conversation(
         &self,
         conversation: &StateKey,
@@ -530,11 +592,13 @@ impl Store for PostgresStore {
         receipt: Option<&StateKey>,
         wait: Duration,
     ) -> Result<ConversationLease, StoreError> {
+        self.schema.admit()?;
         lock::lease_conversation(self, conversation, keys, receipt, wait).await
     }
 
-    #[tracing::instrument(skip_all)]
+    #[tracing::instrument(level = "debug", skip_all)]
     async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
+        self.schema.admit()?;
         let client = self.client().await?;
         let mut pruned = 0;
         loop {

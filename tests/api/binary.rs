@@ -465,3 +465,74 @@ async fn a_wrong_or_missing_password_is_named() {
     assert!(headline(&error).contains("28P01"), "{error}");
     drop(cluster);
 }
+
+#[tokio::test]
+async fn without_migrating_on_start_turns_wait_for_the_migration_job_and_the_log_says_why_once() {
+    let url = support::pg::fresh_database().await;
+    let port = free_port();
+    let server = turnstile()
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--migrate-on-start", "false", "--gateway-listen", "off"])
+        .env("DATABASE_URL", &url)
+        .spawn()
+        .unwrap();
+    drop(connect(port).await);
+    let address = format!("http://127.0.0.1:{port}");
+    let turns_health = move || {
+        let address = address.clone();
+        tokio::task::spawn_blocking(move || {
+            health_check(&[
+                "--address",
+                &address,
+                "--service",
+                "turnstile.v1.TurnService",
+            ])
+        })
+    };
+    let (serving, out) = turns_health().await.unwrap();
+    assert!(!serving, "{out}");
+    assert!(out.starts_with("NOT_SERVING"), "{out}");
+    // The log line is written by the first check, moments after the start.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let job = turnstile()
+        .arg("migrate")
+        .env("DATABASE_URL", &url)
+        .output()
+        .unwrap();
+    assert!(
+        job.status.success(),
+        "{}",
+        String::from_utf8_lossy(&job.stderr)
+    );
+    let mut serving = false;
+    for _ in 0..40 {
+        let (ok, _) = turns_health().await.unwrap();
+        if ok {
+            serving = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(
+        serving,
+        "TurnService never became SERVING after the migration"
+    );
+    let mut client = TurnServiceClient::connect(format!("http://127.0.0.1:{port}"))
+        .await
+        .unwrap();
+    say(&mut client, "c1", "add ham").await;
+    drop(client);
+
+    let (status, log) = tokio::task::spawn_blocking(move || terminate(server))
+        .await
+        .unwrap();
+    assert!(status.success(), "{log}");
+    let needed = std::fs::read_dir("migrations").unwrap().count();
+    let reason = format!(
+        "the database has no Turnstile schema (no migration has run there) and this server needs \
+         version {needed}: run `turnstile migrate`"
+    );
+    assert_eq!(log.matches(&reason).count(), 1, "logged once: {log}");
+    assert!(log.contains("serving turns"), "{log}");
+}

@@ -35,6 +35,7 @@ mod pizza_race;
 mod postgres_tls;
 mod request_fuzz;
 mod sample_bots;
+mod schema_health;
 mod sdk_protos;
 mod shutdown;
 mod store_conformance;
