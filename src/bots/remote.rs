@@ -440,10 +440,7 @@ impl Bot for RemoteBot {
                         bot = %self.name,
                         "the bot worker cannot stream (UNIMPLEMENTED): calling RunTurn"
                     );
-                    *self
-                        .unary_only_until
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + UNARY_ONLY_FOR);
+                    self.cannot_stream();
                     self.run_turn(request, until).await?
                 }
             }
@@ -462,6 +459,15 @@ impl RemoteBot {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         until.is_none_or(|until| Instant::now() >= until)
+    }
+
+    /// Remembers that the worker cannot stream, for [`UNARY_ONLY_FOR`]. (A std mutex: held for
+    /// a copy, never across an await.)
+    fn cannot_stream(&self) {
+        *self
+            .unary_only_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + UNARY_ONLY_FOR);
     }
 
     /// `message` as a call that must end by `until`, with the bearer token if there is one.
