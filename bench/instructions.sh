@@ -58,7 +58,9 @@ trap cleanup EXIT
 # --- the server under callgrind ------------------------------------------------------------------
 LISTEN=$(free_port)
 METRICS=$(free_port)
-RUST_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$WORK/callgrind.out.%p" \
+# As shipped: the log filter a deployment runs (RUST_LOG unset: `info`). `RUST_LOG=warn
+# bench/instructions.sh` measures another filter beside it.
+valgrind --tool=callgrind --callgrind-out-file="$WORK/callgrind.out.%p" \
     "$BIN/turnstile" serve --listen "127.0.0.1:$LISTEN" --metrics-listen "127.0.0.1:$METRICS" \
     --database-url "postgres://postgres@127.0.0.1:$PORT/postgres" >"$WORK/server.log" 2>&1 &
 SERVER=$!

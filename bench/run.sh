@@ -189,7 +189,8 @@ start_servers() {  # N [metrics] -> sets TARGETS, and METRICS_URLS with "metrics
             metrics=(--metrics-listen "127.0.0.1:$mport")
             METRICS_URLS+=("http://127.0.0.1:$mport/metrics")
         fi
-        RUST_LOG=warn "${CLIENT[@]}" "${SERVER:-$BIN/turnstile}" serve --listen "127.0.0.1:$port" \
+        # As shipped: the default log filter (`info`), unless the caller exports RUST_LOG.
+        "${CLIENT[@]}" "${SERVER:-$BIN/turnstile}" serve --listen "127.0.0.1:$port" \
             --database-url "postgres://postgres@127.0.0.1:$PORT/service" "${metrics[@]}" "${SERVE_ARGS[@]}" \
             >>"$WORK/service.log" 2>&1 &
         PIDS+=($!)

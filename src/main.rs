@@ -5,12 +5,12 @@ use std::io::IsTerminal as _;
 
 use anyhow::Context as _;
 use clap::Parser as _;
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::Layer as _;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 use turnstile::config::{Cli, Command, GatewayListen};
 use turnstile::store::postgres;
-use turnstile::telemetry::traces;
+use turnstile::telemetry::{self, traces};
 
 /// mimalloc: glibc malloc took a third of the server's CPU under load (bench/RESULTS.md).
 #[global_allocator]
@@ -19,23 +19,24 @@ static ALLOCATOR: turnstile::allocator::Mimalloc = turnstile::allocator::Mimallo
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // Each layer filters for itself: the log at `RUST_LOG`, trace export at its own filter, so
+    // that a turn's DEBUG spans are created only when export is on (see `telemetry`).
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal());
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_filter(telemetry::log_filter());
     let (otlp, provider) = match std::env::var(traces::OTLP_ENDPOINT_ENV) {
         Ok(endpoint) if !endpoint.is_empty() => {
             let (layer, provider) = traces::otlp_layer(&endpoint)
                 .with_context(|| format!("setting up OTLP export to {endpoint}"))?;
-            (Some(layer), Some(provider))
+            (
+                Some(layer.with_filter(telemetry::traces_filter())),
+                Some(provider),
+            )
         }
         _ => (None, None),
     };
-    tracing_subscriber::registry()
-        .with(filter)
-        .with(fmt)
-        .with(otlp)
-        .init();
+    tracing_subscriber::registry().with(fmt).with(otlp).init();
 
     let result = run(cli).await;
     if let Some(provider) = provider {

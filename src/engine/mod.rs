@@ -222,7 +222,12 @@ impl Engine {
     }
 
     /// A turn, drafting to `drafts` if someone streams it, with the bookkeeping of its outcome.
-    #[tracing::instrument(name = "turn", skip_all, fields(bot, channel, attempts, outcome))]
+    #[tracing::instrument(
+        name = "turn",
+        level = "debug",
+        skip_all,
+        fields(bot, channel, attempts, outcome)
+    )]
     async fn run(
         &self,
         bot: Option<&str>,
@@ -317,7 +322,7 @@ impl Engine {
             };
             // One span per run of the bot, so that a trace shows what each replay cost and why
             // it ended; its store calls and the bot run are its children.
-            let attempt_span = tracing::info_span!(
+            let attempt_span = tracing::debug_span!(
                 "attempt",
                 attempt,
                 mode = mode.name(),

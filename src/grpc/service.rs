@@ -65,7 +65,7 @@ impl pb::turn_service_server::TurnService for TurnApi {
         request: Request<pb::ProcessTurnRequest>,
     ) -> Result<Response<pb::ProcessTurnResponse>, Status> {
         // A child of the RPC layer's server span, which joined the caller's trace.
-        let span = tracing::info_span!("process_turn");
+        let span = tracing::debug_span!("process_turn");
         let json_replies = request.get_ref().json_replies;
         let turn = span.in_scope(|| self.start(request, None))?;
         let outcome = turn
@@ -81,7 +81,7 @@ impl pb::turn_service_server::TurnService for TurnApi {
         &self,
         request: Request<pb::StreamTurnRequest>,
     ) -> Result<Response<TurnEvents>, Status> {
-        let span = tracing::info_span!("stream_turn");
+        let span = tracing::debug_span!("stream_turn");
         let request = request.map(pb::ProcessTurnRequest::from);
         let json_replies = request.get_ref().json_replies;
         let (drafts, events) = Drafts::channel(DRAFT_BUFFER, self.limits.max_text_bytes);

@@ -178,7 +178,7 @@ struct Call {
 impl Call {
     fn start(path: &str, headers: &http::HeaderMap, durations: Arc<Durations>) -> Self {
         let (service, method, name) = names(path);
-        let span = tracing::info_span!(
+        let span = tracing::debug_span!(
             "rpc",
             otel.name = name,
             otel.kind = "server",

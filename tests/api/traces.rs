@@ -197,3 +197,70 @@ async fn a_collector_receives_the_spans_of_a_turn_in_the_callers_trace() {
         "message text in a span"
     );
 }
+
+/// The binary as shipped (no `RUST_LOG`: the log at `info`) still exports a turn's spans, which
+/// are at DEBUG so that the log does not pay for them: trace export filters for itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_exports_a_turns_debug_spans_while_its_log_stays_at_info() {
+    let (tx, mut spans) = mpsc::unbounded_channel();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let collector = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(Collector(tx)))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    let port = support::free_port();
+    let mut server = std::process::Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .env_clear()
+        .env("TURNSTILE_LISTEN", format!("127.0.0.1:{port}"))
+        .env("TURNSTILE_GATEWAY_LISTEN", "off")
+        // Batches every 100 ms (the SDK's default is 5 s), so the spans arrive while it runs.
+        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
+        .env(
+            turnstile::telemetry::traces::OTLP_ENDPOINT_ENV,
+            format!("http://{collector}"),
+        )
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let address = format!("http://127.0.0.1:{port}");
+    let mut client = loop {
+        if let Ok(client) =
+            turnstile::grpc::pb::turn_service_client::TurnServiceClient::connect(address.clone())
+                .await
+        {
+            break client;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    client
+        .process_turn(request_in_trace(TRACE_ID, None))
+        .await
+        .unwrap();
+    let mut names = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let wanted = ["turn", "attempt", "process_turn", RPC_SPAN];
+    while !wanted.iter().all(|w| names.iter().any(|n| n == w)) {
+        let (_, span) = tokio::time::timeout_at(deadline, spans.recv())
+            .await
+            .unwrap_or_else(|_| panic!("only these spans arrived: {names:?}"))
+            .unwrap();
+        if hex(&span.trace_id) == TRACE_ID {
+            names.push(span.name);
+        }
+    }
+    drop(client);
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &server.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let exited = tokio::task::spawn_blocking(move || server.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(exited.success(), "{exited}");
+}
