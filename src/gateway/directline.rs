@@ -10,6 +10,18 @@
 //! transcript, in one step, and only then is the POST answered: a turn that fails leaves nothing
 //! a client could read, so no reply is ever shown for state that was not saved.
 //!
+//! A bot that drafts its reply while it runs (a streamed turn) is shown as Web Chat shows a
+//! livestream: while a client has the conversation's WebSocket open, a posted activity goes to
+//! `StreamTurn` instead, and each draft is pushed to the open streams as an interim `typing`
+//! activity (`channelData` `streamType` `streaming` or `informative`, `streamSequence` from 1, and
+//! from the second on `streamId`, the first interim activity's id); the turn's last `message`
+//! reply with text ends the livestream (`streamType` `final`, the `streamId`). Interim activities
+//! are ephemeral, as Web Chat's livestreaming document asks: never in the transcript, so neither
+//! a `GET …/activities` poll nor a reconnect sees them, and a poll-only client (Direct Line REST,
+//! which ignores livestreams) gets `ProcessTurn` and the committed replies alone. A draft of an
+//! attempt that is thrown away (a conflict) is erased in place by an interim activity with empty
+//! text, which the replay's drafts then replace.
+//!
 //! Tokens are HS256 JWTs signed with the (first) Direct Line secret, each bound to one
 //! conversation and expiring after [`TOKEN_LIFETIME`]; a client holding a token reaches only its
 //! conversation, a client holding a secret reaches any. Without a secret and without an app id
@@ -38,10 +50,10 @@ use rand::distr::Alphanumeric;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use subtle::ConstantTimeEq as _;
-use tokio::sync::watch;
+use tokio::sync::{broadcast, watch};
 
 use super::config::Secret;
-use super::turns::Turns;
+use super::turns::{Shown, Turns};
 
 /// How long a token is valid; clients refresh it before (`botframework-directlinejs` every 15
 /// minutes), as Direct Line's own tokens last 30 minutes.
@@ -56,6 +68,9 @@ const PAGE: usize = 100;
 pub const CHANNEL_ID: &str = "directline";
 /// The issuer and audience of this gateway's tokens.
 const TOKEN_ISSUER: &str = "turnstile-directline";
+/// Interim activities a stream may fall behind by before it skips some (each one carries the
+/// whole text so far, so the next one makes up for those skipped).
+const LIVE_BACKLOG: usize = 64;
 /// How often an idle WebSocket is pinged, so that proxies keep it open and a dead client is
 /// noticed.
 const PING_INTERVAL: Duration = Duration::from_secs(30);
@@ -104,6 +119,8 @@ struct Conversation {
     transcript: VecDeque<Value>,
     /// The transcript's end position, watched by the conversation's WebSockets.
     appended: watch::Sender<u64>,
+    /// Interim (livestream) activities, pushed to the open WebSockets and kept nowhere.
+    live: broadcast::Sender<Value>,
 }
 
 impl Conversation {
@@ -114,6 +131,7 @@ impl Conversation {
             dropped: 0,
             transcript: VecDeque::new(),
             appended: watch::Sender::new(0),
+            live: broadcast::channel(LIVE_BACKLOG).0,
         }
     }
 
@@ -425,6 +443,54 @@ impl DirectLine {
         }))
     }
 
+    /// Pushes what a streamed turn shows to `conversation_id`'s open streams as an interim
+    /// activity of `livestream`, replying to `reply_to`.
+    fn show(
+        &self,
+        conversation_id: &str,
+        reply_to: &str,
+        livestream: &mut Livestream,
+        shown: Shown,
+    ) {
+        let (stream_type, text) = match shown {
+            Shown::Status(text) => ("informative", text),
+            Shown::Text(text) => ("streaming", text),
+            // Nothing shown yet, nothing to take back.
+            Shown::Void if livestream.id.is_none() => return,
+            Shown::Void => ("streaming", String::new()),
+        };
+        let mut all = self.conversations();
+        let Some(conversation) = all.by_id.get_mut(conversation_id) else {
+            return;
+        };
+        let id = conversation.next_id(conversation_id);
+        livestream.sequence += 1;
+        let mut stream_info = json!({
+            "streamType": stream_type,
+            "streamSequence": livestream.sequence,
+        });
+        match &livestream.id {
+            Some(stream_id) => stream_info["streamId"] = json!(stream_id),
+            None => livestream.id = Some(id.clone()),
+        }
+        let mut entity = stream_info.clone();
+        entity["type"] = json!("streaminfo");
+        let interim = json!({
+            "type": "typing",
+            "id": id,
+            "timestamp": rfc3339(SystemTime::now()),
+            "channelId": CHANNEL_ID,
+            "conversation": {"id": conversation_id},
+            "from": {"id": self.bot_id, "name": self.bot_id, "role": "bot"},
+            "replyToId": reply_to,
+            "text": text,
+            "channelData": stream_info,
+            "entities": [entity],
+        });
+        // No open stream: nobody to show it to, and nothing to keep.
+        let _ = conversation.live.send(interim);
+    }
+
     /// Runs the turn for `body` in `conversation_id` and appends it and its replies to the
     /// transcript once it committed; returns the activity's id.
     async fn post_activity(
@@ -470,11 +536,24 @@ impl DirectLine {
             json!({"id": self.bot_id, "name": self.bot_id, "role": "bot"}),
         );
         let text = activity.to_string();
-        let response = self
-            .turns
-            .process(&text, Some((CHANNEL_ID, conversation_id)))
-            .await
-            .map_err(DirectLineError::Turn)?;
+        let turn_conversation = Some((CHANNEL_ID, conversation_id));
+        // Nobody could see a draft without an open stream: polling clients ignore livestreams.
+        let watched = self
+            .conversations()
+            .by_id
+            .get(conversation_id)
+            .is_some_and(|c| c.live.receiver_count() > 0);
+        let mut livestream = Livestream::default();
+        let response = if watched {
+            self.turns
+                .stream(&text, turn_conversation, |shown| {
+                    self.show(conversation_id, &id, &mut livestream, shown);
+                })
+                .await
+        } else {
+            self.turns.process(&text, turn_conversation).await
+        }
+        .map_err(DirectLineError::Turn)?;
         let mut appended = vec![activity];
         for json in response.activities_json {
             let mut reply: Value = serde_json::from_str(&json)
@@ -497,6 +576,16 @@ impl DirectLine {
             fields.entry("replyToId").or_insert_with(|| json!(id));
             appended.push(reply);
         }
+        if let Some(stream_id) = &livestream.id {
+            let last_text = appended.iter_mut().skip(1).rev().find(|reply| {
+                reply["type"] == "message" && reply["text"].as_str().is_some_and(|t| !t.is_empty())
+            });
+            match last_text {
+                Some(reply) => end_livestream(reply, stream_id),
+                // Nothing takes the draft's place: erase it.
+                None => self.show(conversation_id, &id, &mut livestream, Shown::Void),
+            }
+        }
         let mut all = self.conversations();
         // Forgotten while the turn ran: the turn committed, but nobody can read it here.
         let conversation = all
@@ -510,6 +599,31 @@ impl DirectLine {
         }
         conversation.append(appended);
         Ok(id)
+    }
+}
+
+/// One turn's livestream: its id (the first interim activity's) once one was pushed, and the
+/// last sequence number used.
+#[derive(Debug, Default)]
+struct Livestream {
+    id: Option<String>,
+    sequence: u32,
+}
+
+/// Makes `reply` the final activity of the livestream `stream_id`: it replaces the drafts.
+fn end_livestream(reply: &mut Value, stream_id: &str) {
+    let Some(fields) = reply.as_object_mut() else {
+        return;
+    };
+    let channel_data = fields.entry("channelData").or_insert_with(|| json!({}));
+    if let Some(channel_data) = channel_data.as_object_mut() {
+        channel_data.insert("streamId".into(), json!(stream_id));
+        channel_data.insert("streamType".into(), json!("final"));
+    }
+    let entity = json!({"type": "streaminfo", "streamId": stream_id, "streamType": "final"});
+    match fields.entry("entities").or_insert_with(|| json!([])) {
+        Value::Array(entities) => entities.push(entity),
+        other => *other = json!([entity]),
     }
 }
 
@@ -704,23 +818,29 @@ async fn stream(
         watermark: query.watermark,
     }
     .position();
-    let appended = dl
-        .conversations()
-        .by_id
-        .get(&id)
-        .ok_or(DirectLineError::UnknownConversation)?
-        .appended
-        .subscribe();
-    Ok(upgrade.on_upgrade(move |socket| push_activities(dl, id, from, appended, socket)))
+    let (appended, live) = {
+        let all = dl.conversations();
+        let conversation = all
+            .by_id
+            .get(&id)
+            .ok_or(DirectLineError::UnknownConversation)?;
+        (
+            conversation.appended.subscribe(),
+            conversation.live.subscribe(),
+        )
+    };
+    Ok(upgrade.on_upgrade(move |socket| push_activities(dl, id, from, appended, live, socket)))
 }
 
 /// Sends every activity from `from` on to `socket` as `{activities, watermark}`, as they are
-/// appended, until the client goes away or the conversation is forgotten.
+/// appended, and each interim activity as it comes (`{activities}`, no watermark: it is not in
+/// the transcript), until the client goes away or the conversation is forgotten.
 async fn push_activities(
     dl: Arc<DirectLine>,
     id: String,
     mut from: u64,
     mut appended: watch::Receiver<u64>,
+    mut live: broadcast::Receiver<Value>,
     mut socket: WebSocket,
 ) {
     let mut ping = tokio::time::interval(PING_INTERVAL);
@@ -731,6 +851,18 @@ async fn push_activities(
         return;
     }
     loop {
+        // Interim activities first: a turn's drafts are all pushed before its commit appends
+        // the final reply, so they reach the client before it.
+        loop {
+            let interim = match live.try_recv() {
+                Ok(interim) => interim,
+                Err(broadcast::error::TryRecvError::Lagged(_)) => continue,
+                Err(_) => break,
+            };
+            if !send_interim(&mut socket, interim).await {
+                return;
+            }
+        }
         loop {
             let page = dl.conversations().by_id.get(&id).map(|c| c.page(from));
             let Some((activities, watermark)) = page else {
@@ -751,6 +883,19 @@ async fn push_activities(
             }
         }
         tokio::select! {
+            interim = live.recv() => match interim {
+                Ok(interim) => {
+                    if !send_interim(&mut socket, interim).await {
+                        return;
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(_)) => {}
+                // The conversation was forgotten.
+                Err(broadcast::error::RecvError::Closed) => {
+                    let _ = socket.send(Message::Close(None)).await;
+                    return;
+                }
+            },
             changed = appended.changed() => {
                 if changed.is_err() {
                     // The conversation was forgotten.
@@ -774,6 +919,15 @@ async fn push_activities(
             },
         }
     }
+}
+
+/// Sends one interim activity as a group of its own; false when the client is gone.
+async fn send_interim(socket: &mut WebSocket, interim: Value) -> bool {
+    let group = json!({ "activities": [interim] });
+    socket
+        .send(Message::Text(group.to_string().into()))
+        .await
+        .is_ok()
 }
 
 /// Lets pages on any origin call Direct Line, as the real service does: answers preflights and

@@ -18,8 +18,9 @@
 //! `trace` replies are diagnostics for the Emulator and reach no other channel.
 //!
 //! Beside it, in development or with a Direct Line secret, [`directline`] serves Direct Line 3.0
-//! for Web Chat, through the same `ProcessTurn` call, and `/` serves a small chat page that uses
-//! it.
+//! for Web Chat, through the same `ProcessTurn` call (or `StreamTurn`, whose drafts become a Web
+//! Chat livestream, while a client has the conversation's WebSocket open), and `/` serves a small
+//! chat page that uses it.
 //!
 //! For the platform: `/healthz` and `/readyz` ([`health`]) on the same port, and `/metrics`
 //! ([`metrics`]) on a port of its own, never the one an Ingress publishes.

@@ -1,8 +1,10 @@
 //! The gateway's one call into Turnstile: `ProcessTurn` with the activity as the channel's JSON
-//! text, under a deadline, retried while the server says retrying may help.
+//! text, under a deadline, retried while the server says retrying may help; or, for a channel
+//! that can show a reply while it is being written, `StreamTurn`, the same turn with its drafts
+//! passed to the caller as they come ([`Shown`]).
 //!
 //! Retrying is safe because the activity keeps its id: a turn that did commit before its answer
-//! was lost is answered from its receipt, not run again.
+//! was lost is answered from its receipt, not run again (and drafts nothing).
 
 use std::time::Duration;
 
@@ -16,6 +18,7 @@ use super::metrics;
 use crate::grpc::affinity::{CONVERSATION_METADATA, conversation_value};
 use crate::grpc::client::{self, ClientError};
 use crate::grpc::pb;
+use crate::grpc::pb::stream_turn_response::Event;
 use crate::grpc::pb::turn_service_client::TurnServiceClient;
 
 /// The first wait before a retry; it doubles up to [`MAX_BACKOFF`].
@@ -38,6 +41,18 @@ impl std::fmt::Debug for Turns {
             .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
+}
+
+/// What a streamed turn shows before its outcome: provisional, never a promise.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Shown {
+    /// A status line ("Thinking…"), not part of the reply.
+    Status(String),
+    /// The whole text so far of the reply being written (it replaces the previous one).
+    Text(String),
+    /// Everything shown so far is void: an attempt was thrown away after a conflict, or the call
+    /// failed (and may be retried, drafting anew).
+    Void,
 }
 
 /// Why the gateway cannot talk to Turnstile at all.
@@ -82,26 +97,24 @@ impl Turns {
         activity_json: &str,
         conversation: Option<(&str, &str)>,
     ) -> Result<pb::ProcessTurnResponse, Status> {
-        let affinity = conversation
-            .and_then(|(channel, conversation)| conversation_value(channel, conversation));
-        let deadline = Instant::now() + self.timeout;
+        self.process_until(activity_json, conversation, Instant::now() + self.timeout)
+            .await
+    }
+
+    async fn process_until(
+        &self,
+        activity_json: &str,
+        conversation: Option<(&str, &str)>,
+        deadline: Instant,
+    ) -> Result<pb::ProcessTurnResponse, Status> {
         let mut backoff = FIRST_BACKOFF;
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
-            let mut request = Request::new(
+            let request = self.request(
                 pb::ProcessTurnRequest::json(activity_json, self.bot.clone()).with_json_replies(),
+                conversation,
+                remaining,
             );
-            request.set_timeout(remaining);
-            if let Some(authorization) = &self.authorization {
-                request
-                    .metadata_mut()
-                    .insert("authorization", authorization.clone());
-            }
-            if let Some(affinity) = &affinity {
-                request
-                    .metadata_mut()
-                    .insert(CONVERSATION_METADATA, affinity.clone());
-            }
             match self.client.clone().process_turn(request).await {
                 Ok(response) => {
                     metrics::turn(Code::Ok);
@@ -119,6 +132,119 @@ impl Turns {
                 }
             }
         }
+    }
+    /// Runs the turn for `activity_json` as [`Turns::process`] does (same deadline, same
+    /// retries, same answer), through `StreamTurn`: what the bot shows while it runs goes to
+    /// `show` as it arrives, and a [`Shown::Void`] takes it back when its attempt is thrown away
+    /// or the call fails. A server without `StreamTurn` is asked with `ProcessTurn` instead.
+    ///
+    /// # Errors
+    /// The last [`Status`] when the server refused the turn or the deadline ran out.
+    pub async fn stream(
+        &self,
+        activity_json: &str,
+        conversation: Option<(&str, &str)>,
+        mut show: impl FnMut(Shown) + Send,
+    ) -> Result<pb::ProcessTurnResponse, Status> {
+        let deadline = Instant::now() + self.timeout;
+        let mut backoff = FIRST_BACKOFF;
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let request = self.request(
+                pb::StreamTurnRequest::from(
+                    pb::ProcessTurnRequest::json(activity_json, self.bot.clone())
+                        .with_json_replies(),
+                ),
+                conversation,
+                remaining,
+            );
+            let mut shown = false;
+            let streamed = match self.client.clone().stream_turn(request).await {
+                Ok(events) => Self::follow(events.into_inner(), &mut shown, &mut show).await,
+                // Nothing ran: a server from before streaming.
+                Err(status) if status.code() == Code::Unimplemented => {
+                    tracing::info!("the server cannot stream turns; calling ProcessTurn");
+                    return self
+                        .process_until(activity_json, conversation, deadline)
+                        .await;
+                }
+                Err(status) => Err(status),
+            };
+            if streamed.is_err() && shown {
+                show(Shown::Void);
+            }
+            match streamed {
+                Ok(response) => {
+                    metrics::turn(Code::Ok);
+                    return Ok(response);
+                }
+                Err(status) if retryable(status.code()) && remaining > backoff * 2 => {
+                    tracing::info!(code = ?status.code(), "turn not committed; retrying");
+                    metrics::turn_retried(status.code());
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                }
+                Err(status) => {
+                    metrics::turn(status.code());
+                    return Err(status);
+                }
+            }
+        }
+    }
+
+    /// Passes one `StreamTurn` call's drafts and resets to `show` until its outcome.
+    async fn follow(
+        mut events: tonic::Streaming<pb::StreamTurnResponse>,
+        shown: &mut bool,
+        show: &mut (impl FnMut(Shown) + Send),
+    ) -> Result<pb::ProcessTurnResponse, Status> {
+        while let Some(event) = events.message().await? {
+            match event.event {
+                Some(Event::Draft(draft)) => {
+                    *shown = true;
+                    show(if draft.kind() == pb::DraftKind::Informative {
+                        Shown::Status(draft.text)
+                    } else {
+                        Shown::Text(draft.text)
+                    });
+                }
+                Some(Event::Reset(_)) if *shown => {
+                    *shown = false;
+                    show(Shown::Void);
+                }
+                Some(Event::Outcome(outcome)) => return Ok(outcome),
+                Some(Event::Reset(_)) | None => {}
+            }
+        }
+        // Retrying is safe: the activity's receipt answers it if the turn did commit.
+        Err(Status::unavailable(
+            "the turn's stream ended without its outcome",
+        ))
+    }
+
+    /// `message` under the deadline's `remaining` time, with the token and the conversation
+    /// (channel and conversation id) as [`CONVERSATION_METADATA`].
+    fn request<T>(
+        &self,
+        message: T,
+        conversation: Option<(&str, &str)>,
+        remaining: Duration,
+    ) -> Request<T> {
+        let mut request = Request::new(message);
+        request.set_timeout(remaining);
+        if let Some(authorization) = &self.authorization {
+            request
+                .metadata_mut()
+                .insert("authorization", authorization.clone());
+        }
+        if let Some(affinity) = conversation
+            .and_then(|(channel, conversation)| conversation_value(channel, conversation))
+        {
+            request
+                .metadata_mut()
+                .insert(CONVERSATION_METADATA, affinity);
+        }
+        request
     }
 }
 

@@ -1,7 +1,8 @@
 //! Direct Line 3.0 as `botframework-directlinejs` and Web Chat call it: tokens made from a secret
 //! and refreshed, refused when wrong, expired or for another conversation; the transcript read by
-//! watermark; replies in it only after their turn committed; conversations kept apart; and the
-//! WebSocket stream. Turns run in a real Turnstile server over PostgreSQL, reached only through
+//! watermark; replies in it only after their turn committed; conversations kept apart; the
+//! WebSocket stream; and a streamed turn's drafts pushed as a Web Chat livestream that the
+//! transcript never keeps. Turns run in a real Turnstile server over PostgreSQL, reached only through
 //! gRPC by the gateway.
 #![allow(clippy::unwrap_used)]
 
@@ -17,7 +18,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use support::{TestServer, postgres_config};
 use tokio::sync::oneshot;
-use turnstile::bots::PizzaBot;
+use turnstile::bots::{LlmBot, PizzaBot};
 use turnstile::gateway::{GatewayConfig, Secret};
 use turnstile::{Bot, BotError, BotRegistry, TurnContext};
 
@@ -46,6 +47,8 @@ struct World {
     flaky: SocketAddr,
     /// A development gateway (no secret, no app id): Direct Line is open.
     open: SocketAddr,
+    /// The gateway running the `llm` bot, which drafts its answer word by word.
+    llm: SocketAddr,
     http: reqwest::Client,
     _server: TestServer,
     _stops: Vec<oneshot::Sender<()>>,
@@ -56,7 +59,9 @@ impl World {
         let url = support::pg::fresh_database().await;
         let server = TestServer::start(
             postgres_config(&url),
-            BotRegistry::new("pizza", PizzaBot).with("flaky", Flaky),
+            BotRegistry::new("pizza", PizzaBot)
+                .with("flaky", Flaky)
+                .with("llm", LlmBot::new(Duration::from_millis(10))),
         )
         .await;
         let turnstile = format!("http://{}", server.addr);
@@ -79,10 +84,12 @@ impl World {
         let pizza = gateway("", &[SECRET, OLD_SECRET]);
         let flaky = gateway("flaky", &[SECRET]);
         let open = gateway("", &[]);
+        let llm = gateway("llm", &[SECRET]);
         World {
             pizza,
             flaky,
             open,
+            llm,
             http: reqwest::Client::new(),
             _server: server,
             _stops: stops,
@@ -476,6 +483,112 @@ async fn the_stream_pushes_each_committed_turn_as_an_activity_group() {
     assert_eq!(
         texts(group["activities"].as_array().unwrap()),
         ["add olives", "Added olives. Your pizza has: ham, olives."]
+    );
+}
+
+/// The next activity group on `socket`, within 30 s.
+async fn next_group(
+    socket: &mut tokio_tungstenite::WebSocketStream<
+        tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
+    >,
+) -> Value {
+    loop {
+        let message = tokio::time::timeout(Duration::from_secs(30), socket.next())
+            .await
+            .expect("an activity group within 30 s")
+            .unwrap()
+            .unwrap();
+        if let tokio_tungstenite::tungstenite::Message::Text(text) = message {
+            return serde_json::from_str::<Value>(&text).unwrap();
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_streamed_turn_is_a_livestream_on_the_socket_and_never_in_the_transcript() {
+    let world = World::start().await;
+    let gw = world.llm;
+    let (conversation, token, stream_url) = world.start_conversation(gw, Some(SECRET)).await;
+    let (mut socket, _) = tokio_tungstenite::connect_async(&stream_url).await.unwrap();
+    let (status, posted) = world.say(gw, &conversation, &token, "hello").await;
+    assert_eq!(status, StatusCode::OK, "{posted}");
+
+    // Interim activities, each a group of its own without a watermark, until the final.
+    let mut interims = Vec::new();
+    let committed = loop {
+        let group = next_group(&mut socket).await;
+        let activities = group["activities"].as_array().unwrap();
+        if activities[0]["type"] == "typing" {
+            assert_eq!(activities.len(), 1, "{group}");
+            assert!(
+                group.get("watermark").is_none(),
+                "interims move no watermark"
+            );
+            interims.push(activities[0].clone());
+        } else {
+            assert_eq!(group["watermark"], "2", "{group}");
+            break activities.clone();
+        }
+    };
+    assert!(interims.len() > 3, "the answer was drafted word by word");
+    let stream_id = interims[0]["id"].as_str().unwrap().to_owned();
+    assert_eq!(interims[0]["channelData"]["streamType"], "informative");
+    assert_eq!(interims[0]["text"], "Thinking…");
+    assert!(
+        interims[0]["channelData"].get("streamId").is_none(),
+        "the first interim activity's id is the stream's"
+    );
+    let mut previous = String::new();
+    for (i, interim) in interims.iter().enumerate() {
+        assert_eq!(interim["from"]["role"], "bot");
+        assert_eq!(interim["replyToId"], posted["id"]);
+        assert_eq!(interim["channelData"]["streamSequence"], json!(i + 1));
+        assert_eq!(interim["entities"][0]["type"], "streaminfo");
+        if i == 0 {
+            continue;
+        }
+        assert_eq!(interim["channelData"]["streamId"], stream_id.as_str());
+        assert_eq!(interim["channelData"]["streamType"], "streaming");
+        let text = interim["text"].as_str().unwrap();
+        assert!(text.starts_with(&previous), "each draft is the text so far");
+        previous = text.to_owned();
+    }
+
+    // The final message ends the livestream, with the whole answer.
+    assert_eq!(texts(&committed)[0], "hello");
+    let answer = &committed[1];
+    assert_eq!(answer["type"], "message");
+    assert_eq!(answer["text"].as_str().unwrap(), previous);
+    assert_eq!(answer["channelData"]["streamId"], stream_id.as_str());
+    assert_eq!(answer["channelData"]["streamType"], "final");
+    assert!(answer["channelData"].get("streamSequence").is_none());
+
+    // Neither a poll nor a stream opened afterwards sees an interim activity.
+    let (read, watermark) = world.read(gw, &conversation, &token, "").await;
+    assert_eq!(read, committed, "the committed messages only");
+    assert_eq!(watermark, "2");
+    let (mut replay, _) = tokio_tungstenite::connect_async(&stream_url).await.unwrap();
+    let group = next_group(&mut replay).await;
+    assert_eq!(group["activities"].as_array().unwrap(), &committed);
+
+    // Without an open stream nobody could see a draft: the turn is not streamed.
+    drop(socket);
+    drop(replay);
+    let (polled, token, _) = world.start_conversation(gw, Some(SECRET)).await;
+    let (status, _) = world.say(gw, &polled, &token, "hello").await;
+    assert_eq!(status, StatusCode::OK);
+    let (read, _) = world.read(gw, &polled, &token, "").await;
+    assert_eq!(read.len(), 2);
+    assert!(
+        read[1]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("You said \"hello\"")
+    );
+    assert!(
+        read[1].get("channelData").is_none(),
+        "no livestream to end: {}",
+        read[1]
     );
 }
 
