@@ -1,8 +1,9 @@
 //! Real browsers through Direct Line: headless Chromium orders a pizza on the project's own chat
 //! page (from a development gateway, as `cargo run --release` serves it) and in Microsoft's Web
 //! Chat (its npm bundle, served by the test from another origin, with a token a website's backend
-//! would have made from the Direct Line secret), and the bot's replies are read from each page.
-//! Screenshots go to `<target>/artifacts/browser/`.
+//! would have made from the Direct Line secret), and the bot's replies are read from each page;
+//! and on both pages the `llm` bot's answer is seen as a draft while it is written, then settled
+//! (the livestream). Screenshots go to `<target>/artifacts/browser/`.
 //!
 //! The tools install themselves on first use: Debian's `chromium` with apt when
 //! `/usr/bin/chromium` is missing, and npm's `puppeteer-core` and `botframework-webchat` into
@@ -27,6 +28,7 @@ use serde_json::{Value, json};
 use support::{TestServer, postgres_config};
 use tokio::sync::oneshot;
 use turnstile::activity::Activity;
+use turnstile::bots::LlmBot;
 use turnstile::gateway::{GatewayConfig, Secret};
 use turnstile::{Bot, BotError, TurnContext};
 
@@ -37,6 +39,10 @@ const SECRET: &str = "browser-test-direct-line-secret";
 const DRIVER: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/tests/fixtures/browser/drive.js"
+);
+const STREAM_DRIVER: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/browser/stream.js"
 );
 /// How long the browser may take for both pages, installs excluded; far above the seconds it
 /// needs, so that only a hang fails the test.
@@ -364,17 +370,123 @@ async fn generate(http: &reqwest::Client, gateway: SocketAddr) -> String {
     generated["token"].as_str().unwrap().to_owned()
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_answer_shows_as_a_draft_then_settles_on_the_own_page_and_in_web_chat() {
+    let tools = tokio::task::spawn_blocking(tools).await.unwrap();
+    let url = support::pg::fresh_database().await;
+    // Slow enough that a browser sees the draft: about six seconds for the whole answer.
+    let server = TestServer::start(
+        postgres_config(&url),
+        turnstile::BotRegistry::new("llm", LlmBot::new(Duration::from_millis(150))),
+    )
+    .await;
+    let mut stops = Vec::new();
+    let own = gateway(GatewayConfig::embedded(server.addr), &mut stops).await;
+    let mut with_secret = GatewayConfig::embedded(server.addr);
+    with_secret.direct_line_secrets = vec![Secret::new(SECRET)];
+    let secured = gateway(with_secret, &mut stops).await;
+    let http = reqwest::Client::new();
+    let page = web_chat_page(secured, &generate(&http, secured).await, true);
+    let site = Router::new()
+        .route("/", get(move || async move { Html(page) }))
+        .route(
+            "/webchat.js",
+            get(|| async { ([(header::CONTENT_TYPE, "text/javascript")], bundle()) }),
+        );
+    let site_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let site_addr = site_listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(site_listener, site).await.unwrap() });
+
+    let artifacts = support::tools::target_dir().join("artifacts/browser");
+    std::fs::create_dir_all(&artifacts).unwrap();
+    let driven = {
+        let puppeteer = tools.puppeteer.clone();
+        let artifacts = artifacts.clone();
+        tokio::task::spawn_blocking(move || {
+            let own = format!("http://{own}/");
+            let web_chat = format!("http://{site_addr}/");
+            let puppeteer = puppeteer.to_str().unwrap();
+            node(
+                STREAM_DRIVER,
+                &[puppeteer, CHROMIUM, &own, &web_chat],
+                &artifacts,
+                "stream-driver",
+            )
+        })
+        .await
+        .unwrap()
+    };
+    eprintln!("browser: {driven}");
+
+    let answer = turnstile::bots::llm::answer("hello", 1);
+    // Web Chat renders Markdown, with typographic quotes.
+    let plain = |shown: &Value| -> Vec<String> {
+        shown
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap().replace(['“', '”'], "\""))
+            .collect()
+    };
+    for (name, page) in [
+        ("own page", &driven["own"]),
+        ("Web Chat", &driven["webchat"]),
+    ] {
+        let draft = plain(&page["draft"]);
+        assert_eq!(draft.len(), 1, "one bubble for the draft ({name}): {page}");
+        let draft = draft[0].trim_end_matches('▍');
+        assert!(
+            draft.len() < answer.len() && answer.starts_with(draft),
+            "the draft is the answer's beginning ({name}): {draft:?}"
+        );
+        assert_eq!(
+            plain(&page["final"]),
+            vec![answer.clone()],
+            "the final took the draft's place ({name})"
+        );
+        assert_eq!(page["errors"], json!([]), "no script errors ({name})");
+    }
+    assert_eq!(
+        driven["own"]["drafting"], 0,
+        "no draft left on the own page"
+    );
+    for name in [
+        "own-page-stream-draft.png",
+        "own-page-stream-final.png",
+        "web-chat-stream-draft.png",
+        "web-chat-stream-final.png",
+    ] {
+        let size = std::fs::metadata(artifacts.join(name)).unwrap().len();
+        assert!(size > 1000, "{name} is a screenshot");
+    }
+    drop(stops);
+    server.stop().await.unwrap();
+}
+
+/// Web Chat's bundle, as npm ships it.
+fn bundle() -> Vec<u8> {
+    std::fs::read(&tools().webchat_js).unwrap()
+}
+
 /// Runs the puppeteer driver; its JSON result.
 fn drive(puppeteer: &Path, own: &str, menu: &str, web_chat: &str, artifacts: &Path) -> Value {
-    let stdout_path = artifacts.join("driver.out");
-    let stderr_path = artifacts.join("driver.err");
+    let puppeteer = puppeteer.to_str().unwrap();
+    node(
+        DRIVER,
+        &[puppeteer, CHROMIUM, own, menu, web_chat],
+        artifacts,
+        "driver",
+    )
+}
+
+/// Runs the node `script` with `args` and then `artifacts`, its output kept in
+/// `artifacts/<name>.out` and `.err`; the JSON object its last line prints.
+fn node(script: &str, args: &[&str], artifacts: &Path, name: &str) -> Value {
+    let stdout_path = artifacts.join(format!("{name}.out"));
+    let stderr_path = artifacts.join(format!("{name}.err"));
     let mut child = Command::new("node")
-        .arg(DRIVER)
-        .arg(puppeteer)
-        .arg(CHROMIUM)
-        .arg(own)
-        .arg(menu)
-        .arg(web_chat)
+        .arg(script)
+        .args(args)
         .arg(artifacts)
         .stdin(Stdio::null())
         .stdout(std::fs::File::create(&stdout_path).unwrap())

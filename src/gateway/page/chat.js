@@ -2,6 +2,11 @@
 // posts what the user types, and shows the transcript as the gateway streams it (WebSocket) or,
 // when no stream can be had, as it polls it. A Direct Line token can be given as #token=… (a
 // gateway with a Direct Line secret needs one; in development none is needed).
+//
+// A bot that writes its answer over seconds is shown as it writes: the gateway streams its
+// drafts as a livestream (interim `typing` activities whose channelData says streamType,
+// streamSequence and, after the first, streamId), and the committed message that ends it
+// (streamType `final`) takes the draft's place. Drafts are never in the transcript.
 'use strict';
 
 (() => {
@@ -22,6 +27,9 @@
   let next = 0;
   const shown = new Set();
   const pending = new Map();
+  // Livestreams by stream id (the first interim activity's id): the draft's list item, the
+  // latest sequence shown, and whether the final message has settled it.
+  const livestreams = new Map();
 
   function headers(json) {
     const h = { Accept: 'application/json' };
@@ -115,26 +123,81 @@
     return box;
   }
 
+  // Fills `item` with the message's text and cards.
+  function render(item, activity) {
+    item.replaceChildren();
+    if (activity.text) {
+      const bubble = document.createElement('div');
+      bubble.className = 'bubble';
+      textInto(bubble, activity.text);
+      item.appendChild(bubble);
+    }
+    for (const attachment of activity.attachments || []) item.appendChild(card(attachment));
+  }
+
+  function streamInfo(activity) {
+    const data = activity.channelData || {};
+    return typeof data.streamType === 'string' ? data : null;
+  }
+
+  // An interim activity: the draft so far (or a status line) replaces what its livestream
+  // showed; an older or late one is ignored.
+  function showInterim(activity, info) {
+    const streamId = info.streamId || activity.id;
+    let live = livestreams.get(streamId);
+    if (!live) {
+      const item = document.createElement('li');
+      item.className = 'activity draft';
+      item.dataset.role = 'bot';
+      item.dataset.stream = streamId;
+      transcript.appendChild(item);
+      live = { item, sequence: 0, settled: false };
+      livestreams.set(streamId, live);
+    }
+    const sequence = Number(info.streamSequence) || 0;
+    if (live.settled || sequence <= live.sequence) return;
+    live.sequence = sequence;
+    const bubble = document.createElement('div');
+    bubble.className = 'bubble';
+    if (info.streamType === 'informative') {
+      bubble.classList.add('informative');
+      bubble.textContent = activity.text || '…';
+    } else if (activity.text) {
+      textInto(bubble, activity.text);
+    } else {
+      bubble.classList.add('informative');
+      bubble.textContent = '…';
+    }
+    live.item.replaceChildren(bubble);
+    transcript.scrollTop = transcript.scrollHeight;
+  }
+
   function show(activity) {
+    const info = streamInfo(activity);
+    if (activity.type === 'typing' && info && info.streamType !== 'final') {
+      showInterim(activity, info);
+      return;
+    }
     if (activity.type !== 'message' || shown.has(activity.id)) return;
     shown.add(activity.id);
     const role = activity.from && activity.from.role === 'bot' ? 'bot' : 'user';
     const clientId = activity.channelData && activity.channelData.clientActivityID;
+    const live = info && info.streamType === 'final' && livestreams.get(info.streamId);
     let item = clientId && pending.get(clientId);
     if (item) {
       pending.delete(clientId);
       item.classList.remove('pending');
+    } else if (live) {
+      // The committed message settles its draft, in the draft's place.
+      live.settled = true;
+      item = live.item;
+      item.classList.remove('draft');
+      render(item, activity);
     } else {
       item = document.createElement('li');
       item.className = 'activity';
       item.dataset.role = role;
-      if (activity.text) {
-        const bubble = document.createElement('div');
-        bubble.className = 'bubble';
-        textInto(bubble, activity.text);
-        item.appendChild(bubble);
-      }
-      for (const attachment of activity.attachments || []) item.appendChild(card(attachment));
+      render(item, activity);
       transcript.appendChild(item);
     }
     item.dataset.id = activity.id;
@@ -185,12 +248,14 @@
     socket.onopen = () => {
       clearInterval(polling);
       polling = null;
+      status.dataset.transport = 'stream';
     };
     socket.onmessage = (event) => {
       if (event.data) showGroup(JSON.parse(event.data));
     };
     socket.onclose = () => {
       status.textContent = 'Connected (polling)';
+      status.dataset.transport = 'polling';
       poll();
     };
   }
