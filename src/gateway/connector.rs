@@ -231,6 +231,53 @@ impl Connector {
     }
 }
 
+impl Connector {
+    /// POSTs one provisional activity (`body`) to `to`, once: a draft that does not pass is
+    /// dropped, since the next one carries the whole text anyway. Answers the id the channel gave
+    /// the activity, when it gave one.
+    ///
+    /// # Errors
+    /// [`DeliveryError`] when the channel refused it or could not be reached.
+    pub async fn send_draft(
+        &self,
+        to: ReplyAddress<'_>,
+        body: &str,
+    ) -> Result<Option<String>, DeliveryError> {
+        #[derive(Deserialize)]
+        struct Sent {
+            id: Option<String>,
+        }
+        let mut request = self
+            .http
+            .post(to.url())
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body.to_owned());
+        if let Some(tokens) = &self.tokens {
+            request = request.bearer_auth(tokens.token(&self.http).await?);
+        }
+        let response = request
+            .send()
+            .await
+            .map_err(|source| DeliveryError::Unreachable {
+                source,
+                attempts: 1,
+            })?;
+        let status = response.status();
+        if !status.is_success() {
+            return Err(DeliveryError::Refused {
+                status,
+                attempts: 1,
+            });
+        }
+        // An answer without a body (202 {} or nothing) names no id.
+        let text = response.text().await.unwrap_or_default();
+        Ok(serde_json::from_str::<Sent>(&text)
+            .ok()
+            .and_then(|sent| sent.id)
+            .filter(|id| !id.is_empty()))
+    }
+}
+
 /// `Retry-After` in seconds, when the channel sent one.
 fn retry_after(response: &reqwest::Response) -> Option<Duration> {
     let seconds: u64 = response

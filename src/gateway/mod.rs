@@ -17,6 +17,10 @@
 //!
 //! `trace` replies are diagnostics for the Emulator and reach no other channel.
 //!
+//! In a Teams one-on-one chat the turn goes to `StreamTurn` instead, and what the bot drafts while
+//! it runs is shown as Teams streams a message ([`teams`]); the committed replies are delivered
+//! as above, the one that ends the stream marked so.
+//!
 //! Beside it, in development or with a Direct Line secret, [`directline`] serves Direct Line 3.0
 //! for Web Chat, through the same `ProcessTurn` call (or `StreamTurn`, whose drafts become a Web
 //! Chat livestream, while a client has the conversation's WebSocket open), and `/` serves a small
@@ -32,6 +36,7 @@ pub mod directline;
 pub mod health;
 pub mod metrics;
 mod page;
+pub mod teams;
 pub mod turns;
 
 use std::future::Future;
@@ -43,7 +48,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use serde_json::Value;
+use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
 pub use config::{
@@ -54,6 +59,7 @@ pub use config::{
 use crate::activity::{Activity, types};
 use auth::{AuthError, ChannelAuth};
 use connector::{Connector, DeliveryError, ReplyAddress};
+use teams::{Drafting, Stream};
 use turns::{Turns, TurnsError};
 
 /// The channel that shows `trace` activities.
@@ -283,6 +289,7 @@ impl Gateway {
             std::str::from_utf8(&body).map_err(|_| Refusal::BadActivity("not UTF-8".into()))?;
         let value: Value =
             serde_json::from_str(text).map_err(|e| Refusal::BadActivity(e.to_string()))?;
+        let template = draft_template(&value);
         let inbound =
             Activity::from_json(value).map_err(|e| Refusal::BadActivity(e.to_string()))?;
         let channel_id = inbound.channel_id.as_deref().unwrap_or_default();
@@ -299,11 +306,33 @@ impl Gateway {
         span.record("channel", channel_id);
         span.record("activity_id", inbound.id.as_deref().unwrap_or_default());
         let conversation = inbound.conversation_id().map(|id| (channel_id, id));
-        let response = self
-            .turns
-            .process(text, conversation)
-            .await
-            .map_err(Refusal::Turn)?;
+        let answered_in_body = inbound.delivery_mode.as_deref() == Some(EXPECT_REPLIES)
+            || inbound.is_type(types::INVOKE);
+        let (response, stream) = if teams::streams(&inbound) && !answered_in_body {
+            let to = ReplyAddress {
+                service_url,
+                conversation_id: inbound.conversation_id().unwrap_or_default(),
+                reply_to_id: inbound.id.as_deref(),
+            };
+            let (drafts, drafting) = tokio::sync::watch::channel(Drafting::Waiting);
+            let turn = async {
+                let response = self
+                    .turns
+                    .stream(text, conversation, |shown| {
+                        drafts.send_replace(Drafting::Latest(shown));
+                    })
+                    .await;
+                drafts.send_replace(Drafting::Ended);
+                response
+            };
+            tokio::join!(
+                turn,
+                teams::send_drafts(&self.connector, to, &template, drafting)
+            )
+        } else {
+            (self.turns.process(text, conversation).await, Stream::None)
+        };
+        let response = response.map_err(Refusal::Turn)?;
         let mut replies = Vec::with_capacity(response.activities_json.len());
         for json in response.activities_json {
             let value: Value =
@@ -326,7 +355,17 @@ impl Gateway {
         } else {
             None
         };
-        self.deliver(&inbound, &replies).await?;
+        // The reply that takes the stream's place ends it; plain, should Teams refuse that.
+        let mut fallback = None;
+        if let Stream::Open(stream_id) = &stream
+            && let Some(at) = replies.iter().rposition(|(a, _)| {
+                a.is_type(types::MESSAGE) && a.text.as_deref().is_some_and(|t| !t.is_empty())
+            })
+            && let Some(last) = teams::end_stream(&replies[at].1, stream_id)
+        {
+            fallback = Some((at, std::mem::replace(&mut replies[at].1, last)));
+        }
+        self.deliver(&inbound, &replies, fallback).await?;
         Ok(match invoke_response {
             Some(Some(reply)) => invoke_answer(&reply),
             // Bot Framework's answer to an invoke the bot did not answer.
@@ -336,15 +375,18 @@ impl Gateway {
     }
 
     /// POSTs `replies` in order to the channel the inbound activity came from.
+    /// `fallback` is the plain form of the reply at its index, sent instead when the channel
+    /// refuses that reply with `403` (Teams, for a stream it already closed).
     async fn deliver(
         &self,
         inbound: &Activity,
         replies: &[(Activity, String)],
+        fallback: Option<(usize, String)>,
     ) -> Result<(), DeliveryError> {
         // Replies go back where the (authenticated) inbound activity came from, never to a URL a
         // reply names: the bot's token must not travel anywhere else.
         let service_url = inbound.service_url.as_deref().unwrap_or_default();
-        for (reply, json) in replies {
+        for (i, (reply, json)) in replies.iter().enumerate() {
             let conversation_id = reply
                 .conversation_id()
                 .or_else(|| inbound.conversation_id())
@@ -354,7 +396,15 @@ impl Gateway {
                 conversation_id,
                 reply_to_id: reply.reply_to_id.as_deref(),
             };
-            let sent = self.connector.send(to, json).await;
+            let mut sent = self.connector.send(to, json).await;
+            if let (Err(DeliveryError::Refused { status, .. }), Some((at, plain))) =
+                (&sent, &fallback)
+                && *at == i
+                && status.as_u16() == 403
+            {
+                tracing::info!("Teams refused to end the stream; the reply goes as a message");
+                sent = self.connector.send(to, plain).await;
+            }
             metrics::delivery(match &sent {
                 Ok(()) => "delivered",
                 Err(DeliveryError::Refused { .. }) => "refused",
@@ -365,6 +415,26 @@ impl Gateway {
         }
         Ok(())
     }
+}
+
+/// A `typing` activity addressed as a reply to `inbound` (the channel's JSON): what a Teams draft
+/// is built on.
+fn draft_template(inbound: &Value) -> Value {
+    let mut template = json!({"type": "typing"});
+    for (from, to) in [
+        ("channelId", "channelId"),
+        ("serviceUrl", "serviceUrl"),
+        ("conversation", "conversation"),
+        ("recipient", "from"),
+        ("from", "recipient"),
+        ("id", "replyToId"),
+        ("locale", "locale"),
+    ] {
+        if let Some(value) = inbound.get(from) {
+            template[to] = value.clone();
+        }
+    }
+    template
 }
 
 /// `{"activities": [...]}`, the replies as the bot sent them, verbatim.

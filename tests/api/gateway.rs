@@ -1,6 +1,8 @@
 //! `turnstile gateway` against stand-ins for everything Bot Framework runs: the test serves the
 //! OpenID metadata and signing keys, the token endpoint and the Connector on 127.0.0.1, signs
-//! channel tokens with an RSA key it generates, and calls `/api/messages` as a channel would.
+//! channel tokens with an RSA key it generates, and calls `/api/messages` as a channel would;
+//! and Teams' streaming of a bot that drafts its reply (the `llm` bot), against the Connector
+//! stand-in.
 //! Turns run in a real Turnstile server over PostgreSQL, reached only through gRPC.
 #![allow(clippy::unwrap_used)]
 
@@ -21,6 +23,7 @@ use serde_json::{Value, json};
 use support::{TestServer, free_port, postgres_config};
 use tokio::sync::oneshot;
 use turnstile::activity::{Activity, types};
+use turnstile::bots::LlmBot;
 use turnstile::gateway::{AppCredentials, AppType, GatewayConfig, Secret};
 use turnstile::{Bot, BotError, BotRegistry, TurnContext};
 
@@ -83,6 +86,9 @@ struct Channel {
     token_requests: TokenRequests,
     /// How many of the next Connector POSTs answer 503.
     fail_next: Arc<AtomicUsize>,
+    /// Once this many streamed `typing` activities were received, every activity carrying a
+    /// `streaminfo` entity is refused `403 ContentStreamNotAllowed`, as Teams does after Stop.
+    stop_streams_after: Arc<Mutex<Option<usize>>>,
 }
 
 async fn openid(State(ch): State<Channel>) -> Json<Value> {
@@ -127,11 +133,32 @@ async fn connector(
     let auth = headers
         .get("authorization")
         .map(|h| h.to_str().unwrap().to_owned());
-    ch.received
-        .lock()
-        .unwrap()
-        .push((path.to_owned(), auth, body));
-    (StatusCode::OK, Json(json!({"id": "sent"})))
+    let mut received = ch.received.lock().unwrap();
+    let streamed = |b: &Value| {
+        b["entities"]
+            .as_array()
+            .is_some_and(|e| e.iter().any(|e| e["type"] == "streaminfo"))
+    };
+    if let Some(limit) = *ch.stop_streams_after.lock().unwrap()
+        && streamed(&body)
+        && received
+            .iter()
+            .filter(|(_, _, b)| b["type"] == "typing" && streamed(b))
+            .count()
+            >= limit
+    {
+        return (
+            StatusCode::FORBIDDEN,
+            Json(json!({"error": {"code": "ContentStreamNotAllowed",
+                                  "message": "Content stream is not allowed"}})),
+        );
+    }
+    received.push((path.to_owned(), auth, body));
+    // Each activity gets its own id, as the Connector gives them.
+    (
+        StatusCode::OK,
+        Json(json!({"id": format!("a-{}", received.len())})),
+    )
 }
 
 /// An RSA key made by `openssl`, as PEM and as a JWK with `kid`.
@@ -187,6 +214,9 @@ fn base64url(bytes: &[u8]) -> String {
 
 struct World {
     gateway: SocketAddr,
+    /// A gateway whose turns run the `llm` bot, which drafts its answer word by word.
+    llm_gateway: SocketAddr,
+    _llm_stop: oneshot::Sender<()>,
     channel: Channel,
     runs: Arc<AtomicUsize>,
     key: EncodingKey,
@@ -213,6 +243,7 @@ impl World {
             received: Arc::default(),
             token_requests: Arc::default(),
             fail_next: Arc::default(),
+            stop_streams_after: Arc::default(),
         };
         let app = Router::new()
             .route("/openid", get(openid))
@@ -245,7 +276,8 @@ impl World {
                 Echo {
                     runs: Arc::clone(&runs),
                 },
-            ),
+            )
+            .with("llm", LlmBot::new(Duration::from_millis(100))),
         )
         .await;
         let mut config = GatewayConfig::development(format!("http://{}", server.addr));
@@ -267,14 +299,24 @@ impl World {
                 oauth_scope: "https://api.botframework.com".into(),
             });
         }
+        let mut llm_config = config.clone();
+        llm_config.bot = "llm".into();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let gateway = listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
         tokio::spawn(turnstile::gateway::serve(config, listener, async {
             let _ = stopped.await;
         }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let llm_gateway = listener.local_addr().unwrap();
+        let (llm_stop, llm_stopped) = oneshot::channel::<()>();
+        tokio::spawn(turnstile::gateway::serve(llm_config, listener, async {
+            let _ = llm_stopped.await;
+        }));
         World {
             gateway,
+            llm_gateway,
+            _llm_stop: llm_stop,
             channel,
             runs,
             key,
@@ -787,4 +829,118 @@ async fn every_turn_carries_its_conversation_as_metadata_a_mesh_can_hash_on() {
         "one header per turn, naming its conversation"
     );
     assert_ne!(seen[0], seen[1], "different conversations hash apart");
+}
+
+impl World {
+    /// A Teams message in a conversation of `conversation_type`, to the `llm` gateway.
+    async fn ask_in_teams(&self, id: &str, conversation_type: &str) -> StatusCode {
+        let mut activity = self.activity(id, "hello");
+        activity["channelId"] = json!("msteams");
+        activity["conversation"] =
+            json!({"id": format!("a:{conversation_type}"), "conversationType": conversation_type});
+        let response = reqwest::Client::new()
+            .post(format!("http://{}/api/messages", self.llm_gateway))
+            .json(&activity)
+            .send()
+            .await
+            .unwrap();
+        StatusCode::from_u16(response.status().as_u16()).unwrap()
+    }
+}
+
+fn stream_info(body: &Value) -> Option<&Value> {
+    body["entities"]
+        .as_array()?
+        .iter()
+        .find(|e| e["type"] == "streaminfo")
+}
+
+#[tokio::test]
+async fn teams_streams_a_drafted_answer_in_a_personal_chat_at_most_every_one_and_a_half_seconds() {
+    let world = World::start(Mode::Development).await;
+    let started = std::time::Instant::now();
+    assert_eq!(world.ask_in_teams("t1", "personal").await, StatusCode::OK);
+    let took = started.elapsed();
+    let delivered: Vec<Value> = world.delivered().into_iter().map(|(_, _, b)| b).collect();
+    let (drafts, last) = delivered.split_at(delivered.len() - 1);
+    let answer = turnstile::bots::llm::answer("hello", 1);
+
+    // The llm bot drafts some forty times in about four seconds: Teams gets the first draft at
+    // once, then the latest every 1.5 s.
+    assert!(drafts.len() >= 2, "{delivered:#?}");
+    let most = usize::try_from(took.as_millis() / 1500).unwrap() + 1;
+    assert!(drafts.len() <= most, "{} drafts in {took:?}", drafts.len());
+    let stream_id = "a-1";
+    for (i, draft) in drafts.iter().enumerate() {
+        assert_eq!(draft["type"], "typing");
+        assert_eq!(draft["replyToId"], "t1");
+        let info = stream_info(draft).unwrap();
+        assert_eq!(info["streamSequence"], json!(i + 1));
+        if i == 0 {
+            assert_eq!(info["streamType"], "informative");
+            assert_eq!(draft["text"], "Thinking…");
+            assert!(
+                info.get("streamId").is_none(),
+                "the first POST's answer gives the id"
+            );
+        } else {
+            assert_eq!(info["streamType"], "streaming");
+            assert_eq!(info["streamId"], stream_id);
+            let text = draft["text"].as_str().unwrap();
+            assert!(
+                answer.starts_with(text) && text.len() < answer.len(),
+                "{text}"
+            );
+        }
+    }
+    let last = &last[0];
+    assert_eq!(last["type"], "message");
+    assert_eq!(last["text"], answer.as_str());
+    let info = stream_info(last).unwrap();
+    assert_eq!(info["streamType"], "final");
+    assert_eq!(info["streamId"], stream_id);
+    assert!(info.get("streamSequence").is_none());
+
+    // Teams redelivers: the bot does not run again, nothing is drafted, the reply is plain.
+    world.channel.received.lock().unwrap().clear();
+    assert_eq!(world.ask_in_teams("t1", "personal").await, StatusCode::OK);
+    let delivered = world.delivered();
+    assert_eq!(texts(&delivered), vec![answer.clone()]);
+    assert!(
+        stream_info(&delivered[0].2).is_none(),
+        "{:?}",
+        delivered[0].2
+    );
+}
+
+#[tokio::test]
+async fn a_teams_group_chat_gets_the_final_only_and_a_403_stops_the_drafts() {
+    let world = World::start(Mode::Development).await;
+    let answer = turnstile::bots::llm::answer("hello", 1);
+    assert_eq!(world.ask_in_teams("g1", "groupChat").await, StatusCode::OK);
+    let delivered = world.delivered();
+    assert_eq!(
+        texts(&delivered),
+        vec![answer.clone()],
+        "no typing, no draft"
+    );
+    assert!(stream_info(&delivered[0].2).is_none());
+
+    // The user presses Stop after the first draft: Teams refuses the rest of the stream.
+    world.channel.received.lock().unwrap().clear();
+    *world.channel.stop_streams_after.lock().unwrap() = Some(1);
+    assert_eq!(world.ask_in_teams("p1", "personal").await, StatusCode::OK);
+    let delivered: Vec<Value> = world.delivered().into_iter().map(|(_, _, b)| b).collect();
+    assert_eq!(
+        delivered.len(),
+        2,
+        "one draft, then the reply: {delivered:#?}"
+    );
+    assert_eq!(delivered[0]["type"], "typing");
+    assert_eq!(delivered[1]["type"], "message");
+    assert_eq!(delivered[1]["text"], answer.as_str());
+    assert!(
+        stream_info(&delivered[1]).is_none(),
+        "the committed reply goes as a plain message"
+    );
 }
