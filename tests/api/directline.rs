@@ -9,6 +9,7 @@
 use crate::support;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
@@ -17,9 +18,10 @@ use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use support::{TestServer, postgres_config};
-use tokio::sync::oneshot;
+use tokio::sync::{Semaphore, oneshot};
 use turnstile::bots::{LlmBot, PizzaBot};
 use turnstile::gateway::{GatewayConfig, Secret};
+use turnstile::grpc::pb;
 use turnstile::{Bot, BotError, BotRegistry, TurnContext};
 
 const SECRET: &str = "dl-secret-one";
@@ -590,6 +592,132 @@ async fn a_streamed_turn_is_a_livestream_on_the_socket_and_never_in_the_transcri
         "no livestream to end: {}",
         read[1]
     );
+}
+
+/// Drafts what it will say, and on its first attempt at "wait" waits for the gate: meanwhile
+/// another replica changes the conversation, so that attempt is thrown away.
+struct Gated {
+    gate: Arc<Semaphore>,
+}
+
+#[async_trait]
+impl Bot for Gated {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        let mut items: Vec<String> = turn.conversation_property("items")?;
+        let text = turn.text().to_owned();
+        items.push(text.clone());
+        turn.draft(format!("writing {}", items.join(", ")))?;
+        if text == "wait" && turn.attempt() == 1 {
+            self.gate.acquire().await?.forget();
+        }
+        turn.conversation_state().set("items", &items)?;
+        turn.send_text(items.join(", "));
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conflict_erases_the_draft_and_the_replay_goes_on_in_the_same_livestream() {
+    let url = support::pg::fresh_database().await;
+    let gate = Arc::new(Semaphore::new(0));
+    let bots = || {
+        BotRegistry::new(
+            "gated",
+            Gated {
+                gate: Arc::clone(&gate),
+            },
+        )
+    };
+    let a = TestServer::start(postgres_config(&url), bots()).await;
+    let b = TestServer::start(postgres_config(&url), bots()).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gw = listener.local_addr().unwrap();
+    let (_stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(turnstile::gateway::serve(
+        GatewayConfig::development(format!("http://{}", a.addr)),
+        listener,
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    let http = reqwest::Client::new();
+    let started: Value = http
+        .post(format!("http://{gw}/v3/directline/conversations"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let conversation = started["conversationId"].as_str().unwrap().to_owned();
+    let (mut socket, _) = tokio_tungstenite::connect_async(started["streamUrl"].as_str().unwrap())
+        .await
+        .unwrap();
+    // Another replica's turn of the same conversation, straight through gRPC.
+    let mut b_client = b.client().await;
+    let other_turn = |text: &str| {
+        let mut activity = support::message(&conversation, "bob", text);
+        activity.channel_id = Some("directline".into());
+        pb::ProcessTurnRequest::typed(activity, "")
+    };
+    b_client.process_turn(other_turn("first")).await.unwrap();
+
+    let post = {
+        let http = http.clone();
+        let url = format!("http://{gw}/v3/directline/conversations/{conversation}/activities");
+        tokio::spawn(async move {
+            http.post(url)
+                .json(&json!({"type": "message", "from": {"id": "ada"}, "text": "wait"}))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        })
+    };
+    let first = next_group(&mut socket).await["activities"][0].clone();
+    assert_eq!(first["text"], "writing first, wait", "{first}");
+    b_client.process_turn(other_turn("other")).await.unwrap();
+    gate.add_permits(1);
+
+    let mut interims = vec![first];
+    let committed = loop {
+        let group = next_group(&mut socket).await;
+        let activity = &group["activities"][0];
+        if activity["type"] == "typing" {
+            interims.push(activity.clone());
+        } else {
+            break group["activities"].as_array().unwrap().clone();
+        }
+    };
+    assert_eq!(post.await.unwrap(), StatusCode::OK);
+    let shown: Vec<(&str, &Value)> = interims
+        .iter()
+        .map(|i| {
+            (
+                i["text"].as_str().unwrap(),
+                &i["channelData"]["streamSequence"],
+            )
+        })
+        .collect();
+    assert_eq!(
+        shown,
+        [
+            ("writing first, wait", &json!(1)),
+            ("", &json!(2)),
+            ("writing first, other, wait", &json!(3)),
+        ],
+        "the void draft, erased in place, then the replay's"
+    );
+    let stream_id = &interims[0]["id"];
+    for interim in &interims[1..] {
+        assert_eq!(&interim["channelData"]["streamId"], stream_id);
+    }
+    let answer = committed.last().unwrap();
+    assert_eq!(answer["text"], "first, other, wait");
+    assert_eq!(&answer["channelData"]["streamId"], stream_id);
+    assert_eq!(answer["channelData"]["streamType"], "final");
+    a.stop().await.unwrap();
+    b.stop().await.unwrap();
 }
 
 #[tokio::test]
