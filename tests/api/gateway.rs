@@ -743,7 +743,8 @@ async fn a_multi_tenant_app_refuses_entra_id_tokens() {
 }
 
 /// A `TurnService` that answers every turn with no replies and keeps the conversation metadata
-/// each call carried, so that a test sees what a mesh in front of Turnstile would hash on.
+/// each call carried, so that a test sees what a mesh in front of Turnstile would hash on; it
+/// has no `StreamTurn` (a server from before streaming), so a streamed turn falls back.
 #[derive(Default, Clone)]
 struct MetadataRecorder(Arc<Mutex<Vec<Option<String>>>>);
 
@@ -766,8 +767,14 @@ impl turnstile::grpc::pb::turn_service_server::TurnService for MetadataRecorder 
 
     async fn stream_turn(
         &self,
-        _: tonic::Request<turnstile::grpc::pb::StreamTurnRequest>,
+        request: tonic::Request<turnstile::grpc::pb::StreamTurnRequest>,
     ) -> Result<tonic::Response<Self::StreamTurnStream>, tonic::Status> {
+        let seen = request
+            .metadata()
+            .get(turnstile::grpc::affinity::CONVERSATION_METADATA)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        self.0.lock().unwrap().push(seen);
         Err(tonic::Status::unimplemented(
             "the gateway does not stream here",
         ))
@@ -797,13 +804,18 @@ async fn every_turn_carries_its_conversation_as_metadata_a_mesh_can_hash_on() {
         },
     ));
 
-    for (id, conversation) in [("a1", "room/42"), ("a2", "café 7")] {
-        let activity = json!({
+    for (id, conversation) in [("a1", "room/42"), ("a2", "café 7"), ("a3", "dm 1")] {
+        let mut activity = json!({
             "type": "message", "id": id, "channelId": "msteams",
             "serviceUrl": "http://127.0.0.1:9", "deliveryMode": "expectReplies",
             "conversation": {"id": conversation}, "from": {"id": "alice"},
             "recipient": {"id": "bot"}, "text": "hi"
         });
+        if id == "a3" {
+            // A personal chat is streamed: StreamTurn, then ProcessTurn when it is missing.
+            activity["conversation"]["conversationType"] = json!("personal");
+            activity.as_object_mut().unwrap().remove("deliveryMode");
+        }
         let status = reqwest::Client::new()
             .post(format!("http://{http_addr}/api/messages"))
             .json(&activity)
@@ -817,16 +829,21 @@ async fn every_turn_carries_its_conversation_as_metadata_a_mesh_can_hash_on() {
     served.await.unwrap().unwrap();
 
     let seen = recorder.0.lock().unwrap().clone();
-    let expected: Vec<Option<String>> = [("msteams", "room/42"), ("msteams", "café 7")]
-        .iter()
-        .map(|(channel, conversation)| {
-            turnstile::grpc::affinity::conversation_value(channel, conversation)
-                .map(|v| v.to_str().unwrap().to_owned())
-        })
-        .collect();
+    let expected: Vec<Option<String>> = [
+        ("msteams", "room/42"),
+        ("msteams", "café 7"),
+        ("msteams", "dm 1"),
+        ("msteams", "dm 1"),
+    ]
+    .iter()
+    .map(|(channel, conversation)| {
+        turnstile::grpc::affinity::conversation_value(channel, conversation)
+            .map(|v| v.to_str().unwrap().to_owned())
+    })
+    .collect();
     assert_eq!(
         seen, expected,
-        "one header per turn, naming its conversation"
+        "one header per call, naming its conversation"
     );
     assert_ne!(seen[0], seen[1], "different conversations hash apart");
 }
