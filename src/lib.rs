@@ -15,8 +15,8 @@
 //!   prompts.
 //! - [`bots`] — the sample bots the binary hosts.
 //! - [`gateway`] — `turnstile gateway`: the Bot Framework channel protocol (`/api/messages`,
-//!   channel JWTs, delivery to the Connector), Direct Line 3.0 and the chat page, purely a gRPC
-//!   client of `TurnService`.
+//!   channel JWTs, delivery to the Connector, Teams' streaming), Direct Line 3.0 (with Web
+//!   Chat's livestreams) and the chat page, purely a gRPC client of `TurnService`.
 //! - [`grpc`] — generated code, wire conversions, status mapping, the `TurnService` handler.
 //! - [`config`] — command-line flags and the configuration `serve` takes.
 //! - [`server`] — [`server::serve`], the one way to start the service.
