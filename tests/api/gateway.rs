@@ -89,6 +89,8 @@ struct Channel {
     /// Once this many streamed `typing` activities were received, every activity carrying a
     /// `streaminfo` entity is refused `403 ContentStreamNotAllowed`, as Teams does after Stop.
     stop_streams_after: Arc<Mutex<Option<usize>>>,
+    /// Refuse `403` a message that ends a stream.
+    refuse_final: Arc<std::sync::atomic::AtomicBool>,
 }
 
 async fn openid(State(ch): State<Channel>) -> Json<Value> {
@@ -139,18 +141,27 @@ async fn connector(
             .as_array()
             .is_some_and(|e| e.iter().any(|e| e["type"] == "streaminfo"))
     };
-    if let Some(limit) = *ch.stop_streams_after.lock().unwrap()
-        && streamed(&body)
-        && received
-            .iter()
-            .filter(|(_, _, b)| b["type"] == "typing" && streamed(b))
-            .count()
-            >= limit
-    {
+    let forbidden = |limit: usize| {
+        streamed(&body)
+            && received
+                .iter()
+                .filter(|(_, _, b)| b["type"] == "typing" && streamed(b))
+                .count()
+                >= limit
+    };
+    if ch.stop_streams_after.lock().unwrap().is_some_and(forbidden) {
         return (
             StatusCode::FORBIDDEN,
             Json(json!({"error": {"code": "ContentStreamNotAllowed",
                                   "message": "Content stream is not allowed"}})),
+        );
+    }
+    let ends_stream = stream_info(&body).is_some_and(|i| i["streamType"] == "final");
+    if ch.refuse_final.load(Ordering::SeqCst) && ends_stream {
+        return (
+            StatusCode::FORBIDDEN,
+            Json(json!({"error": {"code": "ContentStreamNotAllowed",
+                                  "message": "Content stream finished due to exceeded streaming time."}})),
         );
     }
     received.push((path.to_owned(), auth, body));
@@ -244,6 +255,7 @@ impl World {
             token_requests: Arc::default(),
             fail_next: Arc::default(),
             stop_streams_after: Arc::default(),
+            refuse_final: Arc::default(),
         };
         let app = Router::new()
             .route("/openid", get(openid))
@@ -960,4 +972,17 @@ async fn a_teams_group_chat_gets_the_final_only_and_a_403_stops_the_drafts() {
         stream_info(&delivered[1]).is_none(),
         "the committed reply goes as a plain message"
     );
+
+    // Teams closes the stream just before its end (the two minutes ran out): the final that
+    // would end it is refused, and the reply goes as a plain message instead.
+    world.channel.received.lock().unwrap().clear();
+    *world.channel.stop_streams_after.lock().unwrap() = None;
+    world.channel.refuse_final.store(true, Ordering::SeqCst);
+    assert_eq!(world.ask_in_teams("p2", "personal").await, StatusCode::OK);
+    let delivered: Vec<Value> = world.delivered().into_iter().map(|(_, _, b)| b).collect();
+    let (drafts, last) = delivered.split_at(delivered.len() - 1);
+    assert!(drafts.iter().all(|d| d["type"] == "typing") && !drafts.is_empty());
+    let second = turnstile::bots::llm::answer("hello", 2);
+    assert_eq!(last[0]["text"], second.as_str());
+    assert!(stream_info(&last[0]).is_none(), "{:?}", last[0]);
 }
