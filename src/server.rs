@@ -38,6 +38,10 @@ const CONNECTION_CLOSE_WAIT: Duration = Duration::from_secs(5);
 /// one it can serve: a migration Job's work is noticed within this, without a restart.
 const SCHEMA_CHECK_INTERVAL: Duration = Duration::from_secs(2);
 
+/// How long the check before serving may take; past it (a database not reachable yet), the
+/// server serves NOT_SERVING and keeps checking every [`SCHEMA_CHECK_INTERVAL`].
+const FIRST_SCHEMA_CHECK: Duration = Duration::from_secs(5);
+
 /// Why the server could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -224,7 +228,22 @@ pub async fn serve(
             health_reporter
                 .set_not_serving::<TurnServiceServer<TurnApi>>()
                 .await;
-            Some(tokio::spawn(watch_schema(store, health_reporter.clone())))
+            // The first check before the port answers, so that a replica whose migration Job
+            // has run serves its first turn rather than refusing it while a watcher starts.
+            let mut logged = String::new();
+            let first = tokio::time::timeout(FIRST_SCHEMA_CHECK, check_schema(&store, &mut logged));
+            if first.await.unwrap_or(false) {
+                health_reporter
+                    .set_serving::<TurnServiceServer<TurnApi>>()
+                    .await;
+                None
+            } else {
+                Some(tokio::spawn(watch_schema(
+                    store,
+                    health_reporter.clone(),
+                    logged,
+                )))
+            }
         }
     };
     // The `google.rpc` error-detail types too: every error status carries them, and a client
@@ -386,35 +405,47 @@ fn authenticate(config: &Config) -> Result<Authenticate, ServeError> {
 /// Checks the database's schema, at once and then every [`SCHEMA_CHECK_INTERVAL`], until it is
 /// one this binary serves (its own version, or a newer one: migrations only add); then reports
 /// `TurnService` SERVING and returns. Each new reason for not serving is logged once.
-async fn watch_schema(store: PostgresStore, health: tonic_health::server::HealthReporter) {
-    let mut logged = String::new();
+async fn watch_schema(
+    store: PostgresStore,
+    health: tonic_health::server::HealthReporter,
+    mut logged: String,
+) {
     loop {
-        let waiting = match store.check_schema().await {
-            Ok(status @ postgres::SchemaStatus::Ahead { .. }) => {
-                tracing::warn!(
-                    "{status}: serving beside it, as migrations only add; upgrade this replica"
-                );
-                break;
-            }
-            Ok(status @ postgres::SchemaStatus::Current { .. }) => {
-                tracing::info!("{status}: serving turns");
-                break;
-            }
-            Ok(behind) => behind.to_string(),
-            Err(e) => format!(
-                "cannot check the database schema: {:#}",
-                anyhow::Error::from(e)
-            ),
-        };
-        if waiting != logged {
-            tracing::warn!(
-                "TurnService NOT_SERVING: {waiting}; checking again every {SCHEMA_CHECK_INTERVAL:?}"
-            );
-            logged = waiting;
-        }
         tokio::time::sleep(SCHEMA_CHECK_INTERVAL).await;
+        if check_schema(&store, &mut logged).await {
+            break;
+        }
     }
     health.set_serving::<TurnServiceServer<TurnApi>>().await;
+}
+
+/// One check of the database's schema: whether this replica can serve turns on it. Why not is
+/// logged when it differs from `logged`, the reason last logged.
+async fn check_schema(store: &PostgresStore, logged: &mut String) -> bool {
+    let waiting = match store.check_schema().await {
+        Ok(status @ postgres::SchemaStatus::Ahead { .. }) => {
+            tracing::warn!(
+                "{status}: serving beside it, as migrations only add; upgrade this replica"
+            );
+            return true;
+        }
+        Ok(status @ postgres::SchemaStatus::Current { .. }) => {
+            tracing::info!("{status}: serving turns");
+            return true;
+        }
+        Ok(behind) => behind.to_string(),
+        Err(e) => format!(
+            "cannot check the database schema: {:#}",
+            anyhow::Error::from(e)
+        ),
+    };
+    if waiting != *logged {
+        tracing::warn!(
+            "TurnService NOT_SERVING: {waiting}; checking again every {SCHEMA_CHECK_INTERVAL:?}"
+        );
+        *logged = waiting;
+    }
+    false
 }
 
 /// Deletes receipts older than `retention`, a few times per retention period (at most every five
