@@ -17,6 +17,7 @@ use futures::{SinkExt as _, StreamExt as _};
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
+use support::bots::Gated;
 use support::{TestServer, postgres_config};
 use tokio::sync::{Semaphore, oneshot};
 use turnstile::bots::{LlmBot, PizzaBot};
@@ -592,28 +593,6 @@ async fn a_streamed_turn_is_a_livestream_on_the_socket_and_never_in_the_transcri
         "no livestream to end: {}",
         read[1]
     );
-}
-
-/// Drafts what it will say, and on its first attempt at "wait" waits for the gate: meanwhile
-/// another replica changes the conversation, so that attempt is thrown away.
-struct Gated {
-    gate: Arc<Semaphore>,
-}
-
-#[async_trait]
-impl Bot for Gated {
-    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
-        let mut items: Vec<String> = turn.conversation_property("items")?;
-        let text = turn.text().to_owned();
-        items.push(text.clone());
-        turn.draft(format!("writing {}", items.join(", ")))?;
-        if text == "wait" && turn.attempt() == 1 {
-            self.gate.acquire().await?.forget();
-        }
-        turn.conversation_state().set("items", &items)?;
-        turn.send_text(items.join(", "));
-        Ok(())
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

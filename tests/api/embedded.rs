@@ -77,6 +77,20 @@ fn wait_for_exit(mut child: Child, limit: Duration) -> (std::process::ExitStatus
     (status, log.join("\n"))
 }
 
+/// SIGTERM, then the exit status and the log, off the runtime's threads; within 20 s.
+async fn stop(child: Child) -> (std::process::ExitStatus, String) {
+    tokio::task::spawn_blocking(move || terminate(child, Duration::from_secs(20)))
+        .await
+        .unwrap()
+}
+
+/// The exit status and the log of a process that exits by itself; within 20 s.
+async fn exited(child: Child) -> (std::process::ExitStatus, String) {
+    tokio::task::spawn_blocking(move || wait_for_exit(child, Duration::from_secs(20)))
+        .await
+        .unwrap()
+}
+
 /// GET `url` until it answers (the process is starting), then its status and body.
 async fn get_when_up(url: &str) -> (reqwest::StatusCode, String) {
     for _ in 0..200 {
@@ -158,10 +172,7 @@ async fn cargo_run_serves_the_chat_page_and_direct_line_to_the_pizza_bot() {
         ),
         "a Close frame, not a dropped connection: {closing:?}"
     );
-    let (status, log) =
-        tokio::task::spawn_blocking(move || wait_for_exit(child, Duration::from_secs(20)))
-            .await
-            .unwrap();
+    let (status, log) = exited(child).await;
     assert!(status.success(), "{status}: {log}");
     assert!(
         log.contains(&format!("open http://127.0.0.1:{web}/ to chat")),
@@ -209,10 +220,7 @@ async fn no_gateway_when_turned_off_or_when_the_server_requires_a_token() {
             gateway.is_err(),
             "{env:?}: nothing listens on the gateway port"
         );
-        let (status, log) =
-            tokio::task::spawn_blocking(move || terminate(child, Duration::from_secs(20)))
-                .await
-                .unwrap();
+        let (status, log) = stop(child).await;
         assert!(status.success(), "{status}: {log}");
         assert!(!log.contains("to chat"), "{log}");
         if let Some(warning) = expect {
@@ -302,10 +310,7 @@ async fn a_bots_app_credentials_are_enforced_by_the_embedded_gateway_on_any_addr
                 assert_eq!(started.status(), reqwest::StatusCode::CREATED);
             }
         }
-        let (status, log) =
-            tokio::task::spawn_blocking(move || terminate(child, Duration::from_secs(20)))
-                .await
-                .unwrap();
+        let (status, log) = stop(child).await;
         assert!(status.success(), "{status}: {log}");
         assert!(!log.contains("NO MicrosoftAppId"), "{log}");
         assert!(!log.contains("WITHOUT AUTHENTICATION"), "{log}");
@@ -328,10 +333,7 @@ async fn without_credentials_an_address_beyond_loopback_stops_the_start_naming_t
         &[],
     );
     for (child, flag) in [(serve, "--gateway-insecure"), (gateway, "--insecure")] {
-        let (status, log) =
-            tokio::task::spawn_blocking(move || wait_for_exit(child, Duration::from_secs(20)))
-                .await
-                .unwrap();
+        let (status, log) = exited(child).await;
         assert!(!status.success(), "{flag}: it must not serve: {log}");
         assert!(
             log.contains("refusing to serve the gateway on 0.0.0.0:"),
@@ -359,10 +361,7 @@ async fn gateway_insecure_serves_beyond_loopback_and_warns() {
     let (status, page) = get_when_up(&format!("http://127.0.0.1:{web}/")).await;
     assert_eq!(status, reqwest::StatusCode::OK);
     assert!(page.contains("<script src=\"/chat.js\">"), "{page}");
-    let (status, log) =
-        tokio::task::spawn_blocking(move || terminate(child, Duration::from_secs(20)))
-            .await
-            .unwrap();
+    let (status, log) = stop(child).await;
     assert!(status.success(), "{status}: {log}");
     assert!(
         log.contains(
@@ -421,10 +420,7 @@ async fn the_chat_page_talks_to_the_bot_named_by_gateway_bot() {
         .filter_map(|a| a["text"].as_str())
         .collect();
     assert_eq!(replies, ["count: 1", "count: 2"], "{transcript}");
-    let (status, log) =
-        tokio::task::spawn_blocking(move || terminate(child, Duration::from_secs(20)))
-            .await
-            .unwrap();
+    let (status, log) = stop(child).await;
     assert!(status.success(), "{status}: {log}");
 }
 
@@ -438,10 +434,7 @@ async fn a_gateway_bot_that_is_not_hosted_stops_the_start_naming_it() {
         ),
         ("TURNSTILE_GATEWAY_BOT", "calzone".to_owned()),
     ]);
-    let (status, log) =
-        tokio::task::spawn_blocking(move || wait_for_exit(child, Duration::from_secs(20)))
-            .await
-            .unwrap();
+    let (status, log) = exited(child).await;
     assert!(!status.success(), "{log}");
     assert!(
         log.contains("the gateway's bot `calzone` is not hosted here"),

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use support::bots::Gated;
 use support::{TestServer, message, postgres_config, texts};
 use tokio::sync::Semaphore;
 use tonic::Code;
@@ -121,29 +122,6 @@ async fn drafts_come_before_the_committed_outcome_and_a_redelivery_gets_the_outc
         .into_inner();
     assert_eq!(reply.version, 2);
     assert!(texts(&reply)[0].contains("answer number 2"), "{reply:?}");
-}
-
-/// Appends each message's text to a conversation list, drafting as it goes; its first attempt
-/// of a message `wait` holds on `gate` after drafting, so that another replica can commit in
-/// between.
-struct Gated {
-    gate: Arc<Semaphore>,
-}
-
-#[async_trait]
-impl Bot for Gated {
-    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
-        let mut items: Vec<String> = turn.conversation_property("items")?;
-        let text = turn.text().to_owned();
-        items.push(text.clone());
-        turn.draft(format!("writing {}", items.join(", ")))?;
-        if text == "wait" && turn.attempt() == 1 {
-            self.gate.acquire().await?.forget();
-        }
-        turn.conversation_state().set("items", &items)?;
-        turn.send_text(items.join(", "));
-        Ok(())
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

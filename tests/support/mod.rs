@@ -2,6 +2,7 @@
 //! starts them (on port 0), and builders for requests.
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod bots;
 pub mod check;
 pub mod fleet;
 pub mod load;
