@@ -619,6 +619,8 @@ impl ServeArgs {
             bot: bot.to_owned(),
             credentials: self.channel.credentials()?,
             direct_line_secrets: self.channel.direct_line_secrets(),
+            // Its background turns get the same grace as the server's turns.
+            shutdown_grace: Duration::from_secs(self.shutdown_grace_secs),
             ..crate::gateway::GatewayConfig::embedded(grpc)
         };
         config.check_exposure(listen, self.gateway_insecure, "--gateway-insecure")?;

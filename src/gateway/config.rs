@@ -93,8 +93,9 @@ pub struct GatewayArgs {
         requires = "turnstile_client_cert"
     )]
     pub turnstile_client_key: Option<PathBuf>,
-    /// Milliseconds a turn may take, retries included; channels give up after 15 s, and the
-    /// replies must still be delivered within them.
+    /// Milliseconds a turn may take, retries included, when its caller waits for the replies
+    /// (`expectReplies`, invokes, Direct Line): channels give up after 15 s, and the replies must
+    /// still be delivered within them.
     #[arg(
         help_heading = "Limits",
         long,
@@ -102,6 +103,15 @@ pub struct GatewayArgs {
         default_value_t = 8_000
     )]
     pub turn_timeout_ms: u64,
+    /// Milliseconds a turn may take, retries included, when the channel was answered `202` at
+    /// once and its replies go through the Connector: the bot's budget, not the channel's.
+    #[arg(
+        help_heading = "Limits",
+        long,
+        env = "TURNSTILE_GATEWAY_BOT_TURN_TIMEOUT_MS",
+        default_value_t = 120_000
+    )]
+    pub bot_turn_timeout_ms: u64,
     /// The bot's channel credentials and Direct Line secrets.
     #[command(flatten)]
     pub channel: ChannelArgs,
@@ -275,8 +285,13 @@ pub struct GatewayConfig {
     pub turnstile_token: Option<Secret>,
     /// TLS towards the server, for an `https://` URL.
     pub turnstile_tls: ClientTls,
-    /// How long a turn may take, retries included.
+    /// How long a turn may take, retries included, when its caller waits for the replies.
     pub turn_timeout: Duration,
+    /// How long a turn may take, retries included, when it runs after the channel was answered
+    /// (see [`super::background`]).
+    pub bot_turn_timeout: Duration,
+    /// How long a graceful shutdown waits for the turns running in the background.
+    pub shutdown_grace: Duration,
     /// The bot's credentials; `None` runs unauthenticated (local development).
     pub credentials: Option<AppCredentials>,
     /// How replies are delivered.
@@ -295,6 +310,8 @@ impl GatewayConfig {
             turnstile_token: None,
             turnstile_tls: ClientTls::default(),
             turn_timeout: Duration::from_secs(8),
+            bot_turn_timeout: Duration::from_secs(120),
+            shutdown_grace: Duration::from_secs(30),
             credentials: None,
             delivery: DeliveryPolicy::default(),
             direct_line_secrets: Vec::new(),
@@ -373,6 +390,8 @@ impl GatewayArgs {
                     .zip(self.turnstile_client_key.clone()),
             },
             turn_timeout: Duration::from_millis(self.turn_timeout_ms),
+            bot_turn_timeout: Duration::from_millis(self.bot_turn_timeout_ms),
+            shutdown_grace: Duration::from_secs(30),
             credentials,
             delivery: DeliveryPolicy::default(),
             direct_line_secrets: self.channel.direct_line_secrets(),

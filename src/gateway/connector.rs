@@ -5,8 +5,9 @@
 //! when it replies to nothing), with a bearer token the gateway gets for its own app id by the
 //! client-credentials grant. A 429 or 5xx is retried with backoff (honouring `Retry-After` up to
 //! the policy's cap), since the turn has committed and its replies must not be lost; a reply the
-//! channel still refuses fails the delivery, the channel is answered with an error, and its
-//! redelivery is answered from the turn's receipt and delivered again.
+//! channel still refuses fails the delivery. A caller that waits (an invoke) is then answered
+//! with an error and its redelivery is answered from the turn's receipt and delivered again; a
+//! turn in the background, whose channel already has its `202`, can only log and count it.
 
 use std::time::{Duration, Instant};
 

@@ -1,5 +1,5 @@
 //! What the gateway counts: HTTP requests by route and status, `ProcessTurn` calls by outcome,
-//! and deliveries to the channels, recorded through the `metrics` facade like the server's.
+//! deliveries to the channels, and the turns run after the channel was answered `202`, recorded through the `metrics` facade like the server's.
 //!
 //! `turnstile gateway --metrics-listen` serves them, with the `process_*` metrics, on a port of
 //! its own (see `telemetry::metrics`): the gateway's HTTP port is the one an Ingress publishes,
@@ -31,6 +31,10 @@ pub const TURN_RETRIES: &str = "turnstile_gateway_turn_retries_total";
 pub const DELIVERIES: &str = "turnstile_gateway_deliveries_total";
 /// Reply POSTs sent again, by `reason`: `refused` (429, 5xx, 401) or `unreachable`.
 pub const DELIVERY_RETRIES: &str = "turnstile_gateway_delivery_retries_total";
+/// Turns run after the channel was answered `202`, by `outcome`: `delivered` (every reply
+/// reached the channel), `failed` (Turnstile refused the turn or its deadline ran out),
+/// `bad_reply` (a reply is no activity), `undelivered` (the channel kept refusing a reply).
+pub const BACKGROUND_TURNS: &str = "turnstile_gateway_background_turns_total";
 
 /// The route label of a request no route serves.
 const OTHER: &str = "_OTHER";
@@ -56,6 +60,10 @@ pub fn describe() {
     );
     describe_counter!(DELIVERIES, "Replies posted to a channel, by outcome");
     describe_counter!(DELIVERY_RETRIES, "Reply POSTs retried, by reason");
+    describe_counter!(
+        BACKGROUND_TURNS,
+        "Turns run after the channel was answered 202, by outcome"
+    );
     for code in [Code::Aborted, Code::Unavailable, Code::ResourceExhausted] {
         metrics::counter!(TURN_RETRIES, "code" => code_name(code)).absolute(0);
     }
@@ -64,6 +72,9 @@ pub fn describe() {
     }
     for outcome in ["delivered", "refused", "unreachable", "no_token"] {
         metrics::counter!(DELIVERIES, "outcome" => outcome).absolute(0);
+    }
+    for outcome in ["delivered", "failed", "bad_reply", "undelivered"] {
+        metrics::counter!(BACKGROUND_TURNS, "outcome" => outcome).absolute(0);
     }
 }
 
@@ -103,6 +114,11 @@ pub fn turn_retried(code: Code) {
 /// Records a reply's delivery, `outcome` being one of [`DELIVERIES`]'.
 pub fn delivery(outcome: &'static str) {
     metrics::counter!(DELIVERIES, "outcome" => outcome).increment(1);
+}
+
+/// Records how a background turn ended, `outcome` being one of [`BACKGROUND_TURNS`]'.
+pub fn background_turn(outcome: &'static str) {
+    metrics::counter!(BACKGROUND_TURNS, "outcome" => outcome).increment(1);
 }
 
 /// Records a reply POST sent again, `reason` being one of [`DELIVERY_RETRIES`]'.

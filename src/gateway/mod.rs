@@ -9,17 +9,18 @@
 //!    is configured: local development);
 //! 2. [`turns`]: the activity goes to `ProcessTurn` as the channel's JSON text, so nothing the
 //!    schema does not name is lost, and comes back as JSON replies;
-//! 3. delivery: `expectReplies` and `invoke` are answered in the HTTP response; other replies
-//!    are POSTed to the channel through the [`connector`], in order, and only then is the
-//!    channel answered. A gateway that dies mid-delivery therefore makes the channel redeliver,
-//!    and the turn's receipt makes that redelivery deliver the same replies without running the
-//!    bot again.
+//! 3. delivery: `expectReplies` and `invoke` wait for the turn, within the channel's budget,
+//!    and are answered in the HTTP response; any other activity is answered `202 Accepted` at
+//!    once, and its turn runs in the [`background`] within the bot's budget, its replies POSTed
+//!    to the channel through the [`connector`], in order, as Bot Framework bots do for long
+//!    operations. A redelivered activity is answered from the turn's receipt and its replies
+//!    delivered again, without running the bot again.
 //!
 //! `trace` replies are diagnostics for the Emulator and reach no other channel.
 //!
 //! In a Teams one-on-one chat the turn goes to `StreamTurn` instead, and what the bot drafts while
-//! it runs is shown as Teams streams a message ([`teams`]); the committed replies are delivered
-//! as above, the one that ends the stream marked so.
+//! it runs is shown as Teams streams a message ([`teams`]), in the background too; the committed
+//! replies are delivered as above, the one that ends the stream marked so.
 //!
 //! Beside it, in development or with a Direct Line secret, [`directline`] serves Direct Line 3.0
 //! for Web Chat, through the same `ProcessTurn` call (or `StreamTurn`, whose drafts become a Web
@@ -30,6 +31,7 @@
 //! ([`metrics`]) on a port of its own, never the one an Ingress publishes.
 
 pub mod auth;
+pub mod background;
 pub mod config;
 pub mod connector;
 pub mod directline;
@@ -50,6 +52,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
+use tracing::Instrument;
 
 pub use config::{
     AppCredentials, AppType, ChannelArgs, ConfigError, DeliveryPolicy, GatewayArgs, GatewayConfig,
@@ -105,14 +108,18 @@ pub enum GatewayError {
 /// Everything a call needs, shared by all calls.
 #[derive(Debug)]
 struct Gateway {
+    /// Turns whose caller waits, within the channel's budget (`turn_timeout`).
     turns: Turns,
+    /// Turns run after the channel was answered, within the bot's (`bot_turn_timeout`).
+    bot_turns: Turns,
     auth: Option<ChannelAuth>,
     connector: Connector,
+    background: Arc<background::Background>,
 }
 
 /// Serves `POST /api/messages` on `listeners.http` (and `/metrics` on `listeners.metrics`) until
-/// `shutdown` completes, then finishes the calls in flight (their turns and deliveries) and
-/// returns.
+/// `shutdown` completes, then finishes the calls in flight and the turns running in the
+/// background (their deliveries included, within `config.shutdown_grace`) and returns.
 ///
 /// # Errors
 /// [`GatewayError`] when the configuration is unusable or serving fails.
@@ -167,10 +174,13 @@ pub async fn serve(
             &config.bot,
         ))
     });
+    let background = background::Background::new();
     let gateway = Arc::new(Gateway {
+        bot_turns: turns.with_timeout(config.bot_turn_timeout),
         turns,
         connector: Connector::new(config.credentials.as_ref(), http, config.delivery),
         auth,
+        background: Arc::clone(&background),
     });
     let mut app = Router::new()
         .route("/api/messages", post(messages))
@@ -212,6 +222,19 @@ pub async fn serve(
         .with_graceful_shutdown(shutdown)
         .await
         .map_err(GatewayError::Serve);
+    // The channels were answered `202` for these: their replies are still owed.
+    let in_flight = background.in_flight();
+    if in_flight > 0 {
+        tracing::info!(in_flight, "finishing the turns running in the background");
+    }
+    if !background.finish(config.shutdown_grace).await {
+        tracing::warn!(
+            grace = ?config.shutdown_grace,
+            in_flight = background.in_flight(),
+            "background turns did not finish within the grace period; abandoning them: their \
+             channels were answered 202 and will not redeliver, so their replies are lost"
+        );
+    }
     metrics_stop.notify_one();
     if let Some(scrapes) = scrapes {
         match scrapes.await {
@@ -283,8 +306,41 @@ async fn messages(
     }
 }
 
+/// An authenticated call's activity, as the channel sent it and parsed.
+struct Call {
+    /// The channel's JSON text, which goes to Turnstile verbatim.
+    text: String,
+    inbound: Activity,
+    /// What a Teams draft is built on.
+    template: Value,
+}
+
+impl Call {
+    fn channel_id(&self) -> &str {
+        self.inbound.channel_id.as_deref().unwrap_or_default()
+    }
+
+    fn conversation(&self) -> Option<(&str, &str)> {
+        self.inbound
+            .conversation_id()
+            .map(|id| (self.channel_id(), id))
+    }
+
+    /// Whether the caller waits for the replies in the HTTP response.
+    fn answered_in_body(&self) -> bool {
+        self.inbound.delivery_mode.as_deref() == Some(EXPECT_REPLIES)
+            || self.inbound.is_type(types::INVOKE)
+    }
+}
+
 impl Gateway {
-    async fn handle(&self, headers: &HeaderMap, body: Bytes) -> Result<Response, Refusal> {
+    /// Parses and authenticates the call, then answers it: with the replies when the caller
+    /// waits for them, else `202 Accepted` at once, the turn going on in the background.
+    async fn handle(
+        self: &Arc<Self>,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) -> Result<Response, Refusal> {
         let text =
             std::str::from_utf8(&body).map_err(|_| Refusal::BadActivity("not UTF-8".into()))?;
         let value: Value =
@@ -292,33 +348,97 @@ impl Gateway {
         let template = draft_template(&value);
         let inbound =
             Activity::from_json(value).map_err(|e| Refusal::BadActivity(e.to_string()))?;
-        let channel_id = inbound.channel_id.as_deref().unwrap_or_default();
-        let service_url = inbound.service_url.as_deref().unwrap_or_default();
+        let call = Call {
+            text: text.to_owned(),
+            inbound,
+            template,
+        };
         if let Some(auth) = &self.auth {
             let authorization = headers
                 .get(header::AUTHORIZATION)
                 .and_then(|h| h.to_str().ok());
-            auth.check(authorization, channel_id, service_url)
+            let service_url = call.inbound.service_url.as_deref().unwrap_or_default();
+            auth.check(authorization, call.channel_id(), service_url)
                 .await
                 .map_err(Refusal::Unauthorized)?;
         }
         let span = tracing::Span::current();
-        span.record("channel", channel_id);
-        span.record("activity_id", inbound.id.as_deref().unwrap_or_default());
-        let conversation = inbound.conversation_id().map(|id| (channel_id, id));
-        let answered_in_body = inbound.delivery_mode.as_deref() == Some(EXPECT_REPLIES)
-            || inbound.is_type(types::INVOKE);
-        let (response, stream) = if teams::streams(&inbound) && !answered_in_body {
+        span.record("channel", call.channel_id());
+        span.record(
+            "activity_id",
+            call.inbound.id.as_deref().unwrap_or_default(),
+        );
+        if call.answered_in_body() {
+            return self.answer(&call).await;
+        }
+        let key = background::ActivityKey::new(
+            call.channel_id(),
+            call.inbound.conversation_id().unwrap_or_default(),
+            call.inbound.id.as_deref(),
+        );
+        let gateway = Arc::clone(self);
+        self.background.spawn(
+            key,
+            async move { gateway.run_in_background(call).await }.instrument(span),
+        );
+        Ok(StatusCode::ACCEPTED.into_response())
+    }
+
+    /// The turn of a caller that waits: `expectReplies` gets the replies in the body, an invoke
+    /// its `invokeResponse` (its other replies delivered first), within the channel's budget.
+    async fn answer(&self, call: &Call) -> Result<Response, Refusal> {
+        let response = self
+            .turns
+            .process(&call.text, call.conversation())
+            .await
+            .map_err(Refusal::Turn)?;
+        let mut replies = replies(call, response)?;
+        if call.inbound.delivery_mode.as_deref() == Some(EXPECT_REPLIES) {
+            return Ok(expected_replies(&replies));
+        }
+        let at = replies
+            .iter()
+            .position(|(a, _)| a.is_type(types::INVOKE_RESPONSE));
+        let invoke_response = at.map(|i| replies.remove(i).0);
+        self.deliver(&call.inbound, &replies, None).await?;
+        Ok(match invoke_response {
+            Some(reply) => invoke_answer(&reply),
+            // Bot Framework's answer to an invoke the bot did not answer.
+            None => StatusCode::NOT_IMPLEMENTED.into_response(),
+        })
+    }
+
+    /// A turn the channel was answered `202` for: run within the bot's budget (streamed to Teams
+    /// in a one-on-one chat), its replies delivered through the Connector. Nobody is left to
+    /// answer, so a failure is logged and counted; a redelivery is answered from the receipt.
+    async fn run_in_background(&self, call: Call) {
+        let outcome = match self.deliver_turn(&call).await {
+            Ok(()) => "delivered",
+            Err(refusal) => {
+                let outcome = match &refusal {
+                    Refusal::Delivery(_) => "undelivered",
+                    Refusal::BadReply(_) => "bad_reply",
+                    _ => "failed",
+                };
+                tracing::warn!(error = %refusal, outcome, "a background turn failed");
+                outcome
+            }
+        };
+        metrics::background_turn(outcome);
+    }
+
+    async fn deliver_turn(&self, call: &Call) -> Result<(), Refusal> {
+        let (response, stream) = if teams::streams(&call.inbound) {
             let to = ReplyAddress {
-                service_url,
-                conversation_id: inbound.conversation_id().unwrap_or_default(),
-                reply_to_id: inbound.id.as_deref(),
+                service_url: call.inbound.service_url.as_deref().unwrap_or_default(),
+                conversation_id: call.inbound.conversation_id().unwrap_or_default(),
+                reply_to_id: call.inbound.id.as_deref(),
             };
             let (drafts, drafting) = tokio::sync::watch::channel(Drafting::Waiting);
             let turn = async {
                 let response = self
-                    .turns
-                    .stream(text, conversation, |shown| {
+                    .bot_turns
+                    .stream(&call.text, call.conversation(), |shown| {
                         drafts.send_replace(Drafting::Latest(shown));
                     })
                     .await;
@@ -327,34 +447,17 @@ impl Gateway {
             };
             tokio::join!(
                 turn,
-                teams::send_drafts(&self.connector, to, &template, drafting)
+                teams::send_drafts(&self.connector, to, &call.template, drafting)
             )
         } else {
-            (self.turns.process(text, conversation).await, Stream::None)
+            (
+                self.bot_turns
+                    .process(&call.text, call.conversation())
+                    .await,
+                Stream::None,
+            )
         };
-        let response = response.map_err(Refusal::Turn)?;
-        let mut replies = Vec::with_capacity(response.activities_json.len());
-        for json in response.activities_json {
-            let value: Value =
-                serde_json::from_str(&json).map_err(|e| Refusal::BadReply(e.to_string()))?;
-            let activity =
-                Activity::from_json(value).map_err(|e| Refusal::BadReply(e.to_string()))?;
-            if activity.is_type(types::TRACE) && channel_id != EMULATOR_CHANNEL {
-                continue;
-            }
-            replies.push((activity, json));
-        }
-        if inbound.delivery_mode.as_deref() == Some(EXPECT_REPLIES) {
-            return Ok(expected_replies(&replies));
-        }
-        let invoke_response = if inbound.is_type(types::INVOKE) {
-            let at = replies
-                .iter()
-                .position(|(a, _)| a.is_type(types::INVOKE_RESPONSE));
-            Some(at.map(|i| replies.remove(i).0))
-        } else {
-            None
-        };
+        let mut replies = replies(call, response.map_err(Refusal::Turn)?)?;
         // The reply that takes the stream's place ends it; plain, should Teams refuse that.
         let mut fallback = None;
         if let Stream::Open(stream_id) = &stream
@@ -365,13 +468,8 @@ impl Gateway {
         {
             fallback = Some((at, std::mem::replace(&mut replies[at].1, last)));
         }
-        self.deliver(&inbound, &replies, fallback).await?;
-        Ok(match invoke_response {
-            Some(Some(reply)) => invoke_answer(&reply),
-            // Bot Framework's answer to an invoke the bot did not answer.
-            Some(None) => StatusCode::NOT_IMPLEMENTED.into_response(),
-            None => StatusCode::OK.into_response(),
-        })
+        self.deliver(&call.inbound, &replies, fallback).await?;
+        Ok(())
     }
 
     /// POSTs `replies` in order to the channel the inbound activity came from.
@@ -435,6 +533,25 @@ fn draft_template(inbound: &Value) -> Value {
         }
     }
     template
+}
+
+/// The turn's replies for `call`'s channel, each parsed and as the bot sent it; `trace` replies
+/// only for the Emulator.
+fn replies(
+    call: &Call,
+    response: crate::grpc::pb::ProcessTurnResponse,
+) -> Result<Vec<(Activity, String)>, Refusal> {
+    let mut replies = Vec::with_capacity(response.activities_json.len());
+    for json in response.activities_json {
+        let value: Value =
+            serde_json::from_str(&json).map_err(|e| Refusal::BadReply(e.to_string()))?;
+        let activity = Activity::from_json(value).map_err(|e| Refusal::BadReply(e.to_string()))?;
+        if activity.is_type(types::TRACE) && call.channel_id() != EMULATOR_CHANNEL {
+            continue;
+        }
+        replies.push((activity, json));
+    }
+    Ok(replies)
 }
 
 /// `{"activities": [...]}`, the replies as the bot sent them, verbatim.

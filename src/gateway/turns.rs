@@ -86,6 +86,15 @@ impl Turns {
         })
     }
 
+    /// The same client with `timeout` as the deadline of each turn, retries included.
+    #[must_use]
+    pub fn with_timeout(&self, timeout: Duration) -> Self {
+        Self {
+            timeout,
+            ..self.clone()
+        }
+    }
+
     /// Runs the turn for `activity_json`, the channel's text, and returns its replies as JSON.
     /// `conversation` (channel and conversation id) goes along as
     /// [`CONVERSATION_METADATA`], so that a mesh can keep a conversation on one replica.

@@ -71,6 +71,26 @@ impl Bot for Echo {
     }
 }
 
+/// Counts its runs and waits for the gate's permit before it answers `gated: <text>`: a bot as
+/// slow as the test wants, without a sleep.
+struct Gated {
+    runs: Arc<AtomicUsize>,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+#[async_trait]
+impl Bot for Gated {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        if let Ok(permit) = self.gate.acquire().await {
+            permit.forget();
+        }
+        let text = turn.text().to_owned();
+        turn.send_text(format!("gated: {text}"));
+        Ok(())
+    }
+}
+
 /// What the Connector stand-in received: (path, authorization header, body).
 type Received = Arc<Mutex<Vec<(String, Option<String>, Value)>>>;
 /// The forms the token endpoint received.
@@ -230,6 +250,11 @@ struct World {
     _llm_stop: oneshot::Sender<()>,
     channel: Channel,
     runs: Arc<AtomicUsize>,
+    /// The `gated` bot's runs and gate.
+    gated_runs: Arc<AtomicUsize>,
+    gate: Arc<tokio::sync::Semaphore>,
+    /// The configuration of the gateways above.
+    config: GatewayConfig,
     key: EncodingKey,
     stranger: EncodingKey,
     entra: EncodingKey,
@@ -275,6 +300,8 @@ impl World {
 
         let url = support::pg::fresh_database().await;
         let runs = Arc::new(AtomicUsize::new(0));
+        let gated_runs = Arc::new(AtomicUsize::new(0));
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
         // Without the state cache, a redelivery's first load finds the receipt, so the bot does
         // not run at all; with it, the bot may run once more and its result is discarded when
         // the commit meets the receipt, which `runs` could not tell from a second turn.
@@ -289,7 +316,14 @@ impl World {
                     runs: Arc::clone(&runs),
                 },
             )
-            .with("llm", LlmBot::new(Duration::from_millis(100))),
+            .with("llm", LlmBot::new(Duration::from_millis(100)))
+            .with(
+                "gated",
+                Gated {
+                    runs: Arc::clone(&gated_runs),
+                    gate: Arc::clone(&gate),
+                },
+            ),
         )
         .await;
         let mut config = GatewayConfig::development(format!("http://{}", server.addr));
@@ -316,7 +350,7 @@ impl World {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let gateway = listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
-        tokio::spawn(turnstile::gateway::serve(config, listener, async {
+        tokio::spawn(turnstile::gateway::serve(config.clone(), listener, async {
             let _ = stopped.await;
         }));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -331,6 +365,9 @@ impl World {
             _llm_stop: llm_stop,
             channel,
             runs,
+            gated_runs,
+            gate,
+            config,
             key,
             stranger,
             entra,
@@ -380,8 +417,17 @@ impl World {
     }
 
     async fn post(&self, activity: &Value, token: Option<&str>) -> (StatusCode, String) {
+        self.post_to(self.gateway, activity, token).await
+    }
+
+    async fn post_to(
+        &self,
+        gateway: SocketAddr,
+        activity: &Value,
+        token: Option<&str>,
+    ) -> (StatusCode, String) {
         let mut request = reqwest::Client::new()
-            .post(format!("http://{}/api/messages", self.gateway))
+            .post(format!("http://{gateway}/api/messages"))
             .json(activity);
         if let Some(token) = token {
             request = request.bearer_auth(token);
@@ -394,6 +440,57 @@ impl World {
     fn delivered(&self) -> Vec<(String, Option<String>, Value)> {
         self.channel.received.lock().unwrap().clone()
     }
+
+    /// What the Connector received, once it is at least `count` activities: a turn answered
+    /// `202` delivers after the answer.
+    async fn delivered_at_least(&self, count: usize) -> Vec<(String, Option<String>, Value)> {
+        eventually(&format!("{count} activities delivered"), || {
+            self.delivered().len() >= count
+        })
+        .await;
+        self.delivered()
+    }
+
+    /// The bodies the Connector received, once one of them is a `message`: the reply that ends
+    /// a Teams turn.
+    async fn delivered_until_message(&self) -> Vec<Value> {
+        eventually("a message delivered", || {
+            self.delivered().iter().any(|d| d.2["type"] == "message")
+        })
+        .await;
+        self.delivered().into_iter().map(|(_, _, b)| b).collect()
+    }
+
+    /// A gateway in front of the `gated` bot whose waiting calls have 200 ms and whose
+    /// background turns 5 s, with its shutdown and its task.
+    fn gated_gateway(
+        &self,
+        listener: tokio::net::TcpListener,
+    ) -> (
+        oneshot::Sender<()>,
+        tokio::task::JoinHandle<Result<(), turnstile::gateway::GatewayError>>,
+    ) {
+        let mut config = self.config.clone();
+        config.bot = "gated".into();
+        config.turn_timeout = Duration::from_millis(200);
+        config.bot_turn_timeout = Duration::from_secs(5);
+        let (stop, stopped) = oneshot::channel::<()>();
+        let served = tokio::spawn(turnstile::gateway::serve(config, listener, async {
+            let _ = stopped.await;
+        }));
+        (stop, served)
+    }
+}
+
+/// Polls until `done` holds, for up to 30 s; fails naming `what` otherwise.
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    for _ in 0..1500 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("never happened: {what}");
 }
 
 fn texts(delivered: &[(String, Option<String>, Value)]) -> Vec<String> {
@@ -409,9 +506,10 @@ async fn a_valid_token_runs_the_turn_and_replies_reach_the_channel_in_order_with
     let (status, body) = world
         .post(&world.activity("a1", "hi"), Some(&world.valid_token()))
         .await;
-    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    assert!(body.is_empty(), "{body}");
+    let delivered = world.delivered_at_least(2).await;
     assert_eq!(world.runs.load(Ordering::SeqCst), 1);
-    let delivered = world.delivered();
     assert_eq!(
         texts(&delivered),
         ["first: hi", "second: hi"],
@@ -441,7 +539,8 @@ async fn a_valid_token_runs_the_turn_and_replies_reach_the_channel_in_order_with
         .as_secs();
     let late = world.token(&world.key, "k1", json!({"exp": now - 120}));
     let (status, _) = world.post(&world.activity("a2", "late"), Some(&late)).await;
-    assert_eq!(status, StatusCode::OK);
+    assert_eq!(status, StatusCode::ACCEPTED);
+    world.delivered_at_least(4).await;
     assert_eq!(world.runs.load(Ordering::SeqCst), 2);
 }
 
@@ -509,7 +608,7 @@ async fn every_bad_token_is_401_and_runs_nothing() {
         .await;
     assert_eq!(
         status,
-        StatusCode::OK,
+        StatusCode::ACCEPTED,
         "the same gateway accepts a valid token"
     );
 }
@@ -520,18 +619,19 @@ async fn a_503_from_the_channel_is_retried_and_a_redelivery_replays_without_runn
     world.channel.fail_next.store(1, Ordering::SeqCst);
     let activity = world.activity("r1", "again");
     let (status, _) = world.post(&activity, Some(&world.valid_token())).await;
-    assert_eq!(status, StatusCode::OK);
+    assert_eq!(status, StatusCode::ACCEPTED);
+    let delivered = world.delivered_at_least(2).await;
     assert_eq!(
         world.channel.fail_next.load(Ordering::SeqCst),
         0,
         "the 503 was served"
     );
-    assert_eq!(texts(&world.delivered()), ["first: again", "second: again"]);
+    assert_eq!(texts(&delivered), ["first: again", "second: again"]);
 
     let (status, _) = world.post(&activity, Some(&world.valid_token())).await;
-    assert_eq!(status, StatusCode::OK);
+    assert_eq!(status, StatusCode::ACCEPTED);
+    let delivered = world.delivered_at_least(4).await;
     assert_eq!(world.runs.load(Ordering::SeqCst), 1, "the bot ran once");
-    let delivered = world.delivered();
     assert_eq!(delivered.len(), 4);
     assert_eq!(
         delivered[2..].iter().map(|d| &d.2).collect::<Vec<_>>(),
@@ -541,19 +641,25 @@ async fn a_503_from_the_channel_is_retried_and_a_redelivery_replays_without_runn
 }
 
 #[tokio::test]
-async fn a_channel_that_keeps_failing_gets_an_error_so_it_redelivers() {
+async fn a_channel_that_keeps_failing_gets_its_replies_on_redelivery_from_the_receipt() {
     let world = World::start(Mode::MultiTenant).await;
     world.channel.fail_next.store(100, Ordering::SeqCst);
     let (status, _) = world
         .post(&world.activity("f1", "lost"), Some(&world.valid_token()))
         .await;
-    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert_eq!(status, StatusCode::ACCEPTED, "answered before delivery");
+    // The policy's four POSTs of the first reply, all refused: the failure is only logged.
+    eventually("the first reply's four attempts", || {
+        world.channel.fail_next.load(Ordering::SeqCst) == 96
+    })
+    .await;
     world.channel.fail_next.store(0, Ordering::SeqCst);
     let (status, _) = world
         .post(&world.activity("f1", "lost"), Some(&world.valid_token()))
         .await;
-    assert_eq!(status, StatusCode::OK);
-    assert_eq!(texts(&world.delivered()), ["first: lost", "second: lost"]);
+    assert_eq!(status, StatusCode::ACCEPTED);
+    let delivered = world.delivered_at_least(2).await;
+    assert_eq!(texts(&delivered), ["first: lost", "second: lost"]);
     assert_eq!(world.runs.load(Ordering::SeqCst), 1);
 }
 
@@ -602,8 +708,8 @@ async fn development_mode_needs_no_token_and_the_emulator_gets_traces() {
     let mut activity = world.activity("d1", "dev");
     activity["channelId"] = json!("emulator");
     let (status, _) = world.post(&activity, None).await;
-    assert_eq!(status, StatusCode::OK);
-    let delivered = world.delivered();
+    assert_eq!(status, StatusCode::ACCEPTED);
+    let delivered = world.delivered_at_least(3).await;
     let kinds: Vec<_> = delivered.iter().map(|d| d.2["type"].clone()).collect();
     assert_eq!(
         kinds,
@@ -713,11 +819,12 @@ async fn a_single_tenant_app_also_accepts_its_tenants_entra_id_tokens() {
     let (status, body) = world
         .post(&world.activity("s1", "entra"), Some(&entra_v1))
         .await;
-    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
     let (status, _) = world
         .post(&world.activity("s2", "channel"), Some(&world.valid_token()))
         .await;
-    assert_eq!(status, StatusCode::OK, "channel tokens still work");
+    assert_eq!(status, StatusCode::ACCEPTED, "channel tokens still work");
+    world.delivered_at_least(4).await;
     assert_eq!(world.runs.load(Ordering::SeqCst), 2);
 
     // An Entra ID key does not vouch for the channel's issuer, nor a channel key for Entra's.
@@ -835,7 +942,13 @@ async fn every_turn_carries_its_conversation_as_metadata_a_mesh_can_hash_on() {
             .await
             .unwrap()
             .status();
-        assert_eq!(status, StatusCode::OK);
+        // The streamed one runs after its 202; the shutdown below waits for it.
+        let expected = if id == "a3" {
+            StatusCode::ACCEPTED
+        } else {
+            StatusCode::OK
+        };
+        assert_eq!(status, expected);
     }
     let _ = stop.send(());
     served.await.unwrap().unwrap();
@@ -888,9 +1001,12 @@ fn stream_info(body: &Value) -> Option<&Value> {
 async fn teams_streams_a_drafted_answer_in_a_personal_chat_at_most_every_one_and_a_half_seconds() {
     let world = World::start(Mode::Development).await;
     let started = std::time::Instant::now();
-    assert_eq!(world.ask_in_teams("t1", "personal").await, StatusCode::OK);
+    assert_eq!(
+        world.ask_in_teams("t1", "personal").await,
+        StatusCode::ACCEPTED
+    );
+    let delivered = world.delivered_until_message().await;
     let took = started.elapsed();
-    let delivered: Vec<Value> = world.delivered().into_iter().map(|(_, _, b)| b).collect();
     let (drafts, last) = delivered.split_at(delivered.len() - 1);
     let answer = turnstile::bots::llm::answer("hello", 1);
 
@@ -932,34 +1048,42 @@ async fn teams_streams_a_drafted_answer_in_a_personal_chat_at_most_every_one_and
 
     // Teams redelivers: the bot does not run again, nothing is drafted, the reply is plain.
     world.channel.received.lock().unwrap().clear();
-    assert_eq!(world.ask_in_teams("t1", "personal").await, StatusCode::OK);
-    let delivered = world.delivered();
-    assert_eq!(texts(&delivered), vec![answer.clone()]);
-    assert!(
-        stream_info(&delivered[0].2).is_none(),
-        "{:?}",
-        delivered[0].2
+    assert_eq!(
+        world.ask_in_teams("t1", "personal").await,
+        StatusCode::ACCEPTED
     );
+    let delivered = world.delivered_until_message().await;
+    assert_eq!(
+        delivered
+            .iter()
+            .map(|d| d["text"].as_str().unwrap_or_default())
+            .collect::<Vec<_>>(),
+        vec![answer.as_str()]
+    );
+    assert!(stream_info(&delivered[0]).is_none(), "{:?}", delivered[0]);
 }
 
 #[tokio::test]
 async fn a_teams_group_chat_gets_the_final_only_and_a_403_stops_the_drafts() {
     let world = World::start(Mode::Development).await;
     let answer = turnstile::bots::llm::answer("hello", 1);
-    assert_eq!(world.ask_in_teams("g1", "groupChat").await, StatusCode::OK);
-    let delivered = world.delivered();
     assert_eq!(
-        texts(&delivered),
-        vec![answer.clone()],
-        "no typing, no draft"
+        world.ask_in_teams("g1", "groupChat").await,
+        StatusCode::ACCEPTED
     );
-    assert!(stream_info(&delivered[0].2).is_none());
+    let delivered = world.delivered_until_message().await;
+    assert_eq!(delivered.len(), 1, "no typing, no draft: {delivered:#?}");
+    assert_eq!(delivered[0]["text"], answer.as_str());
+    assert!(stream_info(&delivered[0]).is_none());
 
     // The user presses Stop after the first draft: Teams refuses the rest of the stream.
     world.channel.received.lock().unwrap().clear();
     *world.channel.stop_streams_after.lock().unwrap() = Some(1);
-    assert_eq!(world.ask_in_teams("p1", "personal").await, StatusCode::OK);
-    let delivered: Vec<Value> = world.delivered().into_iter().map(|(_, _, b)| b).collect();
+    assert_eq!(
+        world.ask_in_teams("p1", "personal").await,
+        StatusCode::ACCEPTED
+    );
+    let delivered = world.delivered_until_message().await;
     assert_eq!(
         delivered.len(),
         2,
@@ -978,11 +1102,140 @@ async fn a_teams_group_chat_gets_the_final_only_and_a_403_stops_the_drafts() {
     world.channel.received.lock().unwrap().clear();
     *world.channel.stop_streams_after.lock().unwrap() = None;
     world.channel.refuse_final.store(true, Ordering::SeqCst);
-    assert_eq!(world.ask_in_teams("p2", "personal").await, StatusCode::OK);
-    let delivered: Vec<Value> = world.delivered().into_iter().map(|(_, _, b)| b).collect();
+    assert_eq!(
+        world.ask_in_teams("p2", "personal").await,
+        StatusCode::ACCEPTED
+    );
+    let delivered = world.delivered_until_message().await;
     let (drafts, last) = delivered.split_at(delivered.len() - 1);
     assert!(drafts.iter().all(|d| d["type"] == "typing") && !drafts.is_empty());
     let second = turnstile::bots::llm::answer("hello", 2);
     assert_eq!(last[0]["text"], second.as_str());
     assert!(stream_info(&last[0]).is_none(), "{:?}", last[0]);
+}
+
+#[tokio::test]
+async fn the_channel_gets_202_before_a_bot_slower_than_its_budget_and_the_reply_comes_after() {
+    let world = World::start(Mode::MultiTenant).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gateway = listener.local_addr().unwrap();
+    let (_stop, _served) = world.gated_gateway(listener);
+
+    let (status, body) = world
+        .post_to(
+            gateway,
+            &world.activity("slow-1", "take your time"),
+            Some(&world.valid_token()),
+        )
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    assert!(body.is_empty(), "{body}");
+    eventually("the bot started", || {
+        world.gated_runs.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    assert!(world.delivered().is_empty(), "the bot is still at its gate");
+    // Longer than the 200 ms a waiting call may take; well within the bot's 5 s.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    world.gate.add_permits(1);
+    let delivered = world.delivered_at_least(1).await;
+    assert_eq!(texts(&delivered), ["gated: take your time"]);
+    let (path, auth, reply) = &delivered[0];
+    assert_eq!(
+        path,
+        "/v3/conversations/19%3Aconv%40thread.skype/activities/slow-1"
+    );
+    assert_eq!(auth.as_deref(), Some("Bearer bot-token-1"));
+    assert_eq!(reply["replyToId"], "slow-1");
+    assert_eq!(world.gated_runs.load(Ordering::SeqCst), 1);
+
+    // A caller that waits still has the 200 ms: expectReplies with the bot at its gate fails.
+    let mut waits = world.activity("slow-2", "inline");
+    waits["deliveryMode"] = json!("expectReplies");
+    let (status, _) = world
+        .post_to(gateway, &waits, Some(&world.valid_token()))
+        .await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    world.gate.add_permits(1);
+}
+
+#[tokio::test]
+async fn a_redelivery_while_or_after_the_turn_ran_delivers_its_replies_and_runs_the_bot_once() {
+    let world = World::start(Mode::MultiTenant).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gateway = listener.local_addr().unwrap();
+    let (_stop, _served) = world.gated_gateway(listener);
+    let activity = world.activity("twice-1", "once");
+
+    let (status, _) = world
+        .post_to(gateway, &activity, Some(&world.valid_token()))
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    eventually("the bot started", || {
+        world.gated_runs.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    // Redelivered while the bot runs: answered at once, and it waits for the first.
+    let (status, _) = world
+        .post_to(gateway, &activity, Some(&world.valid_token()))
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    // Permits enough for a second run, which the count would then show.
+    world.gate.add_permits(10);
+    let delivered = world.delivered_at_least(2).await;
+    assert_eq!(texts(&delivered), ["gated: once", "gated: once"]);
+    assert_eq!(
+        world.gated_runs.load(Ordering::SeqCst),
+        1,
+        "the bot ran once"
+    );
+
+    // Redelivered after: the receipt's replies again.
+    let (status, _) = world
+        .post_to(gateway, &activity, Some(&world.valid_token()))
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    let delivered = world.delivered_at_least(3).await;
+    assert_eq!(texts(&delivered[2..]), ["gated: once"]);
+    assert_eq!(
+        world.gated_runs.load(Ordering::SeqCst),
+        1,
+        "the bot ran once"
+    );
+}
+
+#[tokio::test]
+async fn a_graceful_shutdown_waits_for_a_turn_running_in_the_background() {
+    let world = World::start(Mode::MultiTenant).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gateway = listener.local_addr().unwrap();
+    let (stop, mut served) = world.gated_gateway(listener);
+
+    let (status, _) = world
+        .post_to(
+            gateway,
+            &world.activity("last-1", "before you go"),
+            Some(&world.valid_token()),
+        )
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    eventually("the bot started", || {
+        world.gated_runs.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    stop.send(()).unwrap();
+    // However long it is given, `serve` cannot return while the turn waits at its gate.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut served)
+            .await
+            .is_err(),
+        "serve returned with a turn in flight"
+    );
+    world.gate.add_permits(1);
+    served.await.unwrap().unwrap();
+    assert_eq!(
+        texts(&world.delivered()),
+        ["gated: before you go"],
+        "delivered before serve returned"
+    );
 }

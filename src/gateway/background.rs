@@ -1,0 +1,195 @@
+//! The turns the gateway runs after it answered the channel: an ordinary activity on
+//! `/api/messages` is answered `202 Accepted` at once, and its turn and the delivery of its
+//! replies go on here, as a Bot Framework bot does for a long operation. The channel's own
+//! timeout (15 s) then bounds nothing but that answer; the bot has the gateway's bot budget.
+//!
+//! [`Background`] owns two things. It counts the turns in flight, so that a graceful shutdown
+//! waits for them ([`Background::finish`]) instead of dropping replies already committed. And it
+//! holds each activity's key while its turn runs: a redelivery of the same activity (its `202`
+//! was lost, or the channel retried early) waits for the first to end and is then answered from
+//! the turn's receipt, so the bot runs once, never twice side by side.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{Mutex as KeyLock, Notify, OwnedMutexGuard};
+
+/// One activity: its channel, conversation and id.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ActivityKey {
+    channel_id: String,
+    conversation_id: String,
+    activity_id: String,
+}
+
+impl ActivityKey {
+    /// The key of an activity, when it has an id to be redelivered under.
+    pub fn new(channel_id: &str, conversation_id: &str, activity_id: Option<&str>) -> Option<Self> {
+        let activity_id = activity_id.filter(|id| !id.is_empty())?;
+        Some(Self {
+            channel_id: channel_id.to_owned(),
+            conversation_id: conversation_id.to_owned(),
+            activity_id: activity_id.to_owned(),
+        })
+    }
+}
+
+/// The background turns of one gateway.
+#[derive(Debug, Default)]
+pub struct Background {
+    in_flight: AtomicUsize,
+    idle: Notify,
+    // A std mutex: it is held for a map lookup only, never across an await (mini-redis `db.rs`).
+    held: Mutex<HashMap<ActivityKey, Arc<KeyLock<()>>>>,
+}
+
+/// One background turn counted in flight; dropping it (the turn ended, or its task was dropped)
+/// uncounts it.
+struct InFlight(Arc<Background>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.0.in_flight.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+/// An activity's key, held while its turn runs.
+struct Held {
+    background: Arc<Background>,
+    key: ActivityKey,
+    guard: Option<OwnedMutexGuard<()>>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut held = self
+            .background
+            .held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        drop(self.guard.take());
+        // Nobody waits for the key when the map's is the only reference left: forget it.
+        if held
+            .get(&self.key)
+            .is_some_and(|lock| Arc::strong_count(lock) == 1)
+        {
+            held.remove(&self.key);
+        }
+    }
+}
+
+impl Background {
+    /// No turn in flight.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// Runs `turn` on a task of its own, counted until it ends; with a `key`, only once no
+    /// earlier turn of the same activity is running.
+    pub fn spawn(
+        self: &Arc<Self>,
+        key: Option<ActivityKey>,
+        turn: impl Future<Output = ()> + Send + 'static,
+    ) {
+        // Counted before the task starts, so that `finish` right after cannot miss it.
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        let in_flight = InFlight(Arc::clone(self));
+        let background = Arc::clone(self);
+        tokio::spawn(async move {
+            let _in_flight = in_flight;
+            let _held = match key {
+                Some(key) => Some(background.hold(key).await),
+                None => None,
+            };
+            turn.await;
+        });
+    }
+
+    /// How many background turns are running or waiting for their activity's key.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Waits for the background turns to end, at most `grace`; answers whether they all did.
+    pub async fn finish(&self, grace: Duration) -> bool {
+        tokio::time::timeout(grace, self.idle()).await.is_ok()
+    }
+
+    async fn idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            tokio::pin!(notified);
+            // Registered before the check, so a turn ending in between still wakes us.
+            notified.as_mut().enable();
+            if self.in_flight() == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Waits until no other turn holds `key`, then holds it.
+    async fn hold(self: &Arc<Self>, key: ActivityKey) -> Held {
+        let lock = {
+            let mut held = self
+                .held
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            Arc::clone(held.entry(key.clone()).or_default())
+        };
+        let guard = lock.lock_owned().await;
+        Held {
+            background: Arc::clone(self),
+            key,
+            guard: Some(guard),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_second_turn_of_one_activity_waits_for_the_first_and_finish_waits_for_both() {
+        let background = Background::new();
+        let key = ActivityKey::new("test", "c1", Some("a1"));
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let first = Arc::clone(&order);
+        background.spawn(key.clone(), async move {
+            let _ = released.await;
+            first.lock().unwrap_or_else(|e| e.into_inner()).push(1);
+        });
+        let second = Arc::clone(&order);
+        background.spawn(key, async move {
+            second.lock().unwrap_or_else(|e| e.into_inner()).push(2);
+        });
+        let other = Arc::clone(&order);
+        background.spawn(ActivityKey::new("test", "c1", Some("a2")), async move {
+            other.lock().unwrap_or_else(|e| e.into_inner()).push(3);
+        });
+        assert_eq!(background.in_flight(), 3);
+        let _ = release.send(());
+        assert!(background.finish(Duration::from_secs(5)).await);
+        assert_eq!(background.in_flight(), 0);
+        let order = order.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let at = |n| order.iter().position(|&x| x == n);
+        assert!(
+            at(1) < at(2),
+            "the redelivery ran after the first: {order:?}"
+        );
+        assert!(
+            background
+                .held
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty()
+        );
+    }
+}
