@@ -7,7 +7,10 @@
 //! waits for them ([`Background::finish`]) instead of dropping replies already committed. And it
 //! holds each activity's key while its turn runs: a redelivery of the same activity (its `202`
 //! was lost, or the channel retried early) waits for the first to end and is then answered from
-//! the turn's receipt, so the bot runs once, never twice side by side.
+//! the turn's receipt. A replica already queues a conversation's turns, but a gateway in front of
+//! several replicas without affinity could send the redelivery to another one while the first
+//! runs, where the bot would run once more; and the redelivery's replies would interleave with
+//! the first's.
 
 use std::collections::HashMap;
 use std::future::Future;

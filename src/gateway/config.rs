@@ -112,6 +112,16 @@ pub struct GatewayArgs {
         default_value_t = 120_000
     )]
     pub bot_turn_timeout_ms: u64,
+    /// Seconds a graceful shutdown (SIGTERM) waits for the turns running in the background, whose
+    /// channels were answered `202` and will not resend them. With the turns of the calls that
+    /// wait (`--turn-timeout-ms`) before it, it fits in Kubernetes' default 30 s.
+    #[arg(
+        help_heading = "Limits",
+        long,
+        env = "TURNSTILE_GATEWAY_SHUTDOWN_GRACE_SECS",
+        default_value_t = 20
+    )]
+    pub shutdown_grace_secs: u64,
     /// The bot's channel credentials and Direct Line secrets.
     #[command(flatten)]
     pub channel: ChannelArgs,
@@ -311,7 +321,7 @@ impl GatewayConfig {
             turnstile_tls: ClientTls::default(),
             turn_timeout: Duration::from_secs(8),
             bot_turn_timeout: Duration::from_secs(120),
-            shutdown_grace: Duration::from_secs(30),
+            shutdown_grace: Duration::from_secs(20),
             credentials: None,
             delivery: DeliveryPolicy::default(),
             direct_line_secrets: Vec::new(),
@@ -391,7 +401,7 @@ impl GatewayArgs {
             },
             turn_timeout: Duration::from_millis(self.turn_timeout_ms),
             bot_turn_timeout: Duration::from_millis(self.bot_turn_timeout_ms),
-            shutdown_grace: Duration::from_secs(30),
+            shutdown_grace: Duration::from_secs(self.shutdown_grace_secs),
             credentials,
             delivery: DeliveryPolicy::default(),
             direct_line_secrets: self.channel.direct_line_secrets(),
@@ -517,6 +527,23 @@ mod tests {
             !format!("{multi:?}").contains("\"p\""),
             "the secret is redacted"
         );
+    }
+
+    #[test]
+    fn waiting_calls_have_the_channels_budget_and_background_turns_the_bots() {
+        let defaults = parse(&[]).expect("dev");
+        assert_eq!(defaults.turn_timeout, Duration::from_secs(8));
+        assert_eq!(defaults.bot_turn_timeout, Duration::from_secs(120));
+        assert_eq!(defaults.shutdown_grace, Duration::from_secs(20));
+        let set = parse(&[
+            "--bot-turn-timeout-ms",
+            "600000",
+            "--shutdown-grace-secs",
+            "5",
+        ])
+        .expect("dev");
+        assert_eq!(set.bot_turn_timeout, Duration::from_secs(600));
+        assert_eq!(set.shutdown_grace, Duration::from_secs(5));
     }
 
     #[test]

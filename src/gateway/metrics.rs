@@ -19,7 +19,8 @@ use super::health::{HEALTHZ, READYZ};
 
 /// HTTP requests answered, by `route` and `status` (the numeric HTTP status).
 pub const REQUESTS: &str = "turnstile_gateway_requests_total";
-/// Wall time of one HTTP request, by `route`, the turn and the deliveries included.
+/// Wall time of one HTTP request, by `route`: for `/api/messages`, the turn and the deliveries
+/// included only when the caller waits for them (`expectReplies`, invokes), else the `202`'s.
 pub const REQUEST_DURATION: &str = "turnstile_gateway_request_duration_seconds";
 /// `ProcessTurn` calls (a turn, its retries included) by `code`, the gRPC status's name (`OK`,
 /// `UNAVAILABLE`, …) of the last answer.
