@@ -1239,3 +1239,59 @@ async fn a_graceful_shutdown_waits_for_a_turn_running_in_the_background() {
         "delivered before serve returned"
     );
 }
+
+#[tokio::test]
+async fn on_sigterm_the_gateway_binary_delivers_the_turn_it_answered_202_for_before_it_exits() {
+    let world = World::start(Mode::Development).await;
+    let (grpc, http) = (free_port(), free_port());
+    let server = spawn_turnstile(
+        &["serve"],
+        &[
+            ("TURNSTILE_LISTEN", format!("127.0.0.1:{grpc}")),
+            ("TURNSTILE_GATEWAY_LISTEN", "off".to_owned()),
+            ("TURNSTILE_SLOW_BOT_DELAY_MS", "2000".to_owned()),
+        ],
+    );
+    let gateway = spawn_turnstile(
+        &["gateway"],
+        &[
+            ("TURNSTILE_GATEWAY_LISTEN", format!("127.0.0.1:{http}")),
+            ("TURNSTILE_URL", format!("http://127.0.0.1:{grpc}")),
+            ("TURNSTILE_BOT", "slow".to_owned()),
+        ],
+    );
+    let client = reqwest::Client::new();
+    let mut ready = false;
+    for _ in 0..200 {
+        if let Ok(response) = client
+            .get(format!("http://127.0.0.1:{http}/readyz"))
+            .send()
+            .await
+            && response.status().is_success()
+        {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(ready, "the gateway never saw Turnstile serving");
+    let response = client
+        .post(format!("http://127.0.0.1:{http}/api/messages"))
+        .json(&world.activity("term-1", "count"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 202);
+    // The bot takes 2 s: the turn is in flight when the signal comes, and its reply must still
+    // reach the channel, which will not resend an activity it has its 202 for.
+    // Off this runtime's thread, which serves the Connector stand-in meanwhile.
+    let (status, log) = tokio::task::spawn_blocking(move || terminate(gateway))
+        .await
+        .unwrap();
+    assert!(status.success(), "the gateway stopped cleanly: {log}");
+    let delivered = world.delivered();
+    assert_eq!(delivered.len(), 1, "delivered before the exit: {log}");
+    assert_eq!(delivered[0].2["replyToId"], "term-1");
+    let (status, _) = terminate(server);
+    assert!(status.success());
+}
