@@ -5,10 +5,11 @@
 //!
 //! A posted activity is addressed as Direct Line addresses it (channel `directline`, the
 //! conversation, a server-assigned id `{conversationId}|{seq}` and timestamp) and goes to
-//! `ProcessTurn` like any channel's, with the same deadline and retries as `/api/messages`. Only
-//! when the turn has committed are the user's activity and then the bot's replies appended to the
-//! transcript, in one step, and only then is the POST answered: a turn that fails leaves nothing
-//! a client could read, so no reply is ever shown for state that was not saved.
+//! `ProcessTurn` like any channel's, with the retries of `/api/messages` and the deadline of a call
+//! that waits there (`--turn-timeout-ms`). Only when the turn has committed are the user's
+//! activity and then the bot's replies appended to the transcript, in one step, and only then is
+//! the POST answered: a turn that fails leaves nothing a client could read, so no reply is ever
+//! shown for state that was not saved.
 //!
 //! A bot that drafts its reply while it runs (a streamed turn) is shown as Web Chat shows a
 //! livestream: while a client has the conversation's WebSocket open, a posted activity goes to
