@@ -93,6 +93,14 @@ struct Args {
     /// connections and concurrency, and print how many succeeded: the transport's own cost.
     #[arg(long)]
     health: bool,
+    /// Call `StreamTurn` instead of `ProcessTurn`, for a bot that drafts (`--bot llm`): records
+    /// per call the time from the request to its first `draft` and to its `outcome`, and counts
+    /// drafts, resets and outcomes. Call N goes to conversation N modulo --conversations (all
+    /// distinct while --turns ≤ --conversations; --hot-share still applies), without retries;
+    /// the counters are not verified. Fails if a stream ends with an error status, or without
+    /// exactly one outcome as its last event.
+    #[arg(long, conflicts_with_all = ["gateway", "health"])]
+    stream: bool,
 }
 
 fn parse_cpu_of(s: &str) -> Result<(String, u32), String> {
@@ -116,6 +124,33 @@ struct Tally {
     /// Per conversation: acknowledged turns, and turns never acknowledged.
     acked: HashMap<u64, u64>,
     unacked: HashMap<u64, u64>,
+    /// With --stream: what the streams showed.
+    stream: StreamTally,
+}
+
+/// With --stream, per measured call: the time to its first draft, and the events it carried.
+#[derive(Debug, Default)]
+struct StreamTally {
+    first_drafts: Vec<Duration>,
+    drafts: u64,
+    resets: u64,
+    outcomes: u64,
+    /// Streams that ended OK without a draft (a drafting bot's turn should have one).
+    without_draft: u64,
+    /// Streams that ended OK without exactly one outcome, or with an event after the outcome or
+    /// an empty event.
+    malformed: u64,
+}
+
+impl StreamTally {
+    fn merge(&mut self, other: StreamTally) {
+        self.first_drafts.extend(other.first_drafts);
+        self.drafts += other.drafts;
+        self.resets += other.resets;
+        self.outcomes += other.outcomes;
+        self.without_draft += other.without_draft;
+        self.malformed += other.malformed;
+    }
 }
 
 impl Tally {
@@ -135,6 +170,7 @@ impl Tally {
         for (k, v) in other.unacked {
             *self.unacked.entry(k).or_default() += v;
         }
+        self.stream.merge(other.stream);
     }
 }
 
@@ -225,7 +261,8 @@ async fn main() -> anyhow::Result<()> {
     let measured_calls = tally.statuses.values().sum();
     let cpu = cpu::Usage::now(&args.cpu_of).per_call_since(&cpu_start, measured_calls);
 
-    let verification = if args.no_verify {
+    // The streamed bot (`llm`) does not count: there is nothing to verify.
+    let verification = if args.no_verify || args.stream {
         None
     } else {
         Some(verify(&args, &channels, &run, &tally).await?)
@@ -366,6 +403,9 @@ struct Worker {
 
 impl Worker {
     async fn run(self, mut client: TurnServiceClient<Channel>) -> Tally {
+        if self.args.stream {
+            return self.run_streams(client).await;
+        }
         let mut tally = Tally::default();
         let timeout = Duration::from_secs_f64(self.args.call_timeout);
         loop {
@@ -443,6 +483,60 @@ impl Worker {
         tally
     }
 
+    /// --stream: one `StreamTurn` call at a time until the budget or the time is spent, each to
+    /// its own conversation, no retries.
+    async fn run_streams(self, mut client: TurnServiceClient<Channel>) -> Tally {
+        let mut tally = Tally::default();
+        let timeout = Duration::from_secs_f64(self.args.call_timeout);
+        loop {
+            if self.stop.load(Ordering::Relaxed)
+                || self
+                    .budget
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |b| b.checked_sub(1))
+                    .is_err()
+            {
+                break;
+            }
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let conversation = if self.args.hot_share > 0.0 {
+                self.pick_conversation()
+            } else {
+                id % self.args.conversations
+            };
+            let request = pb::StreamTurnRequest::from(self.request(conversation, id));
+            let measuring = self.measuring.load(Ordering::Relaxed);
+            let call = stream_turn(&mut client, request, timeout).await;
+            let ok = call.status == "OK";
+            if measuring {
+                let s = &mut tally.stream;
+                s.drafts += call.drafts;
+                s.resets += call.resets;
+                s.outcomes += call.outcomes;
+                if ok {
+                    match call.first_draft {
+                        Some(first) => s.first_drafts.push(first),
+                        None => s.without_draft += 1,
+                    }
+                    if call.malformed || call.outcomes != 1 {
+                        s.malformed += 1;
+                    }
+                    if let Some((turn, attempts)) = call.outcome {
+                        tally.latencies.push(turn);
+                        *tally.attempts.entry(attempts).or_default() += 1;
+                    }
+                }
+                *tally.statuses.entry(call.status).or_default() += 1;
+            }
+            let counts = if ok {
+                &mut tally.acked
+            } else {
+                &mut tally.unacked
+            };
+            *counts.entry(conversation).or_default() += 1;
+        }
+        tally
+    }
+
     /// Conversation 0 is the hot one; the rest are drawn uniformly.
     fn pick_conversation(&self) -> u64 {
         let mut rng = rand::rng();
@@ -462,6 +556,89 @@ impl Worker {
             activity.value = Some(json_to_proto_value(json!({ "pad": self.args.state_bytes })));
         }
         pb::ProcessTurnRequest::typed(activity, self.args.bot.clone())
+    }
+}
+
+/// What one `StreamTurn` call showed.
+#[derive(Debug, Default)]
+struct StreamCall {
+    /// How the stream ended: `OK`, or the error status's code.
+    status: String,
+    /// From sending the request to the first draft.
+    first_draft: Option<Duration>,
+    /// From sending the request to the (first) outcome, and its attempts.
+    outcome: Option<(Duration, u32)>,
+    drafts: u64,
+    resets: u64,
+    outcomes: u64,
+    /// An event after the outcome, or an event with nothing in it.
+    malformed: bool,
+}
+
+/// Calls `StreamTurn` and reads the stream to its end, timing its first draft and its outcome.
+/// `timeout` bounds the whole stream here: tonic's `grpc-timeout` covers only the response's
+/// headers on the client, and a server need not end a stream at the deadline it was sent.
+async fn stream_turn(
+    client: &mut TurnServiceClient<Channel>,
+    request: pb::StreamTurnRequest,
+    timeout: Duration,
+) -> StreamCall {
+    let mut seen = StreamCall::default();
+    let mut call = tonic::Request::new(request);
+    call.set_timeout(timeout);
+    let sent = Instant::now();
+    if tokio::time::timeout(timeout, read_stream(client, call, sent, &mut seen))
+        .await
+        .is_err()
+    {
+        seen.status = format!("{:?} (the bench's own)", tonic::Code::DeadlineExceeded);
+    }
+    seen
+}
+
+async fn read_stream(
+    client: &mut TurnServiceClient<Channel>,
+    call: tonic::Request<pb::StreamTurnRequest>,
+    sent: Instant,
+    seen: &mut StreamCall,
+) {
+    use pb::stream_turn_response::Event;
+    let mut stream = match client.stream_turn(call).await {
+        Ok(response) => response.into_inner(),
+        Err(status) => {
+            seen.status = format!("{:?}", status.code());
+            return;
+        }
+    };
+    loop {
+        match stream.message().await {
+            Ok(Some(event)) => {
+                if seen.outcomes > 0 {
+                    seen.malformed = true;
+                }
+                match event.event {
+                    Some(Event::Draft(_)) => {
+                        seen.drafts += 1;
+                        seen.first_draft.get_or_insert_with(|| sent.elapsed());
+                    }
+                    Some(Event::Reset(_)) => seen.resets += 1,
+                    Some(Event::Outcome(outcome)) => {
+                        seen.outcomes += 1;
+                        seen.outcome
+                            .get_or_insert_with(|| (sent.elapsed(), outcome.attempts));
+                    }
+                    None => seen.malformed = true,
+                }
+            }
+            Ok(None) => {
+                seen.status = "OK".into();
+                return;
+            }
+            Err(status) => {
+                seen.status = format!("{:?}", status.code());
+                return;
+            }
+        }
     }
 }
 
@@ -611,6 +788,17 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
     sorted[rank.clamp(1, sorted.len()) - 1].as_secs_f64() * 1000.0
 }
 
+/// p50, p90, p99, p99.9 and max of `sorted`, in milliseconds.
+fn percentiles(sorted: &[Duration]) -> serde_json::Value {
+    json!({
+        "p50": percentile(sorted, 50.0),
+        "p90": percentile(sorted, 90.0),
+        "p99": percentile(sorted, 99.0),
+        "p99.9": percentile(sorted, 99.9),
+        "max": sorted.last().map_or(0.0, |d| d.as_secs_f64() * 1000.0),
+    })
+}
+
 fn report(
     args: &Args,
     tally: &Tally,
@@ -625,12 +813,21 @@ fn report(
     sorted.sort_unstable();
     let ok = sorted.len() as f64;
     let throughput = ok / elapsed.as_secs_f64().max(f64::EPSILON);
-    let latency = json!({
-        "p50": percentile(&sorted, 50.0),
-        "p90": percentile(&sorted, 90.0),
-        "p99": percentile(&sorted, 99.0),
-        "p99.9": percentile(&sorted, 99.9),
-        "max": sorted.last().map_or(0.0, |d| d.as_secs_f64() * 1000.0),
+    let latency = percentiles(&sorted);
+    let stream = args.stream.then(|| {
+        let s = &tally.stream;
+        let mut first = s.first_drafts.clone();
+        first.sort_unstable();
+        let streams: u64 = tally.statuses.values().sum();
+        json!({
+            "first_draft_ms": percentiles(&first),
+            "drafts": s.drafts,
+            "drafts_per_turn": s.drafts as f64 / streams.max(1) as f64,
+            "resets": s.resets,
+            "outcomes": s.outcomes,
+            "without_draft": s.without_draft,
+            "malformed": s.malformed,
+        })
     });
     if args.json {
         let out = json!({
@@ -649,6 +846,10 @@ fn report(
             "cpu_us_per_turn": cpu,
             "verification": verification,
         });
+        let mut out = out;
+        if let Some(stream) = &stream {
+            out["stream"] = stream.clone();
+        }
         writeln!(stdout, "{out}")?;
     } else {
         writeln!(
@@ -658,22 +859,43 @@ fn report(
             elapsed.as_secs_f64(),
             total_elapsed.as_secs_f64()
         )?;
-        writeln!(
-            stdout,
-            "latency ms: p50 {:.2}  p90 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
-            latency["p50"].as_f64().unwrap_or(0.0),
-            latency["p90"].as_f64().unwrap_or(0.0),
-            latency["p99"].as_f64().unwrap_or(0.0),
-            latency["p99.9"].as_f64().unwrap_or(0.0),
-            latency["max"].as_f64().unwrap_or(0.0),
-        )?;
+        let line = |name: &str, l: &serde_json::Value| {
+            format!(
+                "{name} ms: p50 {:.2}  p90 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
+                l["p50"].as_f64().unwrap_or(0.0),
+                l["p90"].as_f64().unwrap_or(0.0),
+                l["p99"].as_f64().unwrap_or(0.0),
+                l["p99.9"].as_f64().unwrap_or(0.0),
+                l["max"].as_f64().unwrap_or(0.0),
+            )
+        };
+        match &stream {
+            None => writeln!(stdout, "{}", line("latency", &latency))?,
+            Some(s) => {
+                writeln!(stdout, "{}", line("first draft", &s["first_draft_ms"]))?;
+                writeln!(stdout, "{}", line("whole turn", &latency))?;
+                writeln!(
+                    stdout,
+                    "streams: {} outcomes, {} drafts ({:.1} per turn), {} resets, {} without a \
+                     draft, {} malformed",
+                    s["outcomes"],
+                    s["drafts"],
+                    s["drafts_per_turn"].as_f64().unwrap_or(0.0),
+                    s["resets"],
+                    s["without_draft"],
+                    s["malformed"],
+                )?;
+            }
+        }
         writeln!(stdout, "statuses: {:?}", tally.statuses)?;
         writeln!(stdout, "attempts: {:?}", tally.attempts)?;
-        writeln!(
-            stdout,
-            "gateway retries: {}, redelivered answers: {}",
-            tally.retries, tally.redelivered
-        )?;
+        if !args.stream {
+            writeln!(
+                stdout,
+                "gateway retries: {}, redelivered answers: {}",
+                tally.retries, tally.redelivered
+            )?;
+        }
         if !cpu.is_empty() {
             let per: Vec<String> = cpu.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();
             writeln!(stdout, "CPU µs per turn: {}", per.join(", "))?;
@@ -684,6 +906,22 @@ fn report(
                 "verified {} conversations: {} acknowledged, {} unacknowledged, {} lost, {} doubled",
                 v.conversations, v.acknowledged, v.unacknowledged, v.lost, v.doubled
             )?;
+        }
+    }
+    if args.stream {
+        let s = &tally.stream;
+        let failed: u64 = tally
+            .statuses
+            .iter()
+            .filter(|(status, _)| status.as_str() != "OK")
+            .map(|(_, n)| n)
+            .sum();
+        if failed > 0 || s.malformed > 0 {
+            bail!(
+                "STREAM CHECK FAILED: {failed} streams ended with an error status, {} ended OK \
+                 without exactly one outcome as their last event",
+                s.malformed
+            );
         }
     }
     if let Some(v) = verification {
