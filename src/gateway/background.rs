@@ -4,7 +4,10 @@
 //! timeout (15 s) then bounds nothing but that answer; the bot has the gateway's bot budget.
 //!
 //! [`Background`] owns two things. It counts the turns in flight, so that a graceful shutdown
-//! waits for them ([`Background::finish`]) instead of dropping replies already committed. And it
+//! waits for them ([`Background::finish`]) instead of dropping replies already committed, and so
+//! that they are bounded: a channel's call no longer holds a connection for its turn, and past
+//! the bound a new activity is refused ([`Full`], a `503` the channel retries) rather than
+//! queued, as many turns retrying an overloaded Turnstile for minutes would be. And it
 //! holds each activity's key while its turn runs: a redelivery of the same activity (its `202`
 //! was lost, or the channel retried early) waits for the first to end and is then answered from
 //! the turn's receipt. A replica already queues a conversation's turns, but a gateway in front of
@@ -41,12 +44,21 @@ impl ActivityKey {
 }
 
 /// The background turns of one gateway.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Background {
+    max: usize,
     in_flight: AtomicUsize,
     idle: Notify,
     // A std mutex: it is held for a map lookup only, never across an await (mini-redis `db.rs`).
     held: Mutex<HashMap<ActivityKey, Arc<KeyLock<()>>>>,
+}
+
+/// Why a turn was not started: `limit` turns are already running in the background.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{limit} turns are already running in the background here")]
+pub struct Full {
+    /// The bound.
+    pub limit: usize,
 }
 
 /// One background turn counted in flight; dropping it (the turn ended, or its task was dropped)
@@ -87,21 +99,33 @@ impl Drop for Held {
 }
 
 impl Background {
-    /// No turn in flight.
-    pub fn new() -> Arc<Self> {
-        Arc::new(Self::default())
+    /// No turn in flight; at most `max` at a time.
+    pub fn new(max: usize) -> Arc<Self> {
+        Arc::new(Self {
+            max,
+            in_flight: AtomicUsize::new(0),
+            idle: Notify::new(),
+            held: Mutex::default(),
+        })
     }
 
     /// Runs `turn` on a task of its own, counted until it ends; with a `key`, only once no
     /// earlier turn of the same activity is running.
+    ///
+    /// # Errors
+    /// [`Full`], and `turn` is dropped, when `max` turns are in flight.
     pub fn spawn(
         self: &Arc<Self>,
         key: Option<ActivityKey>,
         turn: impl Future<Output = ()> + Send + 'static,
-    ) {
-        // Counted before the task starts, so that `finish` right after cannot miss it.
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
+    ) -> Result<(), Full> {
+        // Counted before the task starts, so that `finish` right after cannot miss it; and
+        // counted, then checked, so that of spawns racing for the last place one wins.
+        let before = self.in_flight.fetch_add(1, Ordering::SeqCst);
         let in_flight = InFlight(Arc::clone(self));
+        if before >= self.max {
+            return Err(Full { limit: self.max });
+        }
         let background = Arc::clone(self);
         tokio::spawn(async move {
             let _in_flight = in_flight;
@@ -111,6 +135,7 @@ impl Background {
             };
             turn.await;
         });
+        Ok(())
     }
 
     /// How many background turns are running or waiting for their activity's key.
@@ -160,24 +185,33 @@ mod tests {
 
     #[tokio::test]
     async fn a_second_turn_of_one_activity_waits_for_the_first_and_finish_waits_for_both() {
-        let background = Background::new();
+        let background = Background::new(3);
         let key = ActivityKey::new("test", "c1", Some("a1"));
         let (release, released) = tokio::sync::oneshot::channel::<()>();
         let order = Arc::new(Mutex::new(Vec::new()));
         let first = Arc::clone(&order);
-        background.spawn(key.clone(), async move {
+        let spawned = background.spawn(key.clone(), async move {
             let _ = released.await;
             first.lock().unwrap_or_else(|e| e.into_inner()).push(1);
         });
+        assert_eq!(spawned, Ok(()));
         let second = Arc::clone(&order);
-        background.spawn(key, async move {
+        let spawned = background.spawn(key, async move {
             second.lock().unwrap_or_else(|e| e.into_inner()).push(2);
         });
+        assert_eq!(spawned, Ok(()));
         let other = Arc::clone(&order);
-        background.spawn(ActivityKey::new("test", "c1", Some("a2")), async move {
+        let spawned = background.spawn(ActivityKey::new("test", "c1", Some("a2")), async move {
             other.lock().unwrap_or_else(|e| e.into_inner()).push(3);
         });
+        assert_eq!(spawned, Ok(()));
         assert_eq!(background.in_flight(), 3);
+        assert_eq!(
+            background.spawn(None, async {}),
+            Err(Full { limit: 3 }),
+            "past the bound"
+        );
+        assert_eq!(background.in_flight(), 3, "the refused one is not counted");
         let _ = release.send(());
         assert!(background.finish(Duration::from_secs(5)).await);
         assert_eq!(background.in_flight(), 0);

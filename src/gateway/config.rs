@@ -122,6 +122,16 @@ pub struct GatewayArgs {
         default_value_t = 20
     )]
     pub shutdown_grace_secs: u64,
+    /// Most turns running in the background at once; past it an activity is answered `503`, which
+    /// the channel retries, instead of queueing turns that would retry an overloaded Turnstile.
+    #[arg(
+        help_heading = "Limits",
+        long,
+        env = "TURNSTILE_GATEWAY_MAX_BACKGROUND_TURNS",
+        default_value_t = 1000,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub max_background_turns: u64,
     /// The bot's channel credentials and Direct Line secrets.
     #[command(flatten)]
     pub channel: ChannelArgs,
@@ -302,6 +312,8 @@ pub struct GatewayConfig {
     pub bot_turn_timeout: Duration,
     /// How long a graceful shutdown waits for the turns running in the background.
     pub shutdown_grace: Duration,
+    /// Most turns running in the background at once.
+    pub max_background_turns: usize,
     /// The bot's credentials; `None` runs unauthenticated (local development).
     pub credentials: Option<AppCredentials>,
     /// How replies are delivered.
@@ -322,6 +334,7 @@ impl GatewayConfig {
             turn_timeout: Duration::from_secs(8),
             bot_turn_timeout: Duration::from_secs(120),
             shutdown_grace: Duration::from_secs(20),
+            max_background_turns: 1000,
             credentials: None,
             delivery: DeliveryPolicy::default(),
             direct_line_secrets: Vec::new(),
@@ -402,6 +415,7 @@ impl GatewayArgs {
             turn_timeout: Duration::from_millis(self.turn_timeout_ms),
             bot_turn_timeout: Duration::from_millis(self.bot_turn_timeout_ms),
             shutdown_grace: Duration::from_secs(self.shutdown_grace_secs),
+            max_background_turns: usize::try_from(self.max_background_turns).unwrap_or(usize::MAX),
             credentials,
             delivery: DeliveryPolicy::default(),
             direct_line_secrets: self.channel.direct_line_secrets(),
@@ -535,6 +549,7 @@ mod tests {
         assert_eq!(defaults.turn_timeout, Duration::from_secs(8));
         assert_eq!(defaults.bot_turn_timeout, Duration::from_secs(120));
         assert_eq!(defaults.shutdown_grace, Duration::from_secs(20));
+        assert_eq!(defaults.max_background_turns, 1000);
         let set = parse(&[
             "--bot-turn-timeout-ms",
             "600000",

@@ -174,7 +174,7 @@ pub async fn serve(
             &config.bot,
         ))
     });
-    let background = background::Background::new();
+    let background = background::Background::new(config.max_background_turns);
     let gateway = Arc::new(Gateway {
         bot_turns: turns.with_timeout(config.bot_turn_timeout),
         turns,
@@ -261,6 +261,8 @@ enum Refusal {
     BadReply(String),
     #[error(transparent)]
     Delivery(#[from] DeliveryError),
+    #[error(transparent)]
+    Busy(#[from] background::Full),
 }
 
 impl IntoResponse for Refusal {
@@ -279,6 +281,7 @@ impl IntoResponse for Refusal {
             Refusal::Turn(_) => StatusCode::SERVICE_UNAVAILABLE,
             Refusal::BadReply(_) => StatusCode::INTERNAL_SERVER_ERROR,
             Refusal::Delivery(_) => StatusCode::BAD_GATEWAY,
+            Refusal::Busy(_) => StatusCode::SERVICE_UNAVAILABLE,
         };
         if status.is_server_error() {
             tracing::warn!(error = %self, %status, "call failed");
@@ -380,7 +383,7 @@ impl Gateway {
         self.background.spawn(
             key,
             async move { gateway.run_in_background(call).await }.instrument(span),
-        );
+        )?;
         Ok(StatusCode::ACCEPTED.into_response())
     }
 

@@ -462,10 +462,11 @@ impl World {
     }
 
     /// A gateway in front of the `gated` bot whose waiting calls have 200 ms and whose
-    /// background turns 5 s, with its shutdown and its task.
+    /// background turns 5 s (then `configure`d), with its shutdown and its task.
     fn gated_gateway(
         &self,
         listener: tokio::net::TcpListener,
+        configure: impl FnOnce(&mut GatewayConfig),
     ) -> (
         oneshot::Sender<()>,
         tokio::task::JoinHandle<Result<(), turnstile::gateway::GatewayError>>,
@@ -474,6 +475,7 @@ impl World {
         config.bot = "gated".into();
         config.turn_timeout = Duration::from_millis(200);
         config.bot_turn_timeout = Duration::from_secs(5);
+        configure(&mut config);
         let (stop, stopped) = oneshot::channel::<()>();
         let served = tokio::spawn(turnstile::gateway::serve(config, listener, async {
             let _ = stopped.await;
@@ -1119,7 +1121,7 @@ async fn the_channel_gets_202_before_a_bot_slower_than_its_budget_and_the_reply_
     let world = World::start(Mode::MultiTenant).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let gateway = listener.local_addr().unwrap();
-    let (_stop, _served) = world.gated_gateway(listener);
+    let (_stop, _served) = world.gated_gateway(listener, |_| {});
 
     let (status, body) = world
         .post_to(
@@ -1164,7 +1166,7 @@ async fn a_redelivery_while_or_after_the_turn_ran_delivers_its_replies_and_runs_
     let world = World::start(Mode::MultiTenant).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let gateway = listener.local_addr().unwrap();
-    let (_stop, _served) = world.gated_gateway(listener);
+    let (_stop, _served) = world.gated_gateway(listener, |_| {});
     let activity = world.activity("twice-1", "once");
 
     let (status, _) = world
@@ -1209,7 +1211,7 @@ async fn a_graceful_shutdown_waits_for_a_turn_running_in_the_background() {
     let world = World::start(Mode::MultiTenant).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let gateway = listener.local_addr().unwrap();
-    let (stop, mut served) = world.gated_gateway(listener);
+    let (stop, mut served) = world.gated_gateway(listener, |_| {});
 
     let (status, _) = world
         .post_to(
@@ -1294,4 +1296,50 @@ async fn on_sigterm_the_gateway_binary_delivers_the_turn_it_answered_202_for_bef
     assert_eq!(delivered[0].2["replyToId"], "term-1");
     let (status, _) = terminate(server);
     assert!(status.success());
+}
+
+#[tokio::test]
+async fn past_its_bound_of_background_turns_the_gateway_answers_503_and_runs_nothing() {
+    let world = World::start(Mode::MultiTenant).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gateway = listener.local_addr().unwrap();
+    let (_stop, _served) = world.gated_gateway(listener, |config| {
+        config.max_background_turns = 1;
+    });
+    let token = world.valid_token();
+
+    let (status, _) = world
+        .post_to(gateway, &world.activity("full-1", "first"), Some(&token))
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    eventually("the bot started", || {
+        world.gated_runs.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let second = world.activity("full-2", "second");
+    let (status, body) = world.post_to(gateway, &second, Some(&token)).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+
+    world.gate.add_permits(1);
+    world.delivered_at_least(1).await;
+    // The channel retries; once the first turn's task has ended, the activity is taken.
+    let mut accepted = false;
+    for _ in 0..250 {
+        let (status, _) = world.post_to(gateway, &second, Some(&token)).await;
+        if status == StatusCode::ACCEPTED {
+            accepted = true;
+            break;
+        }
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(accepted, "the place never came free");
+    world.gate.add_permits(1);
+    let delivered = world.delivered_at_least(2).await;
+    assert_eq!(texts(&delivered), ["gated: first", "gated: second"]);
+    assert_eq!(
+        world.gated_runs.load(Ordering::SeqCst),
+        2,
+        "a refused activity ran nothing"
+    );
 }
