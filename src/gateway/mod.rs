@@ -430,6 +430,8 @@ impl Gateway {
         metrics::background_turn(outcome);
     }
 
+    /// Runs `call`'s turn within the bot's budget and delivers its replies, in order; in a Teams
+    /// one-on-one chat its drafts are streamed meanwhile and the last text reply ends the stream.
     async fn deliver_turn(&self, call: &Call) -> Result<(), Refusal> {
         let (response, stream) = if teams::streams(&call.inbound) {
             let to = ReplyAddress {
