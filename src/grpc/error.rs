@@ -317,6 +317,20 @@ fn schema_behind(behind: Option<&SchemaBehind>) -> Status {
     )
 }
 
+/// The status that ends a `StreamTurn` call whose deadline passed before its turn ended. The
+/// turn is not abandoned: it goes on, and commits or not as any turn, and a redelivery of the
+/// activity gets its receipt's answer.
+pub fn stream_deadline_passed() -> Status {
+    with_details(
+        Code::DeadlineExceeded,
+        "the call's deadline passed before the turn ended; it goes on, and a redelivery of the \
+         activity gets its answer once it committed",
+        Reason::DeadlineExceeded,
+        None,
+        HashMap::new(),
+    )
+}
+
 /// The status for a turn whose task ended without an answer: it panicked outside the bot (the
 /// engine turns a bot's panic into [`TurnError::Bot`]) or was cancelled.
 pub fn turn_task_failed(e: &tokio::task::JoinError) -> Status {

@@ -84,12 +84,16 @@ impl pb::turn_service_server::TurnService for TurnApi {
         let span = tracing::debug_span!("stream_turn");
         let request = request.map(pb::ProcessTurnRequest::from);
         let json_replies = request.get_ref().json_replies;
+        // A client's deadline bounds a stream only until its headers, on both sides: the call
+        // is ended here when it passes, as a unary call's would be.
+        let until = deadline(&request);
         let (drafts, events) = Drafts::channel(DRAFT_BUFFER, self.limits.max_text_bytes);
         let turn = span.in_scope(|| self.start(request, Some(drafts)))?;
         Ok(Response::new(Box::pin(stream_events(
             turn,
             events,
             json_replies,
+            until,
         ))))
     }
 }
@@ -108,11 +112,13 @@ fn response(outcome: TurnOutcome, json_replies: bool) -> pb::ProcessTurnResponse
 
 /// A streamed turn's events: each draft and reset as the bot's attempts offer them, then — once
 /// the turn has ended, which closes its draft channel, so that nothing can follow — the outcome,
-/// or the status a unary call would have got.
+/// or the status a unary call would have got; or, when `until` passes first, `DEADLINE_EXCEEDED`
+/// while the turn goes on (its receipt answers a redelivery).
 fn stream_events(
     turn: JoinHandle<Result<TurnOutcome, TurnError>>,
     events: mpsc::Receiver<DraftEvent>,
     json_replies: bool,
+    until: Option<Instant>,
 ) -> impl Stream<Item = Result<pb::StreamTurnResponse, Status>> + Send + 'static {
     use pb::stream_turn_response::Event;
     struct Streaming {
@@ -127,7 +133,14 @@ fn stream_events(
     };
     futures::stream::unfold(Some(streaming), move |streaming| async move {
         let mut streaming = streaming?;
-        let event = match streaming.events.recv().await {
+        let next = match until {
+            Some(until) => tokio::time::timeout_at(until, streaming.events.recv()).await,
+            None => Ok(streaming.events.recv().await),
+        };
+        let Ok(next) = next else {
+            return Some((Err(super::error::stream_deadline_passed()), None));
+        };
+        let event = match next {
             Some(DraftEvent::Draft {
                 attempt,
                 kind,
@@ -151,6 +164,7 @@ fn stream_events(
                 attempt,
             }),
             None => {
+                // The draft channel closed with the turn: its outcome is ready, or all but.
                 let outcome = match (&mut streaming.turn).await {
                     Ok(Ok(outcome)) => Ok(pb::StreamTurnResponse {
                         event: Some(Event::Outcome(response(outcome, json_replies))),

@@ -263,3 +263,45 @@ async fn a_bot_that_drafts_then_fails_or_drafts_too_much_ends_the_stream_with_a_
     assert_eq!(texts(committed), ["count: 1"]);
     assert_eq!(committed.version, 1);
 }
+
+/// A stream's deadline ends the call, as a unary call's would (a client library bounds a stream
+/// only until its headers); the turn goes on and commits, and a redelivery gets its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streams_deadline_ends_the_call_and_the_turn_still_commits_once() {
+    let url = support::pg::fresh_database().await;
+    // About 35 words at 20 ms: some 700 ms, well past the call's 200 ms.
+    let bots = BotRegistry::new("llm", LlmBot::new(Duration::from_millis(20)));
+    let server = TestServer::start(postgres_config(&url), bots).await;
+    let activity = message("deadline", "ada", "hello");
+    let mut client = server.client().await;
+    let mut request = tonic::Request::new(pb::StreamTurnRequest::typed(activity.clone(), ""));
+    request.set_timeout(Duration::from_millis(200));
+    let mut events = client.stream_turn(request).await.unwrap().into_inner();
+    let mut shown = Vec::new();
+    let status = loop {
+        match events.message().await {
+            Ok(Some(response)) => shown.push(response.event.unwrap()),
+            Ok(None) => panic!("the stream ended without a status: {shown:?}"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert_eq!(
+        status.get_details_error_info().unwrap().reason,
+        "DEADLINE_EXCEEDED"
+    );
+    assert!(!drafts(&shown).is_empty(), "drafts before the deadline");
+    assert!(!shown.iter().any(|e| matches!(e, Event::Outcome(_))));
+
+    // The same activity again: it queues behind the running turn, then its receipt answers.
+    let (again, ended) = stream(&server, activity, "").await;
+    ended.unwrap();
+    assert_eq!(again.len(), 1, "the outcome alone: {again:?}");
+    let committed = outcome(&again);
+    assert!(committed.redelivered);
+    assert_eq!(committed.version, 1, "committed once");
+    assert!(
+        texts(committed)[0].contains("answer number 1"),
+        "{committed:?}"
+    );
+}
