@@ -35,25 +35,18 @@ command -v valgrind >/dev/null || { echo "valgrind not found (apt-get install va
 [ -n "${NO_BUILD:-}" ] || cargo build --release --bins -q
 BIN=$PWD/target/release
 
-# --- a throwaway PostgreSQL cluster (as bench/run.sh starts one) ---------------------------------
-PGBIN=$(dirname "$(command -v initdb 2>/dev/null || ls /usr/lib/postgresql/*/bin/initdb | sort -V | tail -n 1)")
-[ -x "$PGBIN/pg_ctl" ] || { echo "PostgreSQL server binaries not found (apt-get install postgresql)" >&2; exit 1; }
-WORK=$(mktemp -d /tmp/turnstile-instructions.XXXXXX)
-chmod 755 "$WORK"
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-PORT=$(free_port)
-AS=()
-if [ "$(id -u)" = 0 ]; then mkdir "$WORK/pg"; chown postgres: "$WORK/pg"; AS=(runuser -u postgres --); else mkdir "$WORK/pg"; fi
+# --- a throwaway PostgreSQL cluster (bench/pg.sh) ------------------------------------------------
+. bench/pg.sh
 SERVER=
+WORK=
 cleanup() {
     [ -n "$SERVER" ] && kill "$SERVER" 2>/dev/null && wait "$SERVER" 2>/dev/null || true
-    "${AS[@]}" "$PGBIN/pg_ctl" -D "$WORK/pg/data" -m immediate stop >/dev/null 2>&1 || true
+    stop_pg
+    [ -n "$WORK" ] || return 0
     if [ -n "${KEEP:-}" ]; then echo "kept $WORK (callgrind files: $WORK/callgrind.out.*)"; else rm -rf "$WORK"; fi
 }
 trap cleanup EXIT
-"${AS[@]}" "$PGBIN/initdb" -D "$WORK/pg/data" -U postgres -A trust -E UTF8 --no-locale >/dev/null
-"${AS[@]}" "$PGBIN/pg_ctl" -D "$WORK/pg/data" -l "$WORK/pg/log" -w \
-    -o "-p $PORT -k $WORK/pg -c listen_addresses=127.0.0.1" start >/dev/null
+start_pg instructions
 
 # --- the server under callgrind ------------------------------------------------------------------
 LISTEN=$(free_port)
