@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use support::bots::Gated;
+use support::streams::{collect, drafts, outcome, stream};
 use support::{TestServer, message, postgres_config, texts};
 use tokio::sync::Semaphore;
 use tonic::Code;
@@ -19,45 +20,6 @@ use turnstile::bot::{Bot, BotError, BotRegistry, TurnContext};
 use turnstile::bots::LlmBot;
 use turnstile::grpc::pb;
 use turnstile::grpc::pb::stream_turn_response::Event;
-
-/// Every event of a `StreamTurn` call, and how it ended.
-async fn stream(
-    server: &TestServer,
-    activity: pb::Activity,
-    bot: &str,
-) -> (Vec<Event>, Result<(), tonic::Status>) {
-    let mut client = server.client().await;
-    let request = pb::StreamTurnRequest::typed(activity, bot);
-    let mut events = Vec::new();
-    let mut stream = match client.stream_turn(request).await {
-        Ok(response) => response.into_inner(),
-        Err(status) => return (events, Err(status)),
-    };
-    loop {
-        match stream.message().await {
-            Ok(Some(response)) => events.push(response.event.expect("an event")),
-            Ok(None) => return (events, Ok(())),
-            Err(status) => return (events, Err(status)),
-        }
-    }
-}
-
-fn drafts(events: &[Event]) -> Vec<&pb::Draft> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Draft(d) => Some(d),
-            _ => None,
-        })
-        .collect()
-}
-
-fn outcome(events: &[Event]) -> &pb::ProcessTurnResponse {
-    match events.last() {
-        Some(Event::Outcome(outcome)) => outcome,
-        other => panic!("the last event is not the outcome: {other:?}"),
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drafts_come_before_the_committed_outcome_and_a_redelivery_gets_the_outcome_alone() {
@@ -276,15 +238,9 @@ async fn a_streams_deadline_ends_the_call_and_the_turn_still_commits_once() {
     let mut client = server.client().await;
     let mut request = tonic::Request::new(pb::StreamTurnRequest::typed(activity.clone(), ""));
     request.set_timeout(Duration::from_millis(200));
-    let mut events = client.stream_turn(request).await.unwrap().into_inner();
-    let mut shown = Vec::new();
-    let status = loop {
-        match events.message().await {
-            Ok(Some(response)) => shown.push(response.event.unwrap()),
-            Ok(None) => panic!("the stream ended without a status: {shown:?}"),
-            Err(status) => break status,
-        }
-    };
+    let events = client.stream_turn(request).await.unwrap().into_inner();
+    let (shown, ended) = collect(events, Vec::new()).await;
+    let status = ended.expect_err("the deadline ends the stream");
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
     assert_eq!(
         status.get_details_error_info().unwrap().reason,

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use support::proxy::Proxy;
+use support::streams::{outcome, stream};
 use support::{TestServer, message, postgres_config, texts};
 use tokio::sync::{Notify, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
@@ -175,46 +176,12 @@ impl pb::bot_worker_server::BotWorker for FakeService {
     }
 }
 
-/// Every event of a `StreamTurn` call to `bot`, and how it ended.
-async fn stream(
-    server: &TestServer,
-    activity: pb::Activity,
-    bot: &str,
-) -> (Vec<Event>, Result<(), Status>) {
-    let mut client = server.client().await;
-    let mut events = Vec::new();
-    let mut stream = match client
-        .stream_turn(pb::StreamTurnRequest::typed(activity, bot))
-        .await
-    {
-        Ok(response) => response.into_inner(),
-        Err(status) => return (events, Err(status)),
-    };
-    loop {
-        match stream.message().await {
-            Ok(Some(response)) => events.push(response.event.unwrap()),
-            Ok(None) => return (events, Ok(())),
-            Err(status) => return (events, Err(status)),
-        }
-    }
-}
-
 /// Each draft as `kind text`.
 fn drafts(events: &[Event]) -> Vec<String> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Draft(d) => Some(format!("{:?} {}", d.kind(), d.text)),
-            _ => None,
-        })
+    support::streams::drafts(events)
+        .into_iter()
+        .map(|d| format!("{:?} {}", d.kind(), d.text))
         .collect()
-}
-
-fn outcome(events: &[Event]) -> &pb::ProcessTurnResponse {
-    match events.last() {
-        Some(Event::Outcome(outcome)) => outcome,
-        other => panic!("the last event is not the outcome: {other:?}"),
-    }
 }
 
 /// A server on PostgreSQL hosting each `(name, address)` as a remote bot.
