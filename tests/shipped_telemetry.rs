@@ -94,7 +94,13 @@ async fn a_turn_records_no_span_and_no_event_at_the_shipped_log_filter() {
             Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
         }
     };
-    // The server's start logs at INFO (the store it uses, say): that is not a turn's.
+    // The server's start logs at INFO (the store it uses, "serving TurnService"): that is not a
+    // turn's. A first turn is answered only once the server serves, after those lines; the
+    // connection alone can come before them (the listener is bound before `serve` runs).
+    client
+        .process_turn(pb::ProcessTurnRequest::typed(activity("warm-up", 100), ""))
+        .await
+        .unwrap();
     seen.0.lock().unwrap().clear();
 
     for i in 0..20 {
