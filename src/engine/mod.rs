@@ -23,6 +23,7 @@ mod hot;
 mod queue;
 mod receipt;
 mod retry;
+mod stoppable;
 
 pub use retry::RetryPolicy;
 
@@ -34,12 +35,14 @@ use tokio::time::Instant;
 use tracing::Instrument as _;
 
 use crate::activity::Activity;
-use crate::activity::incoming::IncomingActivity;
+use crate::activity::incoming::{
+    ActivityId, ChannelId, ConversationId, IncomingActivity, InvalidActivity,
+};
 use crate::bot::{
     Bot, BotError, BotErrorKind, BotRegistry, ConcurrencyPolicy, TurnContext, TurnScopes,
     UnknownBot,
 };
-use crate::drafts::Drafts;
+use crate::drafts::{Drafts, Stop};
 use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
 use crate::store::cached::CachedStore;
 use crate::store::timed::TimedStore;
@@ -69,6 +72,9 @@ pub struct TurnOutcome {
     pub conversation_version: Option<Version>,
     /// Whether this activity had been processed before, and this is its stored answer.
     pub redelivered: bool,
+    /// Whether its user stopped the reply while it was being written ([`Engine::stop_turn`]):
+    /// the activities are what was shown then.
+    pub stopped: bool,
 }
 
 /// A turn that did not commit. None of these returns any activity.
@@ -110,7 +116,30 @@ pub struct Engine {
     retry: RetryPolicy,
     queue: Arc<queue::KeyQueue<Option<HeldLease>>>,
     hot: Arc<hot::HotConversations>,
+    stoppable: Arc<stoppable::Stoppable>,
     metrics: Arc<TurnMetrics>,
+}
+
+/// Why a stop could not be asked for. Nothing was stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum StopError {
+    /// The request named a bot this server does not host.
+    #[error(transparent)]
+    UnknownBot(#[from] UnknownBot),
+    /// An id is missing or malformed.
+    #[error(transparent)]
+    Invalid(#[from] InvalidActivity),
+}
+
+/// What [`Engine::stop_turn`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopOutcome {
+    /// The bot's run is cancelled: what was shown commits as the turn's outcome.
+    Stopped,
+    /// The bot had already finished: its whole reply commits.
+    TooLate,
+    /// No streamed turn of that activity runs on this replica.
+    NotRunning,
 }
 
 /// The engine's metric handles, taken once when it is built rather than looked up by name and
@@ -166,6 +195,7 @@ impl Engine {
             retry,
             queue: Arc::new(queue::KeyQueue::new()),
             hot: Arc::new(hot::HotConversations::default()),
+            stoppable: Arc::default(),
             metrics: Arc::new(TurnMetrics::new()),
         }
     }
@@ -221,6 +251,38 @@ impl Engine {
         self.run(bot, incoming, deadline, drafts).await
     }
 
+    /// Stops the streamed turn of activity `activity` of bot `bot` (the default for `None` or
+    /// empty) in `conversation` on `channel`, whose user pressed Stop while its reply was being
+    /// written: its bot's run is cancelled, and the turn commits the reply as far as it was
+    /// shown — the latest text draft, cut to `shown` (what the channel showed) when given — on
+    /// the state as it was, receipted like any answer (see `Drafts::stop`).
+    ///
+    /// # Errors
+    /// [`StopError`] for a bot not hosted here or a missing or malformed id.
+    pub fn stop_turn(
+        &self,
+        bot: Option<&str>,
+        channel: &str,
+        conversation: &str,
+        activity: &str,
+        shown: Option<&str>,
+    ) -> Result<StopOutcome, StopError> {
+        let (bot_name, _) = self.bots.get(bot)?;
+        let key = StateKey::receipt(
+            bot_name,
+            &ChannelId::parse(channel, "channel_id")?,
+            &ConversationId::parse(conversation, "conversation_id")?,
+            &ActivityId::parse(activity, "activity_id")?,
+        );
+        let outcome = match self.stoppable.stop(&key, shown) {
+            Some(Stop::Stopped) => StopOutcome::Stopped,
+            Some(Stop::TooLate) => StopOutcome::TooLate,
+            None => StopOutcome::NotRunning,
+        };
+        tracing::info!(?outcome, "stop asked for");
+        Ok(outcome)
+    }
+
     /// A turn, drafting to `drafts` if someone streams it, with the bookkeeping of its outcome.
     #[tracing::instrument(
         name = "turn",
@@ -272,6 +334,12 @@ impl Engine {
         span.record("channel", incoming.address().channel.as_str());
         span.record("bot", bot_name);
         let plan = TurnPlan::new(bot_name, handler.as_ref(), incoming, deadline, drafts);
+        // A streamed turn can be stopped from its first moment, queued or running.
+        let _stoppable = plan
+            .receipt
+            .as_ref()
+            .zip(drafts)
+            .and_then(|(key, drafts)| self.stoppable.enter(key, drafts));
         let mut turn = self.queue_up(&plan.keys.conversation, deadline).await?;
         let last = !turn.others_waiting();
         let mut no_lease = None;
@@ -422,8 +490,7 @@ impl Engine {
         if let Some(receipt) = snapshot.receipt() {
             return receipt::decode(receipt).map(AttemptOutcome::Answered);
         }
-        let (scopes, activities) = run_bot(plan.bot, plan.context(attempt, &snapshot)).await?;
-        let (commit, outcome) = plan.commit(scopes, activities, attempt, &snapshot)?;
+        let (commit, outcome) = plan.run(attempt, &snapshot).await?;
         if !commit.writes_anything() {
             // A read-only turn of an activity without id, answered from one consistent
             // snapshot: nothing to commit.
@@ -611,10 +678,7 @@ impl Engine {
             locked.release().await;
             return receipt::decode(receipt).map(AttemptOutcome::Answered);
         }
-        let built = run_bot(plan.bot, plan.context(attempt, &snapshot))
-            .await
-            .and_then(|(scopes, activities)| plan.commit(scopes, activities, attempt, &snapshot));
-        let (commit, outcome) = match built {
+        let (commit, outcome) = match plan.run(attempt, &snapshot).await {
             Ok(built) => built,
             Err(e) => {
                 locked.release().await;
@@ -798,6 +862,48 @@ impl<'a> TurnPlan<'a> {
         .with_drafts(self.drafts)
     }
 
+    /// Runs the bot for attempt `attempt` on `snapshot`: what the attempt asks the store to
+    /// apply, and the outcome it delivers once applied. A streamed turn's run is raced against
+    /// its stop ([`Drafts::stop`]): once stopped, the bot is cancelled (or not run), and the
+    /// attempt commits the reply as far as it was shown, on the state as it was.
+    async fn run(
+        &self,
+        attempt: u32,
+        snapshot: &Snapshot,
+    ) -> Result<(Commit, TurnOutcome), TurnError> {
+        let Some(drafts) = self.drafts else {
+            let (scopes, activities) = run_bot(self.bot, self.context(attempt, snapshot)).await?;
+            return Ok(self.commit(scopes, activities, attempt, snapshot, false));
+        };
+        let shown = match drafts.begin() {
+            Err(shown) => shown,
+            Ok(()) => {
+                let ran = tokio::select! {
+                    biased;
+                    ran = run_bot(self.bot, self.context(attempt, snapshot)) => Some(ran),
+                    () = drafts.stopped() => None,
+                };
+                match ran.map(|ran| (drafts.finish(), ran)) {
+                    Some((None, ran)) => {
+                        let (scopes, activities) = ran?;
+                        return Ok(self.commit(scopes, activities, attempt, snapshot, false));
+                    }
+                    // Stopped as the bot finished: the stop was answered first, and wins.
+                    Some((Some(shown), _)) => shown,
+                    None => drafts.stopped_text().unwrap_or_default(),
+                }
+            }
+        };
+        tracing::debug!(attempt, shown_bytes = shown.len(), "the turn was stopped");
+        // The reply as the bot would have sent it, on the state it was given, left unchanged.
+        let mut context = self.context(attempt, snapshot);
+        if !shown.is_empty() {
+            context.send_text(shown);
+        }
+        let (scopes, activities) = context.finish();
+        Ok(self.commit(scopes, activities, attempt, snapshot, true))
+    }
+
     /// What the attempt asks the store to apply, with the receipt that answers a redelivery,
     /// and the outcome it delivers once applied.
     fn commit(
@@ -806,18 +912,20 @@ impl<'a> TurnPlan<'a> {
         activities: Vec<Activity>,
         attempt: u32,
         snapshot: &Snapshot,
-    ) -> Result<(Commit, TurnOutcome), TurnError> {
+        stopped: bool,
+    ) -> (Commit, TurnOutcome) {
         let mut commit = commit_of(&self.keys, scopes, snapshot);
         let outcome = TurnOutcome {
             conversation_version: version_after(&commit, &self.keys.conversation, snapshot),
             activities,
             attempts: attempt,
             redelivered: false,
+            stopped,
         };
         if let Some(key) = &self.receipt {
             commit = commit.with_receipt(key.clone(), receipt::encode(&outcome));
         }
-        Ok((commit, outcome))
+        (commit, outcome)
     }
 }
 
@@ -851,9 +959,10 @@ fn attempt_name(ended: &Result<AttemptOutcome, TurnError>) -> &'static str {
 }
 
 /// Every outcome [`outcome_name`] gives.
-const OUTCOMES: [&str; 7] = [
+const OUTCOMES: [&str; 8] = [
     "committed",
     "redelivered",
+    "stopped",
     "invalid",
     "aborted",
     "deadline_exceeded",
@@ -865,6 +974,7 @@ const OUTCOMES: [&str; 7] = [
 fn outcome_name(result: &Result<TurnOutcome, TurnError>) -> &'static str {
     match result {
         Ok(o) if o.redelivered => "redelivered",
+        Ok(o) if o.stopped => "stopped",
         Ok(_) => "committed",
         Err(TurnError::UnknownBot(_)) => "invalid",
         Err(TurnError::Aborted { .. }) => "aborted",

@@ -30,6 +30,11 @@ pub(super) fn encode(outcome: &TurnOutcome) -> Receipt {
     push_decimal(&mut text, u64::from(outcome.attempts));
     text.push_str(",\"version\":");
     push_decimal(&mut text, version);
+    if outcome.stopped {
+        // Only when set: the receipts of turns nobody stopped stay as they were, and a replica
+        // from before stops reads this one (as an ordinary answer).
+        text.push_str(",\"stopped\":true");
+    }
     text.push('}');
     Receipt::from_written(text)
 }
@@ -83,6 +88,7 @@ fn read(receipt: &Value) -> anyhow::Result<TurnOutcome> {
         attempts,
         conversation_version: (version > 0).then(|| Version::new(version)),
         redelivered: true,
+        stopped: receipt.get("stopped").and_then(Value::as_bool) == Some(true),
     })
 }
 
@@ -125,13 +131,26 @@ mod tests {
             attempts: 2,
             conversation_version: Some(Version::new(3)),
             redelivered: false,
+            stopped: false,
         };
         let back = decode(&encode(&outcome)).expect("readable");
         assert_eq!(
             back,
             TurnOutcome {
                 redelivered: true,
-                ..outcome
+                ..outcome.clone()
+            }
+        );
+        let stopped = TurnOutcome {
+            stopped: true,
+            ..outcome
+        };
+        assert!(encode(&stopped).text().ends_with(",\"stopped\":true}"));
+        assert_eq!(
+            decode(&encode(&stopped)).expect("readable"),
+            TurnOutcome {
+                redelivered: true,
+                ..stopped
             }
         );
     }
@@ -147,6 +166,7 @@ mod tests {
             attempts: 1,
             conversation_version: None,
             redelivered: false,
+            stopped: false,
         };
         let serde = |a: &Activity| serde_json::to_string(a).expect("serializable");
         assert_eq!(

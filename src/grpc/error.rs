@@ -22,8 +22,8 @@ use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt as _};
 
 use crate::activity::incoming::InvalidActivity;
-use crate::bot::BotErrorKind;
-use crate::engine::TurnError;
+use crate::bot::{BotErrorKind, UnknownBot};
+use crate::engine::{StopError, TurnError};
 use crate::store::StoreError;
 use crate::store::postgres::SchemaBehind;
 
@@ -57,6 +57,8 @@ pub enum Reason {
     InvalidActivity,
     /// `INVALID_ARGUMENT`: the request bytes are not a protobuf `ProcessTurnRequest`.
     MalformedRequest,
+    /// `INVALID_ARGUMENT`: a `StopTurn` request lacks an id or one is malformed.
+    InvalidStop,
     /// `NOT_FOUND`: the request names a bot this server does not host.
     UnknownBot,
     /// `ABORTED`: every attempt lost a conflict with another writer.
@@ -93,6 +95,7 @@ impl Reason {
         match self {
             Self::InvalidActivity => "INVALID_ACTIVITY",
             Self::MalformedRequest => "MALFORMED_REQUEST",
+            Self::InvalidStop => "INVALID_STOP",
             Self::UnknownBot => "UNKNOWN_BOT",
             Self::ConflictRetriesExhausted => "CONFLICT_RETRIES_EXHAUSTED",
             Self::StoreUnavailable => "STORE_UNAVAILABLE",
@@ -200,16 +203,41 @@ impl From<InvalidActivity> for Status {
     }
 }
 
+impl From<StopError> for Status {
+    fn from(e: StopError) -> Self {
+        match e {
+            StopError::UnknownBot(e) => unknown_bot(&e),
+            // The fields are the request's own (`channel_id`, …), named as they are.
+            StopError::Invalid(e) => {
+                let mut details = ErrorDetails::new();
+                details
+                    .set_error_info(
+                        Reason::InvalidStop.as_str(),
+                        ERROR_DOMAIN,
+                        HashMap::from([("field".to_owned(), e.field().to_owned())]),
+                    )
+                    .add_bad_request_violation(e.field(), e.problem());
+                Status::with_error_details(Code::InvalidArgument, e.to_string(), details)
+            }
+        }
+    }
+}
+
+/// `NOT_FOUND` for a request naming a bot that is not hosted here.
+fn unknown_bot(e: &UnknownBot) -> Status {
+    with_details(
+        Code::NotFound,
+        e.to_string(),
+        Reason::UnknownBot,
+        None,
+        HashMap::from([("bot".to_owned(), e.name().to_owned())]),
+    )
+}
+
 impl From<TurnError> for Status {
     fn from(e: TurnError) -> Self {
         match e {
-            TurnError::UnknownBot(e) => with_details(
-                Code::NotFound,
-                e.to_string(),
-                Reason::UnknownBot,
-                None,
-                HashMap::from([("bot".to_owned(), e.name().to_owned())]),
-            ),
+            TurnError::UnknownBot(e) => unknown_bot(&e),
             e @ TurnError::Aborted { .. } => with_details(
                 Code::Aborted,
                 e.to_string(),

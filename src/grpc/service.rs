@@ -19,8 +19,9 @@ use super::pb;
 use super::pb::process_turn_request::Input;
 use super::request;
 use crate::activity::incoming::IncomingActivity;
+use crate::activity::incoming::InvalidActivity;
 use crate::drafts::{DRAFT_BUFFER, DraftEvent, DraftKind, Drafts};
-use crate::engine::{Engine, TurnError, TurnOutcome};
+use crate::engine::{Engine, StopError, StopOutcome, TurnError, TurnOutcome};
 
 /// The events of one `StreamTurn` call: drafts and resets, then the outcome or an error status.
 pub type TurnEvents = Pin<Box<dyn Stream<Item = Result<pb::StreamTurnResponse, Status>> + Send>>;
@@ -96,6 +97,42 @@ impl pb::turn_service_server::TurnService for TurnApi {
             until,
         ))))
     }
+
+    async fn stop_turn(
+        &self,
+        request: Request<pb::StopTurnRequest>,
+    ) -> Result<Response<pb::StopTurnResponse>, Status> {
+        let pb::StopTurnRequest {
+            bot,
+            channel_id,
+            conversation_id,
+            activity_id,
+            shown_text,
+        } = request.into_inner();
+        let limit = self.limits.max_text_bytes;
+        if let Some(size) = shown_text.as_ref().map(String::len).filter(|&s| s > limit) {
+            return Err(StopError::from(InvalidActivity::new(
+                "shown_text",
+                format!("is {size} bytes, over the {limit}-byte limit (--max-text-bytes)"),
+            ))
+            .into());
+        }
+        let outcome = self.engine.stop_turn(
+            Some(&bot),
+            &channel_id,
+            &conversation_id,
+            &activity_id,
+            shown_text.as_deref(),
+        )?;
+        let result = match outcome {
+            StopOutcome::Stopped => pb::StopTurnResult::Stopped,
+            StopOutcome::TooLate => pb::StopTurnResult::TooLate,
+            StopOutcome::NotRunning => pb::StopTurnResult::NotRunning,
+        };
+        Ok(Response::new(pb::StopTurnResponse {
+            result: result.into(),
+        }))
+    }
 }
 
 /// The answer to a committed (or redelivered) turn.
@@ -107,6 +144,7 @@ fn response(outcome: TurnOutcome, json_replies: bool) -> pb::ProcessTurnResponse
         attempts: outcome.attempts,
         version: outcome.conversation_version.map_or(0, |v| v.get()),
         redelivered: outcome.redelivered,
+        stopped: outcome.stopped,
     }
 }
 

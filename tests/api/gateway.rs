@@ -900,6 +900,13 @@ impl turnstile::grpc::pb::turn_service_server::TurnService for MetadataRecorder 
             "the gateway does not stream here",
         ))
     }
+
+    async fn stop_turn(
+        &self,
+        _: tonic::Request<turnstile::grpc::pb::StopTurnRequest>,
+    ) -> Result<tonic::Response<turnstile::grpc::pb::StopTurnResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("nothing streams here"))
+    }
 }
 
 #[tokio::test]

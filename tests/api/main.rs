@@ -38,6 +38,7 @@ mod sample_bots;
 mod schema_health;
 mod sdk_protos;
 mod shutdown;
+mod stop_turn;
 mod store_conformance;
 mod streaming;
 mod tls;
