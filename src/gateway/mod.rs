@@ -450,10 +450,18 @@ impl Gateway {
                 drafts.send_replace(Drafting::Ended);
                 response
             };
-            tokio::join!(
-                turn,
-                teams::send_drafts(&self.connector, to, &call.template, drafting)
-            )
+            let shown = async {
+                let stream =
+                    teams::send_drafts(&self.connector, to, &call.template, drafting).await;
+                // Teams closed the stream while the turn runs: stop it at what Teams shows.
+                if let (Stream::Closed(shown), Some(conversation), Some(id)) =
+                    (&stream, call.conversation(), call.inbound.id.as_deref())
+                {
+                    self.bot_turns.stop(conversation, id, shown.clone()).await;
+                }
+                stream
+            };
+            tokio::join!(turn, shown)
         } else {
             (
                 self.bot_turns
@@ -462,7 +470,13 @@ impl Gateway {
                 Stream::None,
             )
         };
-        let mut replies = replies(call, response.map_err(Refusal::Turn)?)?;
+        let response = response.map_err(Refusal::Turn)?;
+        if response.stopped && teams::streams(&call.inbound) {
+            // Stopped by Teams' 403: what the turn committed is what the closed stream shows the
+            // user already (a redelivery too: the first run's stream showed it).
+            return Ok(());
+        }
+        let mut replies = replies(call, response)?;
         // The reply that takes the stream's place ends it; plain, should Teams refuse that.
         let mut fallback = None;
         if let Stream::Open(stream_id) = &stream

@@ -11,9 +11,11 @@
 //! ([`end_stream`]), as every reply is, after the last draft's POST has been answered.
 //!
 //! A `403` (Teams' `ContentStreamNotAllowed`: the user pressed Stop, or the stream ran past Teams'
-//! two minutes) ends the drafts for the turn; the committed reply is still delivered, as a plain
-//! message, since the stream it would end is closed. A void draft (an attempt thrown away) sends
-//! nothing: the replay's next draft replaces the text.
+//! two minutes) ends the drafts for the turn, and the turn is stopped: what Teams shows, the last
+//! text draft it accepted, is what the turn commits ([`Stream::Closed`], `StopTurn`). That reply
+//! is on the user's screen already, in the closed stream, so it is not delivered again; a reply
+//! the bot finished before the stop reached it is delivered as a plain message. A void draft (an
+//! attempt thrown away) sends nothing: the replay's next draft replaces the text.
 
 use std::time::Duration;
 
@@ -60,8 +62,10 @@ pub enum Stream {
     None,
     /// A stream is open with this id: the final reply ends it.
     Open(String),
-    /// Teams closed the stream (`403`): the replies go as plain messages.
-    Closed,
+    /// Teams closed the stream (`403`): the user stopped it (or its time ran out) with this
+    /// text on screen, the last text draft Teams accepted (`None`: only status lines, or
+    /// nothing). A reply committed whole goes as a plain message.
+    Closed(Option<String>),
 }
 
 /// POSTs the drafts `drafting` offers to `to` until the turn ends, as described in the module
@@ -74,6 +78,8 @@ pub async fn send_drafts(
 ) -> Stream {
     let mut stream_id: Option<String> = None;
     let mut sequence = 0u32;
+    // The last text Teams accepted: what the user sees.
+    let mut shown: Option<String> = None;
     // A draft came while the last one's interval ran: send it without waiting for another.
     let mut pending = false;
     loop {
@@ -104,12 +110,16 @@ pub async fn send_drafts(
         draft["text"] = json!(text);
         draft["entities"] = json!([info]);
         let next_at = Instant::now() + CHUNK_INTERVAL;
-        match connector.send_draft(to, &draft.to_string()).await {
+        let sent = connector.send_draft(to, &draft.to_string()).await;
+        if sent.is_ok() && stream_type == "streaming" {
+            shown = Some(text);
+        }
+        match sent {
             Ok(Some(id)) if stream_id.is_none() => stream_id = Some(id),
             Ok(_) => {}
             Err(DeliveryError::Refused { status, .. }) if status.as_u16() == 403 => {
                 tracing::info!("Teams closed the stream; no more drafts for this turn");
-                return Stream::Closed;
+                return Stream::Closed(shown);
             }
             Err(error) => tracing::info!(%error, sequence, "a draft did not reach Teams"),
         }

@@ -24,6 +24,8 @@ use crate::grpc::pb::turn_service_client::TurnServiceClient;
 /// The first wait before a retry; it doubles up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
+/// How long a stop may take: it only flags the running turn.
+const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A `TurnService` client bound to one bot.
 #[derive(Clone)]
@@ -197,6 +199,43 @@ impl Turns {
                     metrics::turn(status.code());
                     return Err(status);
                 }
+            }
+        }
+    }
+
+    /// Stops the streamed turn of activity `activity_id` in `conversation` (channel and
+    /// conversation id): its user pressed Stop when `shown` was the text on their screen. The
+    /// turn then commits what was shown, and its `StreamTurn` call ends with that outcome
+    /// (`stopped`). A server that cannot stop turns, or a stop that finds nothing running, lets
+    /// the turn commit its whole reply, which the outcome then says.
+    pub async fn stop(
+        &self,
+        conversation: (&str, &str),
+        activity_id: &str,
+        shown: Option<String>,
+    ) -> Option<pb::StopTurnResult> {
+        let (channel_id, conversation_id) = conversation;
+        let request = self.request(
+            pb::StopTurnRequest {
+                bot: self.bot.clone(),
+                channel_id: channel_id.to_owned(),
+                conversation_id: conversation_id.to_owned(),
+                activity_id: activity_id.to_owned(),
+                shown_text: shown,
+            },
+            Some(conversation),
+            STOP_TIMEOUT,
+        );
+        match self.client.clone().stop_turn(request).await {
+            Ok(response) => {
+                let result = response.into_inner().result();
+                tracing::info!(?result, "the user stopped the reply");
+                Some(result)
+            }
+            Err(status) => {
+                tracing::info!(code = ?status.code(), message = status.message(),
+                    "the reply could not be stopped; it commits whole");
+                None
             }
         }
     }

@@ -999,6 +999,26 @@ impl World {
     }
 }
 
+impl World {
+    /// The replies to Teams personal-chat message `id` (`hello`), sent again with
+    /// `expectReplies` to the `llm` gateway, which answers once the turn has committed.
+    async fn ask_in_teams_waiting(&self, id: &str) -> Vec<Value> {
+        let mut activity = self.activity(id, "hello");
+        activity["channelId"] = json!("msteams");
+        activity["conversation"] = json!({"id": "a:personal", "conversationType": "personal"});
+        activity["deliveryMode"] = json!("expectReplies");
+        let response = reqwest::Client::new()
+            .post(format!("http://{}/api/messages", self.llm_gateway))
+            .json(&activity)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status().as_u16(), 200);
+        let body: Value = response.json().await.unwrap();
+        body["activities"].as_array().unwrap().clone()
+    }
+}
+
 fn stream_info(body: &Value) -> Option<&Value> {
     body["entities"]
         .as_array()?
@@ -1085,26 +1105,41 @@ async fn a_teams_group_chat_gets_the_final_only_and_a_403_stops_the_drafts() {
     assert_eq!(delivered[0]["text"], answer.as_str());
     assert!(stream_info(&delivered[0]).is_none());
 
-    // The user presses Stop after the first draft: Teams refuses the rest of the stream.
+    // The user presses Stop after the first words: Teams refuses the rest of the stream, and
+    // the turn is stopped at what Teams shows, which is what it commits.
     world.channel.received.lock().unwrap().clear();
-    *world.channel.stop_streams_after.lock().unwrap() = Some(1);
+    *world.channel.stop_streams_after.lock().unwrap() = Some(2);
     assert_eq!(
         world.ask_in_teams("p1", "personal").await,
         StatusCode::ACCEPTED
     );
-    let delivered = world.delivered_until_message().await;
+    // The same activity, its caller waiting for the replies: once the turn has committed, its
+    // receipt answers.
+    let replies = world.ask_in_teams_waiting("p1").await;
+    let delivered = world.delivered();
+    assert_eq!(delivered.len(), 2, "two drafts, no reply: {delivered:#?}");
     assert_eq!(
-        delivered.len(),
-        2,
-        "one draft, then the reply: {delivered:#?}"
+        stream_info(&delivered[0].2).unwrap()["streamType"],
+        "informative"
     );
-    assert_eq!(delivered[0]["type"], "typing");
-    assert_eq!(delivered[1]["type"], "message");
-    assert_eq!(delivered[1]["text"], answer.as_str());
+    assert_eq!(
+        stream_info(&delivered[1].2).unwrap()["streamType"],
+        "streaming"
+    );
+    let shown = delivered[1].2["text"].as_str().unwrap();
     assert!(
-        stream_info(&delivered[1]).is_none(),
-        "the committed reply goes as a plain message"
+        answer.starts_with(shown) && shown.len() < answer.len(),
+        "{shown}"
     );
+    let texts: Vec<&str> = replies
+        .iter()
+        .map(|r| r["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts, [shown], "the committed reply is what the user saw");
+    // Nothing more comes: the committed reply is on the user's screen, in the closed stream.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(world.delivered().len(), 2);
+    *world.channel.stop_streams_after.lock().unwrap() = None;
 
     // Teams closes the stream just before its end (the two minutes ran out): the final that
     // would end it is refused, and the reply goes as a plain message instead.
@@ -1118,8 +1153,8 @@ async fn a_teams_group_chat_gets_the_final_only_and_a_403_stops_the_drafts() {
     let delivered = world.delivered_until_message().await;
     let (drafts, last) = delivered.split_at(delivered.len() - 1);
     assert!(drafts.iter().all(|d| d["type"] == "typing") && !drafts.is_empty());
-    let second = turnstile::bots::llm::answer("hello", 2);
-    assert_eq!(last[0]["text"], second.as_str());
+    // The stopped turn committed no state: this is still the conversation's first answer.
+    assert_eq!(last[0]["text"], answer.as_str());
     assert!(stream_info(&last[0]).is_none(), "{:?}", last[0]);
 }
 
