@@ -23,6 +23,11 @@
 //! attempt that is thrown away (a conflict) is erased in place by an interim activity with empty
 //! text, which the replay's drafts then replace.
 //!
+//! A livestream can be stopped: `POST …/conversations/{id}/activities/{activityId}/stop` (an
+//! extension of Direct Line's, for the chat page's Stop button; `{"shownText": …}` optional, the
+//! text the client shows, else the last text pushed) stops the activity's turn (`StopTurn`), and
+//! what was shown is the committed reply that ends the livestream and enters the transcript.
+//!
 //! Tokens are HS256 JWTs signed with the (first) Direct Line secret, each bound to one
 //! conversation and expiring after [`TOKEN_LIFETIME`]; a client holding a token reaches only its
 //! conversation, a client holding a secret reaches any. Without a secret and without an app id
@@ -55,6 +60,7 @@ use tokio::sync::{broadcast, watch};
 
 use super::config::Secret;
 use super::turns::{Shown, Turns};
+use crate::grpc::pb;
 
 /// How long a token is valid; clients refresh it before (`botframework-directlinejs` every 15
 /// minutes), as Direct Line's own tokens last 30 minutes.
@@ -122,6 +128,9 @@ struct Conversation {
     appended: watch::Sender<u64>,
     /// Interim (livestream) activities, pushed to the open WebSockets and kept nowhere.
     live: broadcast::Sender<Value>,
+    /// The activities whose turns are streaming, by id, with the text last pushed for each (a
+    /// stop's default of what was shown).
+    streaming: HashMap<String, String>,
 }
 
 impl Conversation {
@@ -133,6 +142,7 @@ impl Conversation {
             transcript: VecDeque::new(),
             appended: watch::Sender::new(0),
             live: broadcast::channel(LIVE_BACKLOG).0,
+            streaming: HashMap::new(),
         }
     }
 
@@ -208,6 +218,12 @@ pub enum DirectLineError {
     /// The conversation was never started here, or was forgotten.
     #[error("no such conversation")]
     UnknownConversation,
+    /// A stop's body is not `{"shownText": …}`.
+    #[error("the body is not a stop (`{{\"shownText\": …}}`): {0}")]
+    BadStop(String),
+    /// A stop named an activity whose turn is not streaming here.
+    #[error("no streaming turn of that activity here")]
+    NotStreaming,
     /// The body is not an activity.
     #[error("the body is not an activity: {0}")]
     BadActivity(String),
@@ -229,8 +245,10 @@ impl IntoResponse for DirectLineError {
             Self::MissingCredentials => (StatusCode::UNAUTHORIZED, "BadArgument"),
             Self::Forbidden => (StatusCode::FORBIDDEN, "BadArgument"),
             Self::TokenExpired => (StatusCode::FORBIDDEN, "TokenExpired"),
-            Self::UnknownConversation => (StatusCode::NOT_FOUND, "BadArgument"),
-            Self::BadActivity(_) => (StatusCode::BAD_REQUEST, "BadArgument"),
+            Self::UnknownConversation | Self::NotStreaming => {
+                (StatusCode::NOT_FOUND, "BadArgument")
+            }
+            Self::BadActivity(_) | Self::BadStop(_) => (StatusCode::BAD_REQUEST, "BadArgument"),
             Self::Turn(s) if s.code() == Code::InvalidArgument => {
                 (StatusCode::BAD_REQUEST, "BadArgument")
             }
@@ -464,6 +482,11 @@ impl DirectLine {
         let Some(conversation) = all.by_id.get_mut(conversation_id) else {
             return;
         };
+        if stream_type == "streaming" {
+            conversation
+                .streaming
+                .insert(reply_to.to_owned(), text.clone());
+        }
         let id = conversation.next_id(conversation_id);
         livestream.sequence += 1;
         let mut stream_info = json!({
@@ -546,11 +569,19 @@ impl DirectLine {
             .is_some_and(|c| c.live.receiver_count() > 0);
         let mut livestream = Livestream::default();
         let response = if watched {
-            self.turns
+            if let Some(conversation) = self.conversations().by_id.get_mut(conversation_id) {
+                conversation.streaming.insert(id.clone(), String::new());
+            }
+            let response = self
+                .turns
                 .stream(&text, turn_conversation, |shown| {
                     self.show(conversation_id, &id, &mut livestream, shown);
                 })
-                .await
+                .await;
+            if let Some(conversation) = self.conversations().by_id.get_mut(conversation_id) {
+                conversation.streaming.remove(&id);
+            }
+            response
         } else {
             self.turns.process(&text, turn_conversation).await
         }
@@ -603,6 +634,38 @@ impl DirectLine {
     }
 }
 
+impl DirectLine {
+    /// Stops the streaming turn of activity `activity_id` in `conversation_id` at `shown`, the
+    /// text its client shows (else the last text pushed): its committed reply, which ends the
+    /// livestream, is what was shown.
+    async fn stop_turn(
+        &self,
+        conversation_id: &str,
+        activity_id: &str,
+        shown: Option<String>,
+    ) -> Result<&'static str, DirectLineError> {
+        let pushed = self
+            .conversations()
+            .by_id
+            .get(conversation_id)
+            .ok_or(DirectLineError::UnknownConversation)?
+            .streaming
+            .get(activity_id)
+            .cloned()
+            .ok_or(DirectLineError::NotStreaming)?;
+        let shown = shown.unwrap_or(pushed);
+        let result = self
+            .turns
+            .stop((CHANNEL_ID, conversation_id), activity_id, Some(shown))
+            .await;
+        Ok(match result {
+            Some(pb::StopTurnResult::Stopped) => "stopped",
+            Some(pb::StopTurnResult::TooLate) => "tooLate",
+            _ => "notRunning",
+        })
+    }
+}
+
 /// One turn's livestream: its id (the first interim activity's) once one was pushed, and the
 /// last sequence number used.
 #[derive(Debug, Default)]
@@ -639,6 +702,10 @@ pub(super) fn routes(direct_line: Arc<DirectLine>) -> Router {
         .route(
             "/v3/directline/conversations/{id}/activities",
             post(post_activity).get(activities),
+        )
+        .route(
+            "/v3/directline/conversations/{id}/activities/{activity_id}/stop",
+            post(stop_activity),
         )
         .route("/v3/directline/conversations/{id}/stream", get(stream))
         .layer(axum::middleware::from_fn(cors))
@@ -769,6 +836,31 @@ async fn post_activity(
     };
     let activity_id = dl.post_activity(&id, &user_id, token_user, &body).await?;
     Ok(axum::Json(json!({ "id": activity_id })).into_response())
+}
+
+/// The optional body of a stop: what the client shows.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct StopBody {
+    shown_text: Option<String>,
+}
+
+#[tracing::instrument(skip_all, fields(conversation = %id))]
+async fn stop_activity(
+    State(dl): State<Arc<DirectLine>>,
+    Path((id, activity_id)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, DirectLineError> {
+    let caller = dl.caller(&headers)?;
+    dl.authorize(&caller, &id)?;
+    let stop: StopBody = if body.iter().all(u8::is_ascii_whitespace) {
+        StopBody::default()
+    } else {
+        serde_json::from_slice(&body).map_err(|e| DirectLineError::BadStop(e.to_string()))?
+    };
+    let result = dl.stop_turn(&id, &activity_id, stop.shown_text).await?;
+    Ok(axum::Json(json!({ "result": result })).into_response())
 }
 
 #[tracing::instrument(skip_all, fields(conversation = %id))]

@@ -52,6 +52,8 @@ struct World {
     open: SocketAddr,
     /// The gateway running the `llm` bot, which drafts its answer word by word.
     llm: SocketAddr,
+    /// The same, drafting a word every 100 ms: time for a user to press Stop.
+    slow_llm: SocketAddr,
     http: reqwest::Client,
     _server: TestServer,
     _stops: Vec<oneshot::Sender<()>>,
@@ -64,7 +66,8 @@ impl World {
             postgres_config(&url),
             BotRegistry::new("pizza", PizzaBot)
                 .with("flaky", Flaky)
-                .with("llm", LlmBot::new(Duration::from_millis(10))),
+                .with("llm", LlmBot::new(Duration::from_millis(10)))
+                .with("slow-llm", LlmBot::new(Duration::from_millis(100))),
         )
         .await;
         let turnstile = format!("http://{}", server.addr);
@@ -88,11 +91,13 @@ impl World {
         let flaky = gateway("flaky", &[SECRET]);
         let open = gateway("", &[]);
         let llm = gateway("llm", &[SECRET]);
+        let slow_llm = gateway("slow-llm", &[SECRET]);
         World {
             pizza,
             flaky,
             open,
             llm,
+            slow_llm,
             http: reqwest::Client::new(),
             _server: server,
             _stops: stops,
@@ -593,6 +598,90 @@ async fn a_streamed_turn_is_a_livestream_on_the_socket_and_never_in_the_transcri
         "no livestream to end: {}",
         read[1]
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_livestream_ends_with_what_the_client_showed_and_the_transcript_keeps_it() {
+    let world = World::start().await;
+    let gw = world.slow_llm;
+    let (conversation, token, stream_url) = world.start_conversation(gw, Some(SECRET)).await;
+    let (other, other_token, _) = world.start_conversation(gw, Some(SECRET)).await;
+    let (mut socket, _) = tokio_tungstenite::connect_async(&stream_url).await.unwrap();
+    let stop_path =
+        |activity: &str| format!("/conversations/{conversation}/activities/{activity}/stop");
+
+    let user = async {
+        // The client shows a draft of a few words, then its user presses Stop.
+        let draft = loop {
+            let group = next_group(&mut socket).await;
+            let interim = &group["activities"][0];
+            let text = interim["text"].as_str().unwrap_or_default();
+            if interim["channelData"]["streamType"] == "streaming" && text.split(' ').count() >= 3 {
+                break interim.clone();
+            }
+        };
+        let activity = draft["replyToId"].as_str().unwrap();
+        let shown = draft["text"].as_str().unwrap().to_owned();
+        // Another conversation's token cannot stop it; an activity not streaming is not found.
+        let post = reqwest::Method::POST;
+        let (status, _) = world
+            .call(
+                gw,
+                post.clone(),
+                &stop_path(activity),
+                Some(&other_token),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+        let (status, body) = world
+            .call(gw, post.clone(), &stop_path("nope"), Some(&token), None)
+            .await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+        let (status, body) = world
+            .call(
+                gw,
+                post,
+                &stop_path(activity),
+                Some(&token),
+                Some(json!({"shownText": shown})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["result"], "stopped");
+        (draft, shown)
+    };
+    let ((status, posted), (draft, shown)) =
+        tokio::join!(world.say(gw, &conversation, &token, "hello"), user);
+    assert_eq!(status, StatusCode::OK, "{posted}");
+    assert_eq!(draft["replyToId"], posted["id"]);
+
+    // The committed reply is what the client showed, and it ends the livestream.
+    let (read, _) = world.read(gw, &conversation, &token, "").await;
+    assert_eq!(texts(&read), ["hello", shown.as_str()]);
+    let answer = &read[1];
+    assert_eq!(answer["channelData"]["streamType"], "final");
+    let stream_id = draft["channelData"]["streamId"].as_str().unwrap();
+    assert_eq!(answer["channelData"]["streamId"], stream_id);
+    let whole = turnstile::bots::llm::answer("hello", 1);
+    assert!(whole.starts_with(&shown) && shown.len() < whole.len());
+    // The stopped turn left the state as it was: the next answer is still the first.
+    let (status, _) = world.say(gw, &conversation, &token, "hello").await;
+    assert_eq!(status, StatusCode::OK);
+    let (read, _) = world.read(gw, &conversation, &token, "").await;
+    assert_eq!(read[3]["text"].as_str().unwrap(), whole);
+    // Nothing streams now: nothing to stop.
+    let (status, _) = world
+        .call(
+            gw,
+            reqwest::Method::POST,
+            &stop_path(posted["id"].as_str().unwrap()),
+            Some(&token),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let _ = other;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -450,7 +450,18 @@ async fn a_streamed_answer_shows_as_a_draft_then_settles_on_the_own_page_and_in_
         driven["own"]["drafting"], 0,
         "no draft left on the own page"
     );
+    // Stop under the second answer's draft: what was on screen is the reply that settles it.
+    let stopped = &driven["own"]["stopped"];
+    let at = stopped["at"].as_str().unwrap().trim_end_matches('▍');
+    let second = turnstile::bots::llm::answer("hello", 2);
+    assert!(
+        at.len() < second.len() && second.starts_with(at),
+        "Stop was pressed mid-answer: {stopped}"
+    );
+    assert_eq!(stopped["final"], at, "the committed reply is what was shown");
+    assert_eq!(stopped["bots"], 2, "one bubble per answer: {stopped}");
     for name in [
+        "own-page-stopped.png",
         "own-page-stream-draft.png",
         "own-page-stream-final.png",
         "web-chat-stream-draft.png",

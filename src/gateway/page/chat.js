@@ -6,7 +6,9 @@
 // A bot that writes its answer over seconds is shown as it writes: the gateway streams its
 // drafts as a livestream (interim `typing` activities whose channelData says streamType,
 // streamSequence and, after the first, streamId), and the committed message that ends it
-// (streamType `final`) takes the draft's place. Drafts are never in the transcript.
+// (streamType `final`) takes the draft's place. Drafts are never in the transcript. While a
+// draft is being written a Stop button sits under it: it asks the gateway to stop the turn at
+// the text on screen, which is then the committed reply that settles the draft.
 'use strict';
 
 (() => {
@@ -28,7 +30,7 @@
   const shown = new Set();
   const pending = new Map();
   // Livestreams by stream id (the first interim activity's id): the draft's list item, the
-  // latest sequence shown, and whether the final message has settled it.
+  // latest sequence shown, the text on screen, and whether the final message has settled it.
   const livestreams = new Map();
 
   function headers(json) {
@@ -150,12 +152,21 @@
       item.className = 'activity draft';
       item.dataset.role = 'bot';
       item.dataset.stream = streamId;
+      const bubble = document.createElement('div');
+      const stopButton = document.createElement('button');
+      stopButton.type = 'button';
+      stopButton.className = 'stop';
+      stopButton.textContent = 'Stop';
+      item.append(bubble, stopButton);
       transcript.appendChild(item);
-      live = { item, sequence: 0, settled: false };
+      live = { item, bubble, sequence: 0, text: '', settled: false };
       livestreams.set(streamId, live);
+      const stopped = live;
+      stopButton.addEventListener('click', () => stop(activity.replyToId, stopped, stopButton));
     }
     const sequence = Number(info.streamSequence) || 0;
-    if (live.settled || sequence <= live.sequence) return;
+    // Stopping: the screen keeps what the user saw, unless the gateway erases it.
+    if (live.settled || (live.stopping && activity.text) || sequence <= live.sequence) return;
     live.sequence = sequence;
     const bubble = document.createElement('div');
     bubble.className = 'bubble';
@@ -164,12 +175,31 @@
       bubble.textContent = activity.text || '…';
     } else if (activity.text) {
       textInto(bubble, activity.text);
+      live.text = activity.text;
     } else {
       bubble.classList.add('informative');
       bubble.textContent = '…';
+      live.text = '';
     }
-    live.item.replaceChildren(bubble);
+    live.bubble.replaceWith(bubble);
+    live.bubble = bubble;
     transcript.scrollTop = transcript.scrollHeight;
+  }
+
+  // Stop: the turn of `activityId` commits the text on screen, which stays as it is meanwhile;
+  // the committed message then settles the draft.
+  async function stop(activityId, live, button) {
+    if (!activityId || live.settled) return;
+    live.stopping = true;
+    button.disabled = true;
+    try {
+      const path = '/conversations/' + encodeURIComponent(conversationId) + '/activities/'
+        + encodeURIComponent(activityId) + '/stop';
+      await call('POST', path, { shownText: live.text });
+    } catch (e) {
+      // Too late or gone: the committed reply settles the draft as usual.
+      live.stopping = false;
+    }
   }
 
   function show(activity) {
