@@ -16,6 +16,7 @@
 #                                             replica and to another one: bot runs per activity
 #   TURNS=32 CONCURRENCY=8 TURN_MS=5000 LONG_MS=10000 bench/gateway_streaming.sh   a small run
 #   NO_BUILD=1 ...                         measures target/release as it is
+#   NO_BUILD=1 BIN=DIR ...                 measures the turnstile binary in DIR (a copy of a build)
 #   GATEWAY_FLAGS="--turn-timeout-ms 130000" ...   flags for `turnstile gateway` in 1 and 2 (the
 #                                             default is none: the gateway as shipped)
 #   KEEP=1 ...                             keeps the scratch directory (logs, results) at the end
@@ -59,7 +60,7 @@ WORDS=34
 SECRET=bench-direct-line-secret
 
 [ -n "${NO_BUILD:-}" ] || cargo build --release --bins -q
-BIN=$ROOT/target/release
+BIN=${BIN:-$ROOT/target/release}
 TOOLS=$ROOT/target/tools
 DRIVER=$ROOT/bench/drivers/gateway_streaming.js
 PUPPETEER_DIR=$TOOLS/puppeteer-core-24.43.1
