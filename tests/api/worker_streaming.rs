@@ -5,7 +5,8 @@
 //! that cannot stream (`UNIMPLEMENTED`) is called with `RunTurn` instead. Each way a worker can
 //! get its stream wrong — an event after its result, no result, an error after drafting, a draft
 //! over the size cap, a connection that breaks midway — ends the call with a status naming it,
-//! and commits nothing. The worker is a tonic server inside the test; the store is real
+//! and commits nothing. A stopped turn (`StopTurn`) cancels the worker's call and commits what it
+//! had drafted. The worker is a tonic server inside the test; the store is real
 //! PostgreSQL.
 #![allow(clippy::unwrap_used)]
 
@@ -35,6 +36,8 @@ struct FakeWorker {
     calls: Mutex<Vec<(&'static str, String, String)>>,
     /// What the first attempt of a `wait` message waits for after drafting.
     gate: Notify,
+    /// Calls whose caller went away while the worker was still writing.
+    cancelled: std::sync::atomic::AtomicU32,
 }
 
 struct FakeService(Arc<FakeWorker>);
@@ -160,9 +163,16 @@ impl pb::bot_worker_server::BotWorker for FakeService {
                 }
             }
             if text == "wait" {
-                // The first attempt holds here, its draft shown, while another replica commits.
+                // The first attempt holds here, its draft shown, while another replica commits
+                // (or until its caller cancels the call: the user stopped the turn).
                 if attempt == 1 {
-                    worker.gate.notified().await;
+                    tokio::select! {
+                        () = worker.gate.notified() => {}
+                        () = tx.closed() => {
+                            worker.cancelled.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            return;
+                        }
+                    }
                 }
                 let _ = tx.send(result(count)).await;
             }
@@ -427,4 +437,62 @@ async fn a_conflict_mid_stream_voids_the_workers_drafts_and_its_replay_drafts_an
     let committed = outcome(&rest);
     assert_eq!(texts(committed), ["count: 3"]);
     assert_eq!(committed.version, 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_turn_cancels_the_workers_call_and_commits_what_it_had_drafted() {
+    let url = support::pg::fresh_database().await;
+    let worker = Arc::new(FakeWorker::default());
+    let addr = worker.serve().await;
+    let server = server_for(postgres_config(&url), &[("remote", addr)]).await;
+    let mut client = server.client().await;
+    let activity = message("stop-w", "ada", "wait");
+    let mut events = client
+        .stream_turn(pb::StreamTurnRequest::typed(activity.clone(), "remote"))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = events.message().await.unwrap().unwrap().event.unwrap();
+    assert!(
+        matches!(&first, Event::Draft(d) if d.text == "count: 1"),
+        "{first:?}"
+    );
+
+    let stopped = client
+        .stop_turn(pb::StopTurnRequest {
+            bot: "remote".into(),
+            channel_id: activity.channel_id.clone().unwrap(),
+            conversation_id: activity.conversation.clone().unwrap().id.unwrap(),
+            activity_id: activity.id.clone().unwrap(),
+            shown_text: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stopped.result(), pb::StopTurnResult::Stopped);
+    let (events, ended) = support::streams::collect(events, vec![first]).await;
+    ended.unwrap();
+    let committed = outcome(&events);
+    assert!(committed.stopped);
+    assert_eq!(
+        texts(committed),
+        ["count: 1"],
+        "what the worker had drafted"
+    );
+    assert_eq!(
+        committed.version, 0,
+        "the worker's state change is not committed"
+    );
+    // The worker sees its call cancelled: it stops writing.
+    for _ in 0..100 {
+        if worker.cancelled.load(std::sync::atomic::Ordering::SeqCst) == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        worker.cancelled.load(std::sync::atomic::Ordering::SeqCst),
+        1
+    );
+    assert_eq!(worker.calls().len(), 1, "the worker ran once");
 }

@@ -458,7 +458,10 @@ async fn a_streamed_answer_shows_as_a_draft_then_settles_on_the_own_page_and_in_
         at.len() < second.len() && second.starts_with(at),
         "Stop was pressed mid-answer: {stopped}"
     );
-    assert_eq!(stopped["final"], at, "the committed reply is what was shown");
+    assert_eq!(
+        stopped["final"], at,
+        "the committed reply is what was shown"
+    );
     assert_eq!(stopped["bots"], 2, "one bubble per answer: {stopped}");
     for name in [
         "own-page-stopped.png",

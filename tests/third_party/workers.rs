@@ -1503,6 +1503,85 @@ async fn the_python_and_typescript_llm_samples_stream_their_tokens_and_commit_th
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_turn_cancels_the_llm_samples_handler_and_commits_what_was_shown() {
+    let python = tokio::task::block_in_place(python_sdk);
+    // Slow enough to press Stop mid-answer: about three seconds for the whole.
+    let mut llm_py = python_command(&python.sdk.join("examples/llm.py"), &["127.0.0.1:0"]);
+    llm_py.env("LLM_TOKEN_DELAY_MS", "150");
+    let llm_py = WorkerProcess::spawn(llm_py);
+    let mut llm_ts = node_command(&["dist/examples/llm.js", "127.0.0.1:0"]);
+    llm_ts.env("LLM_TOKEN_DELAY_MS", "150");
+    let llm_ts = WorkerProcess::spawn(llm_ts);
+    let url = support::pg::fresh_database().await;
+    let server = TestServer::start(
+        remotes(
+            support::postgres_config(&url),
+            &[("llm-py", &llm_py.url()), ("llm-ts", &llm_ts.url())],
+        ),
+        turnstile::bots::samples(),
+    )
+    .await;
+    let mut client = server.client().await;
+
+    for (bot, worker) in [("llm-py", &llm_py), ("llm-ts", &llm_ts)] {
+        let activity = message(&format!("stop-{bot}"), "ada", "hello");
+        let id = activity.id.clone().unwrap();
+        let mut stream = client
+            .clone()
+            .stream_turn(pb::StreamTurnRequest::typed(activity.clone(), bot))
+            .await
+            .unwrap()
+            .into_inner();
+        // The user sees a few words, then presses Stop.
+        let mut events = Vec::new();
+        let shown = loop {
+            let event = stream.message().await.unwrap().unwrap().event.unwrap();
+            let words = match &event {
+                StreamEvent::Draft(d) if d.kind() == pb::DraftKind::Text => {
+                    Some(d.text.clone()).filter(|t| t.split(' ').count() >= 4)
+                }
+                _ => None,
+            };
+            events.push(event);
+            if let Some(words) = words {
+                break words;
+            }
+        };
+        let stopped = client
+            .stop_turn(pb::StopTurnRequest {
+                bot: bot.into(),
+                channel_id: activity.channel_id.clone().unwrap(),
+                conversation_id: activity.conversation.clone().unwrap().id.unwrap(),
+                activity_id: id.clone(),
+                shown_text: Some(shown.clone()),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(stopped.result(), pb::StopTurnResult::Stopped, "{bot}");
+        while let Some(response) = stream.message().await.unwrap() {
+            events.push(response.event.unwrap());
+        }
+        let committed = streamed_outcome(&events);
+        assert!(committed.stopped, "{bot}: {committed:?}");
+        assert_eq!(texts(committed), [shown.as_str()], "{bot}: what was shown");
+        assert_eq!(
+            committed.version, 0,
+            "{bot}: the transcript in state is unchanged"
+        );
+        // The handler itself was stopped: the worker says so.
+        let stderr = worker
+            .stderr_settled(&format!("cancelled on activity {id}"))
+            .await;
+        assert!(
+            stderr.contains(&format!("cancelled on activity {id}")),
+            "{bot}: {stderr}"
+        );
+        assert!(!stderr.contains("failed on activity"), "{bot}: {stderr}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_bot_that_drafts_then_fails_or_drafts_too_much_commits_nothing() {
     let python = WorkerProcess::moody_py();
     let typescript = WorkerProcess::node(&["dist/moody.js"]);

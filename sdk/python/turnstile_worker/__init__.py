@@ -359,10 +359,18 @@ class _Servicer(_services.BotWorkerServicer):
                 yield pb.StreamRunTurnResponse(draft=draft)
         finally:
             # Drafts made after the end (by a thread the handler left running) go nowhere; a
-            # call Turnstile gave up on stops its handler, if it is a coroutine.
+            # call Turnstile gave up on (the user stopped the turn, or its caller went away)
+            # stops its handler, if it is a coroutine: it is cancelled at its next await.
             drafts.closed = True
             if not task.done():
                 task.cancel()
+                print(
+                    f"turnstile-worker: bot '{request.bot}' cancelled on activity "
+                    f"{turn.activity.get('id')} (attempt {request.attempt}): Turnstile cancelled "
+                    "the call (the user stopped the turn, or its caller gave up)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         error = task.exception()
         if error is not None:
             await self._failed(request, turn, error, context)

@@ -19,14 +19,15 @@ type Message = { role: 'user' | 'assistant'; text: string };
 export class FakeModel {
   constructor(readonly delayMs: number) {}
 
-  async *tokens(prompt: string, turn: number): AsyncGenerator<string> {
+  /** Stops when `signal` aborts (the user stopped the reply), as a model's client would. */
+  async *tokens(prompt: string, turn: number, signal?: AbortSignal): AsyncGenerator<string> {
     // A function of the prompt and the transcript alone, as the replay rule asks.
     const answer =
       `You said "${prompt}". This is answer number ${turn} of this conversation, ` +
       'written one word at a time the way a language model writes.';
     const words = answer.split(' ');
     for (const [i, word] of words.entries()) {
-      await sleep(this.delayMs);
+      await sleep(this.delayMs, undefined, { signal });
       yield i === words.length - 1 ? word : `${word} `;
     }
   }
@@ -38,7 +39,8 @@ export async function llm(turn: Turn): Promise<void> {
   if (turn.activity.type !== 'message') return;
   const transcript = (turn.conversation.transcript ?? []) as Message[];
   await turn.inform('Thinking…');
-  const reply = await turn.stream(model.tokens(turn.text, Math.floor(transcript.length / 2) + 1));
+  const n = Math.floor(transcript.length / 2) + 1;
+  const reply = await turn.stream(model.tokens(turn.text, n, turn.signal));
   const said: Message[] = [
     { role: 'user', text: turn.text },
     { role: 'assistant', text: reply },

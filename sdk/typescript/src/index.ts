@@ -188,12 +188,23 @@ export class Turn {
   readonly privateConversation: Scope | null;
   /** The replies sent so far in this attempt. */
   readonly replies: Activity[] = [];
+  /**
+   * Aborted when Turnstile cancels this call: the user stopped the reply (`StopTurn`), or the
+   * turn's caller gave up. Pass it to a model's client or `fetch`, so that an answer nobody will
+   * get stops costing; `turn.stream` stops at the next token by itself.
+   */
+  readonly signal: AbortSignal;
   readonly #scopes = new Map<ScopeField, TrackedScope>();
   #drafts: DraftSink | null;
 
   /** @internal A turn is made by the worker from Turnstile's request. */
-  constructor(request: RunTurnRequest, drafts: DraftSink | null = null) {
+  constructor(
+    request: RunTurnRequest,
+    drafts: DraftSink | null = null,
+    signal: AbortSignal = new AbortController().signal,
+  ) {
     this.#drafts = drafts;
+    this.signal = signal;
     this.bot = request.bot;
     this.activity = JSON.parse(request.activity_json) as Activity;
     this.attempt = request.attempt;
@@ -259,6 +270,7 @@ export class Turn {
   async stream(tokens: AsyncIterable<string> | Iterable<string>): Promise<string> {
     let text = '';
     for await (const token of tokens) {
+      this.signal.throwIfAborted();
       text += token;
       this.#offer('WORKER_DRAFT_KIND_TEXT', text);
     }
@@ -393,13 +405,22 @@ async function runHandler(
   handler: Handler,
   request: RunTurnRequest,
   drafts: DraftSink | null,
+  signal?: AbortSignal,
 ): Promise<Turn | Failure> {
   let turn: Turn | undefined;
   try {
-    turn = new Turn(request, drafts);
+    turn = new Turn(request, drafts, signal);
     await handler(turn);
     return turn;
   } catch (e) {
+    if (signal?.aborted) {
+      // Not the bot's bug: Turnstile stopped waiting, and the handler stopped with it.
+      const activity = turn ? turn.activity.id : undefined;
+      console.error(
+        `turnstile-worker: bot '${request.bot}' cancelled on activity ${activity} (attempt ${request.attempt}): Turnstile cancelled the call (the user stopped the turn, or its caller gave up)`,
+      );
+      return { code: grpc.status.CANCELLED, details: 'cancelled by Turnstile' };
+    }
     // The bot's bug, reported to Turnstile, which commits nothing. The whole stack goes to this
     // worker's log; Turnstile's caller learns only what and where, since the error's message may
     // quote the state or the activity's text.
@@ -426,7 +447,9 @@ async function runTurn(
     callback(handler);
     return;
   }
-  const turn = await runHandler(handler, call.request, null);
+  const cancelled = new AbortController();
+  call.on('cancelled', () => cancelled.abort(new Error('Turnstile cancelled the call')));
+  const turn = await runHandler(handler, call.request, null, cancelled.signal);
   if (turn instanceof Turn) callback(null, turn.answer());
   else callback(turn);
 }
@@ -442,14 +465,21 @@ async function streamRunTurn(
     call.emit('error', handler);
     return;
   }
-  // A call Turnstile gave up on takes no more drafts; the handler finishes on its own.
+  // A call Turnstile gave up on takes no more drafts, and its turn's signal aborts.
   let open = true;
+  const cancelled = new AbortController();
   call.on('cancelled', () => {
     open = false;
+    cancelled.abort(new Error('Turnstile cancelled the call'));
   });
-  const turn = await runHandler(handler, call.request, (draft) => {
-    if (open) call.write({ draft });
-  });
+  const turn = await runHandler(
+    handler,
+    call.request,
+    (draft) => {
+      if (open) call.write({ draft });
+    },
+    cancelled.signal,
+  );
   if (!open) return;
   if (turn instanceof Turn) {
     call.write({ result: turn.answer() });
