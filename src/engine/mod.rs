@@ -17,7 +17,12 @@
 //! lease it (`Store::lease_conversation`): they run as on a lone replica, one commit each, the
 //! last committing under the lease to hand it on, and the other replicas' turns wait in the
 //! store (see `HeldLease`). A bot whose policy is `Serialized` holds the conversation turn by
-//! turn from its first attempt. The conditional commit stays the backstop.
+//! turn from its first attempt. Those holds keep a transaction open while the bot runs, which
+//! suits bots of milliseconds. A streamed turn (a model writing for seconds) holds its
+//! conversation from its first attempt by the fenced hold instead (`Store::hold_conversation`),
+//! which keeps no connection while the bot runs; a redelivery of the activity on another
+//! replica waits for that hold and is answered from the receipt it finds. The conditional commit
+//! stays the backstop.
 
 mod hot;
 mod queue;
@@ -344,7 +349,9 @@ impl Engine {
         let last = !turn.others_waiting();
         let mut no_lease = None;
         let lease = turn.held().unwrap_or(&mut no_lease);
-        let mode = if self.bots.policy(bot_name) == ConcurrencyPolicy::Serialized {
+        let mode = if plan.drafts.is_some() && plan.receipt.is_some() {
+            Mode::Held
+        } else if self.bots.policy(bot_name) == ConcurrencyPolicy::Serialized {
             Mode::Locked
         } else if lease.is_some() || self.hot.is_hot(&plan.keys.conversation) {
             Mode::Leased
@@ -385,7 +392,7 @@ impl Engine {
             // the next one to the lock at once, as the queue it is, without a blind wait.
             let unlocked = match mode {
                 Mode::Optimistic => true,
-                Mode::Locked => false,
+                Mode::Locked | Mode::Held => false,
                 Mode::Leased => HeldLease::serves(lease, attempt),
             };
             // One span per run of the bot, so that a trace shows what each replay cost and why
@@ -405,6 +412,11 @@ impl Engine {
                 }
                 Mode::Locked => {
                     self.attempt_serialized(plan, attempt, deadline)
+                        .instrument(attempt_span.clone())
+                        .await
+                }
+                Mode::Held => {
+                    self.attempt_held(plan, attempt, deadline)
                         .instrument(attempt_span.clone())
                         .await
                 }
@@ -587,6 +599,37 @@ impl Engine {
         }
     }
 
+    /// One attempt holding the conversation by its fenced hold ([`Store::hold_conversation`]):
+    /// as [`Engine::attempt_serialized`], for a turn whose bot may take minutes, without a
+    /// connection held while it runs. Nobody else's held turn of this conversation runs until
+    /// this one has committed or let go; a redelivery of this activity on another replica waits
+    /// for it, and is then answered from its receipt.
+    async fn attempt_held(
+        &self,
+        plan: &TurnPlan<'_>,
+        attempt: u32,
+        deadline: Option<Instant>,
+    ) -> Result<AttemptOutcome, TurnError> {
+        let wait = lock_wait(deadline);
+        match self
+            .store
+            .hold_conversation(
+                &plan.keys.conversation,
+                &plan.key_list,
+                plan.receipt.as_ref(),
+                wait,
+            )
+            .await?
+        {
+            ConversationLock::Held { snapshot, turn } => {
+                self.metrics.granted.increment(1);
+                self.run_locked(plan, attempt, snapshot, turn).await
+            }
+            ConversationLock::NotNeeded => self.attempt(plan, attempt).await,
+            ConversationLock::NotGranted => Err(self.not_granted(attempt, deadline)),
+        }
+    }
+
     /// One attempt of a conversation this replica leases (see [`HeldLease`]): an ordinary
     /// attempt while the lease serves — the lease's last turn, the [`LEASE_TURNS`]th or `last`,
     /// the last of its conversation waiting here, commits under it, which ends it — else the
@@ -700,8 +743,12 @@ impl Engine {
 enum Mode {
     /// Not at all: a guess or a load, and the conditional commit.
     Optimistic,
-    /// The conversation lock for this attempt ([`Store::lock_conversation`]).
+    /// The conversation lock for this attempt ([`Store::lock_conversation`]): a serialized
+    /// bot's turns.
     Locked,
+    /// The conversation's fenced hold for this attempt ([`Store::hold_conversation`]): a
+    /// streamed turns, whose bots take seconds.
+    Held,
     /// This replica's lease on the conversation ([`HeldLease`]).
     Leased,
 }
@@ -712,6 +759,7 @@ impl Mode {
         match self {
             Self::Optimistic => "optimistic",
             Self::Locked => "locked",
+            Self::Held => "held",
             Self::Leased => "leased",
         }
     }
@@ -1148,6 +1196,23 @@ mod tests {
                 _ => {
                     self.inner
                         .lock_conversation(conversation, keys, receipt, wait)
+                        .await
+                }
+            }
+        }
+
+        async fn hold_conversation(
+            &self,
+            conversation: &StateKey,
+            keys: &[StateKey],
+            receipt: Option<&StateKey>,
+            wait: Duration,
+        ) -> Result<ConversationLock, StoreError> {
+            match self.fault {
+                Fault::LockAlwaysHeld => Ok(ConversationLock::NotGranted),
+                _ => {
+                    self.inner
+                        .hold_conversation(conversation, keys, receipt, wait)
                         .await
                 }
             }

@@ -161,6 +161,13 @@ impl StateKey {
         )
     }
 
+    /// The key of conversation `conversation`'s hold (`store::postgres::hold`): a row beside its
+    /// state, `{conversation}/hold`, which no scope's key can be (ids are escaped, and a scope's
+    /// key goes on with `/users/`, a receipt's with `/activities/`).
+    pub fn hold(conversation: &StateKey) -> Self {
+        Self::from_text(format!("{}/hold", conversation.as_str()).into())
+    }
+
     /// Wraps a key read back from a store, which only ever holds keys built here.
     pub(crate) fn from_stored(key: String) -> Self {
         Self::from_text(key.into())

@@ -257,6 +257,33 @@ impl<S: Store> Store for CachedStore<S> {
         )
     }
 
+    /// Remembers the load under the hold, and the commit under it, as
+    /// [`CachedStore::lock_conversation`] does.
+    async fn hold_conversation(
+        &self,
+        conversation: &StateKey,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+        wait: std::time::Duration,
+    ) -> Result<ConversationLock, StoreError> {
+        Ok(
+            match self
+                .inner
+                .hold_conversation(conversation, keys, receipt, wait)
+                .await?
+            {
+                ConversationLock::Held { snapshot, turn } => {
+                    self.remember_loaded(keys, &snapshot);
+                    ConversationLock::Held {
+                        turn: self.remembering(turn),
+                        snapshot,
+                    }
+                }
+                other => other,
+            },
+        )
+    }
+
     /// Remembers the load under the lease, and the commit of the lease's last turn, as
     /// [`CachedStore::lock_conversation`] does.
     async fn lease_conversation(

@@ -120,6 +120,17 @@ impl Store for MemoryStore {
         Ok(ConversationLock::NotNeeded)
     }
 
+    /// One replica: nothing to hold, as for [`MemoryStore::lock_conversation`].
+    async fn hold_conversation(
+        &self,
+        _conversation: &StateKey,
+        _keys: &[StateKey],
+        _receipt: Option<&StateKey>,
+        _wait: Duration,
+    ) -> Result<ConversationLock, StoreError> {
+        Ok(ConversationLock::NotNeeded)
+    }
+
     async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
         let mut tables = self.tables();
         let before = tables.receipts.len();

@@ -76,6 +76,11 @@ impl Versions {
         }
     }
 
+    /// Forgets `key` (a key the store wrote for itself, not the turn).
+    pub fn remove(&mut self, key: &StateKey) {
+        self.0.retain(|(k, _)| k != key);
+    }
+
     /// How many keys it has.
     pub fn len(&self) -> usize {
         self.0.len()
@@ -378,6 +383,28 @@ pub trait Store: Send + Sync + 'static {
     /// [`StoreError`] when the store cannot answer; a lock not granted in time is
     /// [`ConversationLock::NotGranted`], not an error.
     async fn lock_conversation(
+        &self,
+        conversation: &StateKey,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+        wait: std::time::Duration,
+    ) -> Result<ConversationLock, StoreError>;
+
+    /// Holds `conversation` for one turn against every other replica's held turns, like
+    /// [`Store::lock_conversation`], for a turn whose bot takes seconds to minutes (a language
+    /// model): without a connection or a transaction held while the bot runs. The hold is
+    /// fenced: the turn's commit (through [`ConversationLock::Held`]'s turn) checks that it
+    /// still has it, so a holder that stalled past its time and was taken over replays instead
+    /// of committing. `keys` and `receipt` are loaded once the hold is taken, in the same
+    /// request; a redelivery of an activity whose turn held the conversation finds its receipt
+    /// there. A store that serves one replica answers [`ConversationLock::NotNeeded`].
+    ///
+    /// Required of every store, so that a wrapper cannot switch holds off by forgetting it.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot answer; a hold not granted in time is
+    /// [`ConversationLock::NotGranted`], not an error.
+    async fn hold_conversation(
         &self,
         conversation: &StateKey,
         keys: &[StateKey],

@@ -37,6 +37,7 @@ use crate::state::StateKey;
 
 mod diagnose;
 mod group_commit;
+pub mod hold;
 mod jsonb;
 mod lock;
 pub mod schema;
@@ -582,6 +583,18 @@ impl Store for PostgresStore {
     ) -> Result<ConversationLock, StoreError> {
         self.schema.admit()?;
         lock::lock_conversation(self, conversation, keys, receipt, wait).await
+    }
+
+    #[tracing::instrument(level = "debug", skip_all)]
+    async fn hold_conversation(
+        &self,
+        conversation: &StateKey,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+        wait: Duration,
+    ) -> Result<ConversationLock, StoreError> {
+        self.schema.admit()?;
+        hold::hold_conversation(self, conversation, keys, receipt, wait).await
     }
 
     #[tracing::instrument(level = "debug", skip_all)]

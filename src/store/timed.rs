@@ -99,6 +99,23 @@ impl Store for TimedStore {
         locked
     }
 
+    /// Times the wait for the hold with the load under it, as a lock.
+    async fn hold_conversation(
+        &self,
+        conversation: &StateKey,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+        wait: Duration,
+    ) -> Result<ConversationLock, StoreError> {
+        let started = Instant::now();
+        let held = self
+            .inner
+            .hold_conversation(conversation, keys, receipt, wait)
+            .await;
+        self.lock.record(started.elapsed());
+        held
+    }
+
     /// Times the wait for the lease with the load under it, as a lock; the lease's last turn's
     /// commit is not timed.
     async fn lease_conversation(

@@ -445,6 +445,19 @@ impl Store for CountingHolds {
             .await
     }
 
+    async fn hold_conversation(
+        &self,
+        conversation: &StateKey,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+        wait: Duration,
+    ) -> Result<ConversationLock, StoreError> {
+        self.holds.fetch_add(1, Ordering::SeqCst);
+        self.inner
+            .hold_conversation(conversation, keys, receipt, wait)
+            .await
+    }
+
     async fn lease_conversation(
         &self,
         conversation: &StateKey,

@@ -26,6 +26,7 @@ mod embedded;
 mod failover;
 mod faults;
 mod gateway;
+mod held_turns;
 mod hot_conversations;
 mod idempotency;
 mod json_activities;

@@ -1,0 +1,208 @@
+//! The fenced hold of streamed turns (`store::postgres::hold`): a streamed turn holds its
+//! conversation across replicas while its bot runs, with no connection or transaction held for
+//! that time; a redelivery of its activity on another replica joins its outcome instead of
+//! running the bot again; and a holder that stalled past its hold cannot commit, but replays.
+//! On real PostgreSQL, with two replicas.
+#![allow(clippy::unwrap_used)]
+
+use crate::support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use support::streams::{collect, outcome};
+use support::{TestServer, message, postgres_config, texts};
+use tokio::sync::Semaphore;
+use turnstile::bot::{Bot, BotError, BotRegistry, TurnContext};
+use turnstile::grpc::pb;
+use turnstile::grpc::pb::stream_turn_response::Event;
+
+/// Appends each message's text to the conversation's list, drafting it first; a message
+/// `wait` holds its first attempt on `gate` after drafting. Counts its runs.
+struct Lists {
+    gate: Arc<Semaphore>,
+    runs: Arc<AtomicU32>,
+}
+
+#[async_trait]
+impl Bot for Lists {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        let mut items: Vec<String> = turn.conversation_property("items")?;
+        items.push(turn.text().to_owned());
+        turn.draft(items.join(", "))?;
+        if turn.text() == "wait" && turn.attempt() == 1 {
+            self.gate.acquire().await?.forget();
+        }
+        turn.conversation_state().set("items", &items)?;
+        turn.send_text(items.join(", "));
+        Ok(())
+    }
+}
+
+struct Replicas {
+    a: TestServer,
+    b: TestServer,
+    gate: Arc<Semaphore>,
+    runs: Arc<AtomicU32>,
+    url: String,
+}
+
+async fn replicas(pool_size: usize) -> Replicas {
+    let url = support::pg::fresh_database().await;
+    let gate = Arc::new(Semaphore::new(0));
+    let runs = Arc::new(AtomicU32::new(0));
+    let bots = || {
+        BotRegistry::new(
+            "lists",
+            Lists {
+                gate: Arc::clone(&gate),
+                runs: Arc::clone(&runs),
+            },
+        )
+    };
+    let mut config = postgres_config(&url);
+    if let turnstile::config::StoreConfig::Postgres { pool_size: p, .. } = &mut config.store {
+        *p = pool_size;
+    }
+    Replicas {
+        a: TestServer::start(config.clone(), bots()).await,
+        b: TestServer::start(config, bots()).await,
+        gate,
+        runs,
+        url,
+    }
+}
+
+/// Opens a `StreamTurn` of `activity` on `server` and reads it to its first draft.
+async fn until_drafted(
+    server: &TestServer,
+    activity: &pb::Activity,
+) -> (tonic::Streaming<pb::StreamTurnResponse>, Vec<Event>) {
+    let mut client = server.client().await;
+    let mut events = client
+        .stream_turn(pb::StreamTurnRequest::typed(activity.clone(), ""))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = events.message().await.unwrap().unwrap().event.unwrap();
+    assert!(matches!(first, Event::Draft(_)), "{first:?}");
+    (events, vec![first])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_on_another_replica_joins_the_running_turn_and_the_bot_runs_once() {
+    let r = replicas(8).await;
+    let activity = message("join", "ada", "wait");
+    let (events, seen) = until_drafted(&r.a, &activity).await;
+
+    // The channel sends the activity again, to the other replica, while the first still runs.
+    let b = r.b.client().await;
+    let again = activity.clone();
+    let redelivered = tokio::spawn(async move {
+        let mut b = b;
+        b.stream_turn(pb::StreamTurnRequest::typed(again, ""))
+            .await
+            .unwrap()
+            .into_inner()
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(r.runs.load(Ordering::SeqCst), 1, "the redelivery waits");
+    r.gate.add_permits(1);
+
+    let (events, ended) = collect(events, seen).await;
+    ended.unwrap();
+    let first = outcome(&events);
+    assert!(!first.redelivered);
+    assert_eq!(texts(first), ["wait"]);
+    let (joined, ended) = collect(redelivered.await.unwrap(), Vec::new()).await;
+    ended.unwrap();
+    assert_eq!(joined.len(), 1, "the outcome alone, no drafts: {joined:?}");
+    let joined = outcome(&joined);
+    assert!(joined.redelivered, "{joined:?}");
+    assert_eq!(texts(joined), texts(first));
+    assert_eq!(r.runs.load(Ordering::SeqCst), 1, "the bot ran once in all");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_turns_hold_no_connection_while_their_bots_run() {
+    const TURNS: usize = 12;
+    // Two connections for twelve conversations whose bots all run at once.
+    let r = replicas(2).await;
+    let mut running = Vec::new();
+    for i in 0..TURNS {
+        let activity = message(&format!("many-{i}"), "ada", "wait");
+        running.push(until_drafted(&r.a, &activity).await);
+    }
+    assert_eq!(r.runs.load(Ordering::SeqCst) as usize, TURNS, "all running");
+    let observer = support::pg::session(&r.url).await;
+    let open: i64 = observer
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity \
+              WHERE state LIKE 'idle in transaction%' AND pid <> pg_backend_pid()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(open, 0, "no transaction is held while the bots run");
+    r.gate.add_permits(TURNS);
+    for (events, seen) in running {
+        let (events, ended) = collect(events, seen).await;
+        ended.unwrap();
+        assert_eq!(texts(outcome(&events)), ["wait"]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_that_stalled_past_its_hold_cannot_commit_and_replays_after_the_new_holder() {
+    let r = replicas(8).await;
+    let stalled = message("fence", "ada", "wait");
+    let (events, seen) = until_drafted(&r.a, &stalled).await;
+    // Its hold runs out, as a replica stalled past it would let it: another turn takes over and
+    // runs its bot.
+    let observer = support::pg::session(&r.url).await;
+    let expired = observer
+        .execute(
+            "UPDATE turnstile_state SET state = jsonb_set(state, '{until}', '0') \
+              WHERE key LIKE '%/hold'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(expired, 1);
+    let (taker, taken) = until_drafted(&r.b, &message("fence", "bob", "wait")).await;
+
+    // The stalled turn goes on first: its commit finds the hold taken, though the state it read
+    // has not moved, and it waits to replay after the new holder.
+    r.gate.add_permits(1);
+    let mut events = events;
+    let mut seen = seen;
+    let reset = events.message().await.unwrap().unwrap().event.unwrap();
+    assert!(matches!(reset, Event::Reset(_)), "{reset:?}");
+    seen.push(reset);
+    r.gate.add_permits(1);
+    let (taker, ended) = collect(taker, taken).await;
+    ended.unwrap();
+    let taker = outcome(&taker);
+    assert_eq!(taker.attempts, 1, "the holder was not beaten: {taker:?}");
+    assert_eq!(texts(taker), ["wait"]);
+
+    let (events, ended) = collect(events, seen).await;
+    ended.unwrap();
+    let kinds: Vec<String> = events
+        .iter()
+        .map(|e| match e {
+            Event::Draft(d) => format!("draft {} {}", d.attempt, d.text),
+            Event::Reset(r) => format!("reset {}", r.attempt),
+            Event::Outcome(o) => format!("outcome {}", o.attempts),
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        ["draft 1 wait", "reset 1", "draft 2 wait, wait", "outcome 2"]
+    );
+    assert_eq!(outcome(&events).version, 2, "each committed once");
+}
