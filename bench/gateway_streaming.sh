@@ -19,6 +19,8 @@
 #   NO_BUILD=1 BIN=DIR ...                 measures the turnstile binary in DIR (a copy of a build)
 #   GATEWAY_FLAGS="--turn-timeout-ms 130000" ...   flags for `turnstile gateway` in 1 and 2 (the
 #                                             default is none: the gateway as shipped)
+#   WEBCHAT_TIMEOUT_MS=130000 ...          Web Chat's `sendTimeout` and Direct Line client's
+#                                             `timeout` in 2 (default: Web Chat's own, 20 s)
 #   KEEP=1 ...                             keeps the scratch directory (logs, results) at the end
 #
 # The workload: the release binaries as shipped (RUST_LOG unset, default settings), PostgreSQL in
@@ -243,7 +245,8 @@ if [ "$WHAT" = all ] || [ "$WHAT" = long ]; then
     mkdir -p "$ROOT/target/artifacts/bench"
     drive long-webchat long-webchat --gateway "$GATEWAY" --secret $SECRET --turn-ms "$LONG_MS" \
         --puppeteer "$PUPPETEER_DIR/node_modules/puppeteer-core" --chromium "$CHROMIUM" \
-        --webchat-js "$WEBCHAT_JS" --artifacts "$ROOT/target/artifacts/bench"
+        --webchat-js "$WEBCHAT_JS" --artifacts "$ROOT/target/artifacts/bench" \
+        ${WEBCHAT_TIMEOUT_MS:+--webchat-timeout-ms "$WEBCHAT_TIMEOUT_MS"}
     stop_all
 fi
 

@@ -9,6 +9,7 @@
 //   node gateway_streaming.js long-teams         --gateway URL --turn-ms MS
 //   node gateway_streaming.js long-webchat       --gateway URL --secret S --turn-ms MS
 //                                                --puppeteer DIR --chromium PATH --webchat-js FILE --artifacts DIR
+//                                                [--webchat-timeout-ms MS]
 //   node gateway_streaming.js kill               --gateway URL_A --gateway-b URL_B --kill-pid PID
 //                                                --turns N --turn-ms MS --runs-file FILE
 //   node gateway_streaming.js redeliver          --gateway URL_A --gateway-b URL_B --to same|other
@@ -341,7 +342,9 @@ async function directLineTurn(gateway, secret, limit) {
 
 // --- Web Chat in Chromium -----------------------------------------------------------------------
 
-function webChatPage(gateway, token) {
+// `timeout`: Web Chat's `sendTimeout` and botframework-directlinejs' request `timeout` (both
+// 20 s by default), or null for Web Chat's defaults.
+function webChatPage(gateway, token, timeout) {
   return `<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Web Chat</title>
 <style>html, body, #webchat { height: 100%; margin: 0; }</style></head>
@@ -352,7 +355,7 @@ function webChatPage(gateway, token) {
   const directLine = window.WebChat.createDirectLine({
     domain: '${gateway}/v3/directline',
     token: ${JSON.stringify(token)},
-    webSocket: true,
+    webSocket: true,${timeout ? `\n    timeout: ${timeout},` : ''}
   });
   directLine.connectionStatus$.subscribe((status) => { window.directLineStatus = status; });
   directLine.activity$.subscribe((a) => {
@@ -360,7 +363,8 @@ function webChatPage(gateway, token) {
     window.seen.push({ at: performance.now(), type: a.type, role: a.from && a.from.role,
       streamType: info.streamType || null, text: a.text || '' });
   });
-  window.WebChat.renderWebChat({ directLine }, document.getElementById('webchat'));
+  window.WebChat.renderWebChat({ directLine${timeout ? `, styleOptions: { sendTimeout: ${timeout} }` : ''} },
+    document.getElementById('webchat'));
 </script></body></html>`;
 }
 
@@ -371,7 +375,8 @@ async function longWebChat() {
     headers: { authorization: 'Bearer ' + opts.secret, 'content-type': 'application/json' },
     body: JSON.stringify({ user: { id: 'dl_webchat_bench' } }),
   }).then((r) => r.json());
-  const html = webChatPage(gateway, generated.token);
+  const webChatTimeout = opts['webchat-timeout-ms'] ? Number(opts['webchat-timeout-ms']) : null;
+  const html = webChatPage(gateway, generated.token, webChatTimeout);
   const bundle = fs.readFileSync(opts['webchat-js']);
   const site = http.createServer((req, res) => {
     if (req.url === '/webchat.js') {
@@ -460,6 +465,7 @@ async function longWebChat() {
     result = {
       name: 'long-webchat',
       turnMs: TURN_MS,
+      webChatTimeoutMs: webChatTimeout,
       settled,
       interimActivities: interim.length,
       firstInterimMs: interim.length ? interim[0].at - sentAt : null,
@@ -591,6 +597,7 @@ async function kill() {
       // Each stream's first draft has sequence 1; the final ends one of them.
       streamsOpened: events.filter((e) => isDraft(e) && e.streamSequence === 1).length,
       finals: events.filter(isFinal).length,
+      finalStreamTypes: events.filter(isFinal).map((f) => f.streamType),
       finalAfterRetryMs: finals[i] ? finals[i].at - retryStart : null,
       runs: runs[i].runs,
       runsThatSent: runs[i].sent,
@@ -647,6 +654,8 @@ async function redeliver() {
       streamsOpened: events.filter((e) => isDraft(e) && e.streamSequence === 1).length,
       finals: finals.length,
       finalsMs: finals.map((f) => Math.round(f.at - start)),
+      // `final` ends a stream; null is a plain message.
+      finalStreamTypes: finals.map((f) => f.streamType),
       distinctFinalTexts: new Set(finals.map((f) => f.text)).size,
       runs: runs[i].runs,
       runsThatSent: runs[i].sent,
