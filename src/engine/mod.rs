@@ -16,13 +16,12 @@
 //! on this replica for a few seconds (see `hot`). Its next turns, while more of them queue here,
 //! lease it (`Store::lease_conversation`): they run as on a lone replica, one commit each, the
 //! last committing under the lease to hand it on, and the other replicas' turns wait in the
-//! store (see `HeldLease`). A bot whose policy is `Serialized` holds the conversation turn by
-//! turn from its first attempt. Those holds keep a transaction open while the bot runs, which
-//! suits bots of milliseconds. A streamed turn (a model writing for seconds) holds its
-//! conversation from its first attempt by the fenced hold instead (`Store::hold_conversation`),
-//! which keeps no connection while the bot runs; a redelivery of the activity on another
-//! replica waits for that hold and is answered from the receipt it finds. The conditional commit
-//! stays the backstop.
+//! store (see `HeldLease`). Those keep a transaction open while the bot runs, which suits bots of
+//! milliseconds. A bot whose policy is `Serialized`, and every streamed turn (a model writing
+//! for seconds), hold the conversation turn by turn from the first attempt by its fenced hold
+//! instead (`Store::hold_conversation`), which keeps no connection while the bot runs; a
+//! redelivery of the activity on another replica waits for that hold and is answered from the
+//! receipt it finds. The conditional commit stays the backstop.
 
 mod hot;
 mod queue;
@@ -349,10 +348,10 @@ impl Engine {
         let last = !turn.others_waiting();
         let mut no_lease = None;
         let lease = turn.held().unwrap_or(&mut no_lease);
-        let mode = if plan.drafts.is_some() && plan.receipt.is_some() {
+        let mode = if self.bots.policy(bot_name) == ConcurrencyPolicy::Serialized
+            || (plan.drafts.is_some() && plan.receipt.is_some())
+        {
             Mode::Held
-        } else if self.bots.policy(bot_name) == ConcurrencyPolicy::Serialized {
-            Mode::Locked
         } else if lease.is_some() || self.hot.is_hot(&plan.keys.conversation) {
             Mode::Leased
         } else {
@@ -392,7 +391,7 @@ impl Engine {
             // the next one to the lock at once, as the queue it is, without a blind wait.
             let unlocked = match mode {
                 Mode::Optimistic => true,
-                Mode::Locked | Mode::Held => false,
+                Mode::Held => false,
                 Mode::Leased => HeldLease::serves(lease, attempt),
             };
             // One span per run of the bot, so that a trace shows what each replay cost and why
@@ -407,11 +406,6 @@ impl Engine {
             let ended = match mode {
                 Mode::Optimistic => {
                     self.attempt(plan, attempt)
-                        .instrument(attempt_span.clone())
-                        .await
-                }
-                Mode::Locked => {
-                    self.attempt_serialized(plan, attempt, deadline)
                         .instrument(attempt_span.clone())
                         .await
                 }
@@ -743,11 +737,8 @@ impl Engine {
 enum Mode {
     /// Not at all: a guess or a load, and the conditional commit.
     Optimistic,
-    /// The conversation lock for this attempt ([`Store::lock_conversation`]): a serialized
-    /// bot's turns.
-    Locked,
     /// The conversation's fenced hold for this attempt ([`Store::hold_conversation`]): a
-    /// streamed turns, whose bots take seconds.
+    /// a serialized bot's turns, and streamed ones, whose bots may take minutes.
     Held,
     /// This replica's lease on the conversation ([`HeldLease`]).
     Leased,
@@ -758,7 +749,6 @@ impl Mode {
     fn name(self) -> &'static str {
         match self {
             Self::Optimistic => "optimistic",
-            Self::Locked => "locked",
             Self::Held => "held",
             Self::Leased => "leased",
         }

@@ -43,6 +43,7 @@ mod lock;
 pub mod schema;
 pub mod tls;
 mod url;
+mod waker;
 
 pub use diagnose::ConnectError;
 pub use group_commit::GroupCommitStats;
@@ -395,6 +396,8 @@ pub struct PostgresStore {
     schema: Arc<schema::SchemaGate>,
     /// Where the pool's connections go, for the words of their errors.
     target: Arc<diagnose::Target>,
+    /// Wakes the turns waiting here for a conversation's hold when it is released.
+    waker: Arc<waker::Waker>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -426,6 +429,10 @@ impl PostgresStore {
     ) -> Result<Self, DatabaseError> {
         let connector = url.connector(statements)?;
         let target = Arc::new(connector.target);
+        let waker = Arc::new(waker::Waker::new(
+            connector.config.clone(),
+            connector.tls.clone(),
+        ));
         let manager = Manager::from_config(
             connector.config,
             connector.tls,
@@ -454,6 +461,7 @@ impl PostgresStore {
             statements,
             schema: Arc::new(schema::SchemaGate::open()),
             target,
+            waker,
         })
     }
 

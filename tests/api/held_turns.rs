@@ -141,7 +141,8 @@ async fn streamed_turns_hold_no_connection_while_their_bots_run() {
     let open: i64 = observer
         .query_one(
             "SELECT count(*) FROM pg_stat_activity \
-              WHERE state LIKE 'idle in transaction%' AND pid <> pg_backend_pid()",
+              WHERE state LIKE 'idle in transaction%' \
+                AND datname = current_database() AND pid <> pg_backend_pid()",
             &[],
         )
         .await
@@ -205,4 +206,61 @@ async fn a_turn_that_stalled_past_its_hold_cannot_commit_and_replays_after_the_n
         ["draft 1 wait", "reset 1", "draft 2 wait, wait", "outcome 2"]
     );
     assert_eq!(outcome(&events).version, 2, "each committed once");
+}
+
+/// A serialized bot's turns hold their conversations by the fenced hold too: far more
+/// conversations than the pool has connections run their slow bots at once, none waits for a
+/// connection, and no transaction stays open while the bots run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serialized_slow_turns_on_many_conversations_all_run_at_once_on_a_small_pool() {
+    const CONVERSATIONS: usize = 48;
+    const BOT_DELAY: Duration = Duration::from_millis(1500);
+    let url = support::pg::fresh_database().await;
+    let mut config = postgres_config(&url);
+    if let turnstile::config::StoreConfig::Postgres { pool_size: p, .. } = &mut config.store {
+        *p = 4;
+    }
+    let bots = BotRegistry::new("slow", turnstile::bots::SlowBot::new(BOT_DELAY))
+        .with_policy("slow", turnstile::ConcurrencyPolicy::Serialized)
+        .unwrap();
+    let server = TestServer::start(config, bots).await;
+    let client = server.client().await;
+    let started = std::time::Instant::now();
+    let turns: Vec<_> = (0..CONVERSATIONS)
+        .map(|i| {
+            let mut client = client.clone();
+            tokio::spawn(async move {
+                let mut call = tonic::Request::new(pb::ProcessTurnRequest::typed(
+                    message(&format!("serial-{i}"), "ada", "hi"),
+                    "",
+                ));
+                call.set_timeout(Duration::from_secs(30));
+                client.process_turn(call).await
+            })
+        })
+        .collect();
+    // Midway through the bots' runs: nobody holds a transaction open.
+    tokio::time::sleep(BOT_DELAY / 2).await;
+    let observer = support::pg::session(&url).await;
+    let open: i64 = observer
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity \
+              WHERE xact_start < clock_timestamp() - interval '200 milliseconds' \
+                AND datname = current_database() AND pid <> pg_backend_pid()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(open, 0, "a transaction stayed open while the bots ran");
+    for turn in turns {
+        let reply = turn.await.unwrap().unwrap().into_inner();
+        assert_eq!(texts(&reply), ["count: 1"]);
+    }
+    let elapsed = started.elapsed();
+    // One after the other, four at a time, would take twelve bot runs.
+    assert!(
+        elapsed < BOT_DELAY * 4,
+        "{CONVERSATIONS} turns took {elapsed:?}: they did not all run at once"
+    );
 }

@@ -181,6 +181,49 @@ async fn hold_by_hand(session: &tokio_postgres::Client, url: &str, bot: &str, co
         .unwrap();
 }
 
+/// Takes `conversation`'s fenced hold for `bot` on the `test` channel by hand, with `session`,
+/// as a replica whose serialized turn runs a slow bot would hold it (`store::postgres::hold`).
+async fn take_hold_by_hand(
+    session: &tokio_postgres::Client,
+    url: &str,
+    bot: &str,
+    conversation: &str,
+) {
+    postgres::migrate(&DatabaseUrl::new(url)).await.unwrap();
+    session
+        .execute(
+            "INSERT INTO turnstile_state (key, state, version) \
+             VALUES ($1 || '/hold', '{\"holder\": \"by hand\", \"until\": 1e12}', 1)",
+            &[&conversation_key(bot, conversation)],
+        )
+        .await
+        .unwrap();
+}
+
+/// Releases the hold [`take_hold_by_hand`] took, and announces it as a replica does.
+async fn release_hold_by_hand(session: &tokio_postgres::Client, bot: &str, conversation: &str) {
+    let key = format!("{}/hold", conversation_key(bot, conversation));
+    session
+        .batch_execute(&format!(
+            "UPDATE turnstile_state SET state = jsonb_set(state, '{{until}}', '0') \
+              WHERE key = '{key}'; SELECT pg_notify('turnstile_hold', '{key}')"
+        ))
+        .await
+        .unwrap();
+}
+
+/// How many conversations' fenced holds are held right now in `db`'s database.
+async fn holds_held(db: &tokio_postgres::Client) -> i64 {
+    db.query_one(
+        "SELECT count(*) FROM turnstile_state WHERE key LIKE '%/hold' \
+            AND (state->>'until')::float8 > extract(epoch FROM clock_timestamp())",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
 /// The conversation scope's key of `conversation` for `bot` on the `test` channel.
 fn conversation_key(bot: &str, conversation: &str) -> String {
     StateKey::conversation(
@@ -559,7 +602,7 @@ async fn a_hot_conversations_queued_turns_share_one_lease() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_lock_not_granted_in_time_ends_the_turn_with_nothing_committed() {
+async fn a_hold_not_granted_in_time_ends_the_turn_with_nothing_committed() {
     let url = support::pg::fresh_database().await;
     let runs = Arc::new(AtomicU32::new(0));
     let bots = BotRegistry::new("pizza", Counted(Arc::clone(&runs)))
@@ -570,10 +613,10 @@ async fn a_lock_not_granted_in_time_ends_the_turn_with_nothing_committed() {
 
     // Another party holds the conversation, as a replica with a slow turn would.
     let holder = session(&url).await;
-    hold_by_hand(&holder, &url, "pizza", "held").await;
-    let observer = session(&url).await;
+    take_hold_by_hand(&holder, &url, "pizza", "held").await;
 
-    // With a deadline: DEADLINE_EXCEEDED, and the server's wait in PostgreSQL ends with it.
+    // With a deadline: DEADLINE_EXCEEDED, at the deadline.
+    let asked = Instant::now();
     let mut call = tonic::Request::new(request(message("held", "alice", "add ham")));
     call.set_timeout(Duration::from_secs(2));
     let status = client.process_turn(call).await.unwrap_err();
@@ -586,15 +629,14 @@ async fn a_lock_not_granted_in_time_ends_the_turn_with_nothing_committed() {
         ),
         "{status:?}"
     );
-    // It gave up at the deadline; PostgreSQL's own statement timeout (8 s) would be later.
-    let gave_up = Instant::now() + Duration::from_secs(4);
-    while lock_waiters(&observer).await > 0 {
-        assert!(
-            Instant::now() < gave_up,
-            "the server still waits for the lock after the call's deadline"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    assert!(
+        asked.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        asked.elapsed()
+    );
+    // Waiting held nothing in PostgreSQL: no transaction stayed open for it.
+    let observer = session(&url).await;
+    assert_eq!(holding_back_pruning(&observer).await, 0);
 
     // Without a deadline the server bounds the wait itself and says so: the status is its own.
     let started = Instant::now();
@@ -612,7 +654,8 @@ async fn a_lock_not_granted_in_time_ends_the_turn_with_nothing_committed() {
     assert_eq!(runs.load(Ordering::SeqCst), 0, "the bot never ran");
     let rows: i64 = observer
         .query_one(
-            "SELECT (SELECT count(*) FROM turnstile_state) + (SELECT count(*) FROM turnstile_receipt)",
+            "SELECT (SELECT count(*) FROM turnstile_state WHERE key NOT LIKE '%/hold') \
+                  + (SELECT count(*) FROM turnstile_receipt)",
             &[],
         )
         .await
@@ -621,28 +664,28 @@ async fn a_lock_not_granted_in_time_ends_the_turn_with_nothing_committed() {
     assert_eq!(rows, 0, "nothing was committed");
 
     // Once the holder is done, the conversation serves again.
-    holder.batch_execute("COMMIT").await.unwrap();
+    release_hold_by_hand(&holder, "pizza", "held").await;
     let added = say(&mut client, "held", "add ham").await;
     assert_eq!(toppings(&texts(&added)[0]), ["ham"]);
 }
 
-/// The lock and the load under it go to PostgreSQL together; the load must still run after the
-/// lock is granted, so that a waiting turn sees what the turn before it committed — here a
-/// conversation that did not exist when the waiter asked — and runs once.
+/// The hold and the load under it go to PostgreSQL together; the load must still run after the
+/// hold is taken, so that a waiting turn sees what the turn before it committed — here a
+/// conversation that did not exist when the waiter asked — and runs once; and the release's
+/// announcement lets it in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_turn_waiting_for_the_lock_loads_what_was_committed_while_it_waited() {
+async fn a_turn_waiting_for_the_hold_loads_what_was_committed_while_it_waited() {
     let url = support::pg::fresh_database().await;
     let runs = Arc::new(AtomicU32::new(0));
     let serialized = BotRegistry::new("pizza", Counted(Arc::clone(&runs)))
         .with_policy("pizza", ConcurrencyPolicy::Serialized)
         .unwrap();
     let waiter = TestServer::start(postgres_config(&url), serialized).await;
-    // Another replica whose first attempt is optimistic, so it commits without the lock.
+    // Another replica whose bot is not serialized, so it commits without the hold.
     let other = TestServer::start(postgres_config(&url), BotRegistry::new("pizza", PizzaBot)).await;
 
     let holder = session(&url).await;
-    hold_by_hand(&holder, &url, "pizza", "queued").await;
-    let observer = session(&url).await;
+    take_hold_by_hand(&holder, &url, "pizza", "queued").await;
 
     let mut client = waiter.client().await;
     let waiting = tokio::spawn(async move {
@@ -651,24 +694,30 @@ async fn a_turn_waiting_for_the_lock_loads_what_was_committed_while_it_waited() 
             .await
             .map(tonic::Response::into_inner)
     });
-    let asked = Instant::now() + Duration::from_secs(20);
-    while lock_waiters(&observer).await == 0 {
-        assert!(Instant::now() < asked, "the turn never waited for the lock");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "the turn waits for the hold"
+    );
     // While it waits, the conversation comes into being elsewhere.
     let mut other_client = other.client().await;
     let added = say(&mut other_client, "queued", "add ham").await;
     assert_eq!(toppings(&texts(&added)[0]), ["ham"]);
-    holder.batch_execute("COMMIT").await.unwrap();
+    let released = Instant::now();
+    release_hold_by_hand(&holder, "pizza", "queued").await;
 
     let response = waiting.await.unwrap().unwrap();
+    eprintln!(
+        "the waiter answered {:?} after the release",
+        released.elapsed()
+    );
     let mut order = toppings(&texts(&response)[0]);
     order.sort();
     assert_eq!(order, ["ham", "olives"], "{:?}", texts(&response));
     assert_eq!(
         response.attempts, 1,
-        "the waiter ran on state loaded before the lock"
+        "the waiter ran on state loaded once it held the conversation"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
@@ -694,7 +743,7 @@ async fn slow_turn(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_replica_killed_while_holding_the_lock_stalls_nobody() {
+async fn a_replica_killed_while_holding_a_conversation_stalls_it_only_until_its_hold_runs_out() {
     const BOT_DELAY: Duration = Duration::from_secs(2);
     let url = support::pg::fresh_database().await;
     let mut fleet = Fleet::start_with_env(
@@ -713,12 +762,12 @@ async fn a_replica_killed_while_holding_the_lock_stalls_nobody() {
     let doomed = tokio::spawn(slow_turn(addrs[0], "kill", Duration::from_secs(30)));
     let until = Instant::now() + Duration::from_secs(15);
     loop {
-        if conversation_locks(&observer, true).await > 0 {
+        if holds_held(&observer).await > 0 {
             break;
         }
         assert!(
             Instant::now() < until,
-            "replica 0 never held the lock in PostgreSQL"
+            "replica 0 never held the conversation in PostgreSQL"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -729,8 +778,9 @@ async fn a_replica_killed_while_holding_the_lock_stalls_nobody() {
         "the killed replica answered"
     );
 
-    // The other replicas get the conversation as soon as PostgreSQL sees the session gone: each
-    // turn waits for its own bot (and the other's), not for a dead replica's.
+    // The other replicas get the conversation once the dead replica's hold runs out (it is not
+    // renewed any more): each turn waits for that, and for its own bot and the other's, not for
+    // the dead replica's bot.
     let started = Instant::now();
     let (one, two) = tokio::join!(
         slow_turn(addrs[1], "kill", Duration::from_secs(30)),
@@ -748,7 +798,8 @@ async fn a_replica_killed_while_holding_the_lock_stalls_nobody() {
         "the killed turn committed nothing; the two others one each, in turn"
     );
     assert!(
-        elapsed < 2 * BOT_DELAY + Duration::from_secs(8),
+        elapsed
+            < 2 * BOT_DELAY + turnstile::store::postgres::hold::HOLD_FOR + Duration::from_secs(6),
         "the survivors were stalled: {elapsed:?}"
     );
     eprintln!("two serialized slow turns after the kill took {elapsed:?}");

@@ -76,11 +76,19 @@ const RENEW: Sql = Sql {
             WHERE key = $1 AND version = $2",
     types: &[Type::TEXT, Type::INT8, Type::FLOAT8],
 };
-/// Releases hold `$1` at fence `$2` (its time set to the past, the fence kept).
+/// Releases hold `$1` at fence `$2` (its time set to the past, the fence kept), and announces
+/// it to the turns waiting for it (`waker`).
 const RELEASE: Sql = Sql {
-    text: "UPDATE turnstile_state SET state = jsonb_set(state, '{until}', '0') \
-            WHERE key = $1 AND version = $2",
+    text: "WITH released AS ( \
+             UPDATE turnstile_state SET state = jsonb_set(state, '{until}', '0') \
+              WHERE key = $1 AND version = $2 RETURNING key) \
+           SELECT pg_notify('turnstile_hold', key) FROM released",
     types: &[Type::TEXT, Type::INT8],
+};
+/// Announces hold `$1` released (by a commit, which released it).
+const ANNOUNCE: Sql = Sql {
+    text: "SELECT pg_notify('turnstile_hold', $1)",
+    types: &[Type::TEXT],
 };
 
 /// Takes `conversation`'s hold, waiting at most `wait` for it, and loads `keys` and `receipt`
@@ -96,6 +104,8 @@ pub(super) async fn hold_conversation(
     let key = StateKey::hold(conversation);
     let holder = holder();
     let mut pause = FIRST_PAUSE;
+    // Listening from before the first ask, so that a release between it and the wait is heard.
+    let mut released = store.waker.subscribe();
     loop {
         if let Some((fence, snapshot)) = take(store, &key, &holder, keys, receipt).await? {
             let turn = HeldTurn::new(store.clone(), key, fence);
@@ -108,8 +118,10 @@ pub(super) async fn hold_conversation(
         if now + pause >= until {
             return Ok(ConversationLock::NotGranted);
         }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(MAX_PAUSE);
+        tokio::select! {
+            () = tokio::time::sleep(pause) => pause = (pause * 2).min(MAX_PAUSE),
+            () = released.of(key.as_str()) => {}
+        }
     }
 }
 
@@ -233,12 +245,34 @@ async fn release(store: &PostgresStore, key: &StateKey, fence: Version) -> Resul
     let client = store.client().await?;
     within_call_timeout(async {
         RELEASE
-            .execute(&client, store.statements, &[&key.as_str(), &fence])
+            .query(&client, store.statements, &[&key.as_str(), &fence])
             .await
             .map_err(classify)
     })
     .await?;
     Ok(())
+}
+
+/// Announces hold `key`, released by a commit, to the turns waiting for it, on a task of its
+/// own: the committed turn's answer does not wait for it.
+fn announce(store: &PostgresStore, key: &StateKey) {
+    let (store, key) = (store.clone(), key.clone());
+    tokio::spawn(async move {
+        let announced = async {
+            let client = store.client().await?;
+            within_call_timeout(async {
+                ANNOUNCE
+                    .query(&client, store.statements, &[&key.as_str()])
+                    .await
+                    .map_err(classify)
+            })
+            .await
+        }
+        .await;
+        if let Err(e) = announced {
+            tracing::debug!(error = %e, "announcing a released hold failed; waiters ask again");
+        }
+    });
 }
 
 #[async_trait]
@@ -267,6 +301,7 @@ impl LockedTurn for HeldTurn {
                 Ok(CommitOutcome::Conflict { key })
             }
             Ok(CommitOutcome::Committed(mut versions)) => {
+                announce(&self.store, &self.key);
                 versions.remove(&self.key);
                 Ok(CommitOutcome::Committed(versions))
             }
