@@ -355,8 +355,8 @@ function webChatPage(gateway, token, timeout) {
   const directLine = window.WebChat.createDirectLine({
     domain: '${gateway}/v3/directline',
     token: ${JSON.stringify(token)},
-    webSocket: true,${timeout ? `\n    timeout: ${timeout},` : ''}
-  });
+    webSocket: true,
+  });${timeout ? `\n  // createDirectLine passes no timeout on: set the client's own.\n  directLine.timeout = ${timeout};` : ''}
   directLine.connectionStatus$.subscribe((status) => { window.directLineStatus = status; });
   directLine.activity$.subscribe((a) => {
     const info = (a.entities || []).find((e) => e && e.type === 'streaminfo') || a.channelData || {};
