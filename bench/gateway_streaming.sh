@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Streamed turns through the gateway: the streaming issue's remaining targets (issue #27).
 #
-#   bench/gateway_streaming.sh             everything below, in order (about 5 minutes)
+#   bench/gateway_streaming.sh             everything below, in order (about 8 minutes)
 #   bench/gateway_streaming.sh first-draft 1. time to the first draft reaching the channel, p99
 #                                             target ≤ 300 ms, TURNS (96) 20 s turns, CONCURRENCY
 #                                             (32) in flight, (a) Teams on /api/messages, (b) Direct
