@@ -391,8 +391,10 @@ fn address_reply(reply: &mut Activity, to: &Activity) {
 pub struct BotRegistry {
     bots: BTreeMap<String, Arc<dyn Bot>>,
     default: String,
-    /// The bots whose turns take the conversation lock from their first attempt.
+    /// The bots whose turns hold the conversation from their first attempt.
     serialized: BTreeSet<String>,
+    /// The bots whose double-text policy is not [`DoubleText::Enqueue`].
+    double_text: BTreeMap<String, DoubleText>,
 }
 
 /// How the turns of one bot meet concurrent turns of the same conversation on other replicas.
@@ -403,10 +405,51 @@ pub enum ConcurrencyPolicy {
     /// lock, so a turn runs its bot at most twice whenever the lock comes in time.
     #[default]
     Optimistic,
-    /// Hold the conversation lock from the first attempt: no run of the bot is ever thrown away
-    /// for a conflict, at the price of a pooled connection held while the bot runs. For bots
-    /// whose turns are slow or cost money (a language model, a payment).
+    /// Hold the conversation from the first attempt, across replicas (a fenced hold, with no
+    /// connection held while the bot runs): no run of the bot is ever thrown away for a
+    /// conflict. For bots whose turns are slow or cost money (a language model, a payment).
     Serialized,
+}
+
+/// What happens to a message that arrives while a turn of its conversation is still running —
+/// the user double-texts — the same on every replica.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DoubleText {
+    /// The new turn waits for the running one, then runs: first in, first out within a replica.
+    #[default]
+    Enqueue,
+    /// The new message is refused at once (`FAILED_PRECONDITION`, reason `CONVERSATION_BUSY`,
+    /// with a `RetryInfo`), and nothing is committed for it; a redelivery of the running
+    /// message itself still waits for that turn's answer.
+    Reject,
+}
+
+impl DoubleText {
+    /// The policy's name, as `--double-text` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Enqueue => "enqueue",
+            Self::Reject => "reject",
+        }
+    }
+}
+
+impl std::str::FromStr for DoubleText {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<Self, String> {
+        match name.trim() {
+            "enqueue" => Ok(Self::Enqueue),
+            "reject" => Ok(Self::Reject),
+            "interrupt" | "coalesce" => Err(format!(
+                "the double-text policy `{}` is not available yet (available: enqueue, reject)",
+                name.trim()
+            )),
+            other => Err(format!(
+                "unknown double-text policy `{other}` (one of: enqueue, reject)"
+            )),
+        }
+    }
 }
 
 /// A lookup for a bot the registry does not host.
@@ -434,6 +477,7 @@ impl BotRegistry {
             bots,
             default: name,
             serialized: BTreeSet::new(),
+            double_text: BTreeMap::new(),
         }
     }
 
@@ -463,6 +507,28 @@ impl BotRegistry {
         } else {
             ConcurrencyPolicy::Optimistic
         }
+    }
+
+    /// Sets what happens to a message of bot `name`'s conversations that arrives while a turn of
+    /// the conversation runs (every bot starts [`DoubleText::Enqueue`]). A policy other than
+    /// `Enqueue` holds the bot's conversations from each turn's first attempt, as
+    /// [`ConcurrencyPolicy::Serialized`] does, so that every replica sees the running turn.
+    ///
+    /// # Errors
+    /// When no bot of that name is registered.
+    pub fn with_double_text(mut self, name: &str, policy: DoubleText) -> Result<Self, UnknownBot> {
+        let (name, _) = self.get(Some(name))?;
+        let name = name.to_owned();
+        match policy {
+            DoubleText::Enqueue => self.double_text.remove(&name),
+            other => self.double_text.insert(name, other),
+        };
+        Ok(self)
+    }
+
+    /// The double-text policy of the bot named `name` (as returned by [`BotRegistry::get`]).
+    pub fn double_text(&self, name: &str) -> DoubleText {
+        self.double_text.get(name).copied().unwrap_or_default()
     }
 
     /// Adds `bot` under `name`, replacing any bot of that name.
@@ -517,6 +583,7 @@ impl fmt::Debug for BotRegistry {
             .field("bots", &self.bots.keys().collect::<Vec<_>>())
             .field("default", &self.default)
             .field("serialized", &self.serialized)
+            .field("double_text", &self.double_text)
             .finish()
     }
 }

@@ -83,6 +83,9 @@ pub struct Config {
     /// attempt ([`crate::bot::ConcurrencyPolicy::Serialized`]); `serve` applies this after
     /// registering the remote bots, and refuses to start when a name is not hosted.
     pub serialized_bots: Vec<String>,
+    /// Each bot's double-text policy, by name ([`crate::bot::DoubleText`]); `serve` applies
+    /// these as it does `serialized_bots`, and refuses to start when a name is not hosted.
+    pub double_text: Vec<(String, crate::bot::DoubleText)>,
 }
 
 /// How long a client's HTTP/2 connection lives, and how a dead one is noticed.
@@ -185,6 +188,7 @@ impl Default for Config {
             connections: Connections::default(),
             remote_bots: RemoteBots::default(),
             serialized_bots: Vec::new(),
+            double_text: Vec::new(),
         }
     }
 }
@@ -362,6 +366,18 @@ pub struct ServeArgs {
         value_delimiter = ','
     )]
     pub serialized_bots: Vec<String>,
+    /// What happens to a message that arrives while a turn of its conversation runs, per bot:
+    /// `BOT=POLICY`, comma-separated; `enqueue` (the default: it waits, then runs) or `reject`
+    /// (refused at once with `CONVERSATION_BUSY`, nothing committed). The same on every replica.
+    #[arg(
+        help_heading = "Bots",
+        long,
+        env = "TURNSTILE_DOUBLE_TEXT",
+        value_delimiter = ',',
+        value_name = "BOT=POLICY",
+        value_parser = parse_double_text
+    )]
+    pub double_text: Vec<(String, crate::bot::DoubleText)>,
     /// How long every run of the `slow` sample bot takes, in milliseconds.
     #[arg(
         help_heading = "Bots",
@@ -502,6 +518,18 @@ impl std::str::FromStr for GatewayListen {
     }
 }
 
+/// `BOT=POLICY`, as `--double-text` takes it.
+fn parse_double_text(value: &str) -> Result<(String, crate::bot::DoubleText), String> {
+    let (bot, policy) = value
+        .split_once('=')
+        .ok_or_else(|| format!("`{value}` is not BOT=POLICY (for example `llm=reject`)"))?;
+    let bot = bot.trim();
+    if bot.is_empty() {
+        return Err(format!("`{value}` names no bot"));
+    }
+    Ok((bot.to_owned(), policy.parse()?))
+}
+
 impl ServeArgs {
     /// The configuration these arguments describe.
     pub fn config(&self) -> Config {
@@ -573,6 +601,7 @@ impl ServeArgs {
                 .map(|n| n.trim().to_owned())
                 .filter(|n| !n.is_empty())
                 .collect(),
+            double_text: self.double_text.clone(),
         }
     }
 }
@@ -619,6 +648,7 @@ impl ServeArgs {
             bot: bot.to_owned(),
             credentials: self.channel.credentials()?,
             direct_line_secrets: self.channel.direct_line_secrets(),
+            busy_text: self.channel.busy_text.clone(),
             // Its background turns get the same grace as the server's turns.
             shutdown_grace: Duration::from_secs(self.shutdown_grace_secs),
             ..crate::gateway::GatewayConfig::embedded(grpc)
@@ -791,6 +821,35 @@ mod server_flags {
             crate::server::with_policies(cli.serve.bots(), &cli.serve.config()).is_err(),
             "an unknown bot is refused"
         );
+    }
+
+    #[test]
+    fn double_text_policies_are_parsed_named_and_checked() {
+        use crate::bot::DoubleText;
+        let cli = Cli::try_parse_from(["turnstile", "--double-text", "slow=reject, llm=enqueue"])
+            .expect("valid arguments");
+        let bots = crate::server::with_policies(cli.serve.bots(), &cli.serve.config())
+            .expect("hosted bots");
+        assert_eq!(bots.double_text("slow"), DoubleText::Reject);
+        assert_eq!(bots.double_text("llm"), DoubleText::Enqueue);
+        assert_eq!(bots.double_text("pizza"), DoubleText::Enqueue);
+        for (value, says) in [
+            ("slow=maybe", "unknown double-text policy `maybe`"),
+            ("slow", "is not BOT=POLICY"),
+            ("=reject", "names no bot"),
+            ("slow=coalesce", "`coalesce` is not available yet"),
+        ] {
+            let err = Cli::try_parse_from(["turnstile", "--double-text", value])
+                .expect_err("refused")
+                .to_string();
+            assert!(err.contains(says), "{value}: {err}");
+        }
+        let cli = Cli::try_parse_from(["turnstile", "--double-text", "nobody=reject"])
+            .expect("valid arguments");
+        let err = crate::server::with_policies(cli.serve.bots(), &cli.serve.config())
+            .expect_err("an unknown bot is refused")
+            .to_string();
+        assert!(err.contains("nobody"), "{err}");
     }
 
     #[tokio::test]

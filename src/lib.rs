@@ -40,6 +40,6 @@ pub mod state;
 pub mod store;
 pub mod telemetry;
 
-pub use bot::{Bot, BotError, BotRegistry, ConcurrencyPolicy, TurnContext};
+pub use bot::{Bot, BotError, BotRegistry, ConcurrencyPolicy, DoubleText, TurnContext};
 pub use config::Config;
 pub use server::serve;

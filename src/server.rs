@@ -79,6 +79,9 @@ pub enum ServeError {
     /// A serialized bot is not hosted.
     #[error("a bot to serialize is not hosted")]
     SerializedBot(#[source] crate::bot::UnknownBot),
+    /// A bot given a double-text policy is not hosted.
+    #[error("--double-text: {0}")]
+    DoubleTextBot(crate::bot::UnknownBot),
     /// The metrics recorder could not be installed.
     #[error(transparent)]
     Metrics(#[from] crate::telemetry::metrics::MetricsError),
@@ -144,12 +147,18 @@ async fn open(config: &Config) -> Result<(Arc<dyn Store>, Option<PostgresStore>)
 /// registered.
 ///
 /// # Errors
-/// [`ServeError::SerializedBot`] when `config.serialized_bots` names a bot that is not hosted.
+/// [`ServeError::SerializedBot`] when `config.serialized_bots` names a bot that is not hosted,
+/// [`ServeError::DoubleTextBot`] when `config.double_text` does.
 pub fn with_policies(mut bots: BotRegistry, config: &Config) -> Result<BotRegistry, ServeError> {
     for name in &config.serialized_bots {
         bots = bots
             .with_policy(name, crate::bot::ConcurrencyPolicy::Serialized)
             .map_err(ServeError::SerializedBot)?;
+    }
+    for (name, policy) in &config.double_text {
+        bots = bots
+            .with_double_text(name, *policy)
+            .map_err(ServeError::DoubleTextBot)?;
     }
     Ok(bots)
 }

@@ -23,6 +23,7 @@
 //! redelivery of the activity on another replica waits for that hold and is answered from the
 //! receipt it finds. The conditional commit stays the backstop.
 
+mod busy;
 mod hot;
 mod queue;
 mod receipt;
@@ -43,8 +44,8 @@ use crate::activity::incoming::{
     ActivityId, ChannelId, ConversationId, IncomingActivity, InvalidActivity,
 };
 use crate::bot::{
-    Bot, BotError, BotErrorKind, BotRegistry, ConcurrencyPolicy, TurnContext, TurnScopes,
-    UnknownBot,
+    Bot, BotError, BotErrorKind, BotRegistry, ConcurrencyPolicy, DoubleText, TurnContext,
+    TurnScopes, UnknownBot,
 };
 use crate::drafts::{Drafts, Stop};
 use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
@@ -52,7 +53,7 @@ use crate::store::cached::CachedStore;
 use crate::store::timed::TimedStore;
 use crate::store::{
     Commit, CommitOutcome, Consistency, ConversationLease, ConversationLock, KeyChange, Lease,
-    LockedTurn, Snapshot, Store, StoreError, Version,
+    LockedTurn, Others, Snapshot, Store, StoreError, Version,
 };
 use crate::telemetry::metrics::{
     CONFLICTS, LOCK_WAITS, REDELIVERIES, TURN_ATTEMPTS, TURN_DURATION, TURNS,
@@ -103,6 +104,15 @@ pub enum TurnError {
         /// How many times the bot ran.
         attempts: u32,
     },
+    /// Another message's turn of the conversation is still running, and the bot's double-text
+    /// policy is `reject`: nothing was committed for this one.
+    #[error(
+        "a turn of this conversation is still running, and bot `{bot}` refuses messages meanwhile (double-text policy `reject`); nothing was committed for this one: send it again once the reply has come"
+    )]
+    ConversationBusy {
+        /// The bot.
+        bot: String,
+    },
     /// The bot returned an error (or panicked). Nothing was committed.
     #[error("the bot failed: {0}")]
     Bot(BotError),
@@ -121,6 +131,7 @@ pub struct Engine {
     queue: Arc<queue::KeyQueue<Option<HeldLease>>>,
     hot: Arc<hot::HotConversations>,
     stoppable: Arc<stoppable::Stoppable>,
+    busy: Arc<busy::Busy>,
     metrics: Arc<TurnMetrics>,
 }
 
@@ -200,6 +211,7 @@ impl Engine {
             queue: Arc::new(queue::KeyQueue::new()),
             hot: Arc::new(hot::HotConversations::default()),
             stoppable: Arc::default(),
+            busy: Arc::default(),
             metrics: Arc::new(TurnMetrics::new()),
         }
     }
@@ -337,7 +349,27 @@ impl Engine {
         let span = tracing::Span::current();
         span.record("channel", incoming.address().channel.as_str());
         span.record("bot", bot_name);
-        let plan = TurnPlan::new(bot_name, handler.as_ref(), incoming, deadline, drafts);
+        let double_text = self.bots.double_text(bot_name);
+        let plan = TurnPlan::new(
+            bot_name,
+            handler.as_ref(),
+            incoming,
+            deadline,
+            drafts,
+            double_text,
+        );
+        // A bot that refuses double texts refuses one at once while another message's turn of
+        // the conversation is in flight here; across replicas, the hold tells (`attempt_held`).
+        let _admitted = match double_text {
+            DoubleText::Reject => Some(
+                self.busy
+                    .admit(&plan.keys.conversation, plan.receipt.as_ref())
+                    .ok_or_else(|| TurnError::ConversationBusy {
+                        bot: bot_name.to_owned(),
+                    })?,
+            ),
+            DoubleText::Enqueue => None,
+        };
         // A streamed turn can be stopped from its first moment, queued or running.
         let _stoppable = plan
             .receipt
@@ -349,6 +381,7 @@ impl Engine {
         let mut no_lease = None;
         let lease = turn.held().unwrap_or(&mut no_lease);
         let mode = if self.bots.policy(bot_name) == ConcurrencyPolicy::Serialized
+            || double_text != DoubleText::Enqueue
             || (plan.drafts.is_some() && plan.receipt.is_some())
         {
             Mode::Held
@@ -589,7 +622,10 @@ impl Engine {
                 self.run_locked(plan, attempt, snapshot, turn).await
             }
             ConversationLock::NotNeeded => self.attempt(plan, attempt).await,
-            ConversationLock::NotGranted => Err(self.not_granted(attempt, deadline)),
+            // The lock waits for every other turn: never busy.
+            ConversationLock::NotGranted | ConversationLock::Busy => {
+                Err(self.not_granted(attempt, deadline))
+            }
         }
     }
 
@@ -605,6 +641,12 @@ impl Engine {
         deadline: Option<Instant>,
     ) -> Result<AttemptOutcome, TurnError> {
         let wait = lock_wait(deadline);
+        // A bot that refuses double texts refuses them before running, not on a replay.
+        let others = if plan.double_text == DoubleText::Reject && attempt == 1 {
+            Others::Refuse
+        } else {
+            Others::Wait
+        };
         match self
             .store
             .hold_conversation(
@@ -612,6 +654,7 @@ impl Engine {
                 &plan.key_list,
                 plan.receipt.as_ref(),
                 wait,
+                others,
             )
             .await?
         {
@@ -621,6 +664,9 @@ impl Engine {
             }
             ConversationLock::NotNeeded => self.attempt(plan, attempt).await,
             ConversationLock::NotGranted => Err(self.not_granted(attempt, deadline)),
+            ConversationLock::Busy => Err(TurnError::ConversationBusy {
+                bot: plan.bot_name.to_owned(),
+            }),
         }
     }
 
@@ -859,19 +905,26 @@ struct TurnPlan<'a> {
     deadline: Option<Instant>,
     /// Where the bot's drafts go, when someone streams the turn.
     drafts: Option<&'a Drafts>,
+    /// The bot's name.
+    bot_name: &'a str,
+    /// What happens to a message arriving while a turn of the conversation runs.
+    double_text: DoubleText,
 }
 
 impl<'a> TurnPlan<'a> {
     fn new(
-        bot_name: &str,
+        bot_name: &'a str,
         bot: &'a dyn Bot,
         incoming: &'a IncomingActivity,
         deadline: Option<Instant>,
         drafts: Option<&'a Drafts>,
+        double_text: DoubleText,
     ) -> Self {
         let address = incoming.address();
         let keys = TurnKeys::new(bot_name, address);
         Self {
+            bot_name,
+            double_text,
             bot,
             incoming,
             key_list: keys.all().map(|(_, k)| k.clone()).collect(),
@@ -997,10 +1050,11 @@ fn attempt_name(ended: &Result<AttemptOutcome, TurnError>) -> &'static str {
 }
 
 /// Every outcome [`outcome_name`] gives.
-const OUTCOMES: [&str; 8] = [
+const OUTCOMES: [&str; 9] = [
     "committed",
     "redelivered",
     "stopped",
+    "rejected",
     "invalid",
     "aborted",
     "deadline_exceeded",
@@ -1015,6 +1069,7 @@ fn outcome_name(result: &Result<TurnOutcome, TurnError>) -> &'static str {
         Ok(o) if o.stopped => "stopped",
         Ok(_) => "committed",
         Err(TurnError::UnknownBot(_)) => "invalid",
+        Err(TurnError::ConversationBusy { .. }) => "rejected",
         Err(TurnError::Aborted { .. }) => "aborted",
         Err(TurnError::DeadlineExceeded { .. }) => "deadline_exceeded",
         Err(TurnError::Bot(e)) if e.kind() == BotErrorKind::DeadlineExceeded => "deadline_exceeded",
@@ -1197,12 +1252,13 @@ mod tests {
             keys: &[StateKey],
             receipt: Option<&StateKey>,
             wait: Duration,
+            others: crate::store::Others,
         ) -> Result<ConversationLock, StoreError> {
             match self.fault {
                 Fault::LockAlwaysHeld => Ok(ConversationLock::NotGranted),
                 _ => {
                     self.inner
-                        .hold_conversation(conversation, keys, receipt, wait)
+                        .hold_conversation(conversation, keys, receipt, wait, others)
                         .await
                 }
             }

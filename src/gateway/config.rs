@@ -181,6 +181,10 @@ pub struct ChannelArgs {
     /// without one when `MicrosoftAppId` is set.
     #[arg(long, env = "DirectLineSecret", hide_env_values = true)]
     pub direct_line_secret: Option<String>,
+    /// What the user is told when a message is refused because the bot is still answering the
+    /// one before (a bot whose double-text policy is `reject`). Nothing is committed for it.
+    #[arg(long, env = "TURNSTILE_BUSY_TEXT", default_value = BUSY_TEXT)]
+    pub busy_text: String,
 }
 
 /// Why the settings describe no gateway that could work.
@@ -321,7 +325,13 @@ pub struct GatewayConfig {
     /// Direct Line secrets; with none, Direct Line and the chat page are served only in
     /// development (no credentials), and then without authentication.
     pub direct_line_secrets: Vec<Secret>,
+    /// The reply to a message refused because the bot is still answering the one before.
+    pub busy_text: String,
 }
+
+/// The default of `--busy-text`.
+pub const BUSY_TEXT: &str =
+    "I'm still answering your previous message. Please send this one again once I'm done.";
 
 impl GatewayConfig {
     /// An unauthenticated gateway in front of the Turnstile server at `turnstile_url`.
@@ -338,6 +348,7 @@ impl GatewayConfig {
             credentials: None,
             delivery: DeliveryPolicy::default(),
             direct_line_secrets: Vec::new(),
+            busy_text: BUSY_TEXT.to_owned(),
         }
     }
 
@@ -419,6 +430,7 @@ impl GatewayArgs {
             credentials,
             delivery: DeliveryPolicy::default(),
             direct_line_secrets: self.channel.direct_line_secrets(),
+            busy_text: self.channel.busy_text.clone(),
         })
     }
 }

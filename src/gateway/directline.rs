@@ -100,6 +100,8 @@ pub(super) struct DirectLine {
     conversations: Mutex<Conversations>,
     /// Set when the gateway stops: streams close, so that they do not hold the shutdown.
     stopping: watch::Sender<bool>,
+    /// The reply to a message refused while the bot still answers the one before.
+    busy_text: String,
 }
 
 impl std::fmt::Debug for DirectLine {
@@ -284,7 +286,16 @@ impl DirectLine {
             bot_id: if bot.is_empty() { "bot" } else { bot }.to_owned(),
             conversations: Mutex::default(),
             stopping: watch::Sender::new(false),
+            busy_text: super::config::BUSY_TEXT.to_owned(),
         }
+    }
+
+    /// The same, telling a user whose message is refused while the bot still answers the one
+    /// before `text`.
+    #[must_use]
+    pub(super) fn with_busy_text(mut self, text: &str) -> Self {
+        text.clone_into(&mut self.busy_text);
+        self
     }
 
     /// Closes every stream, now and from now on.
@@ -585,7 +596,19 @@ impl DirectLine {
         } else {
             self.turns.process(&text, turn_conversation).await
         }
-        .map_err(DirectLineError::Turn)?;
+        .map_err(DirectLineError::Turn);
+        let response = match response {
+            // Refused, nothing committed: the user's message and why, in the transcript.
+            Err(DirectLineError::Turn(status)) if super::turns::is_busy(&status) => {
+                pb::ProcessTurnResponse {
+                    activities_json: vec![
+                        json!({"type": "message", "text": self.busy_text}).to_string(),
+                    ],
+                    ..pb::ProcessTurnResponse::default()
+                }
+            }
+            response => response?,
+        };
         let mut appended = vec![activity];
         for json in response.activities_json {
             let mut reply: Value = serde_json::from_str(&json)

@@ -55,8 +55,8 @@ use tokio::net::TcpListener;
 use tracing::Instrument;
 
 pub use config::{
-    AppCredentials, AppType, ChannelArgs, ConfigError, DeliveryPolicy, GatewayArgs, GatewayConfig,
-    Secret,
+    AppCredentials, AppType, BUSY_TEXT, ChannelArgs, ConfigError, DeliveryPolicy, GatewayArgs,
+    GatewayConfig, Secret,
 };
 
 use crate::activity::{Activity, types};
@@ -115,6 +115,8 @@ struct Gateway {
     auth: Option<ChannelAuth>,
     connector: Connector,
     background: Arc<background::Background>,
+    /// The reply to a message refused because the bot is still answering the one before.
+    busy_text: String,
 }
 
 /// Serves `POST /api/messages` on `listeners.http` (and `/metrics` on `listeners.metrics`) until
@@ -168,11 +170,14 @@ pub async fn serve(
     let turns = Turns::new(&config)?;
     let readiness = Arc::new(health::Readiness::new(&config).map_err(TurnsError::from)?);
     let direct_line = config.direct_line_enabled().then(|| {
-        Arc::new(directline::DirectLine::new(
-            config.direct_line_secrets.clone(),
-            turns.clone(),
-            &config.bot,
-        ))
+        Arc::new(
+            directline::DirectLine::new(
+                config.direct_line_secrets.clone(),
+                turns.clone(),
+                &config.bot,
+            )
+            .with_busy_text(&config.busy_text),
+        )
     });
     let background = background::Background::new(config.max_background_turns);
     let gateway = Arc::new(Gateway {
@@ -181,6 +186,7 @@ pub async fn serve(
         connector: Connector::new(config.credentials.as_ref(), http, config.delivery),
         auth,
         background: Arc::clone(&background),
+        busy_text: config.busy_text.clone(),
     });
     let mut app = Router::new()
         .route("/api/messages", post(messages))
@@ -390,11 +396,13 @@ impl Gateway {
     /// The turn of a caller that waits: `expectReplies` gets the replies in the body, an invoke
     /// its `invokeResponse` (its other replies delivered first), within the channel's budget.
     async fn answer(&self, call: &Call) -> Result<Response, Refusal> {
-        let response = self
-            .turns
-            .process(&call.text, call.conversation())
-            .await
-            .map_err(Refusal::Turn)?;
+        let response = match self.turns.process(&call.text, call.conversation()).await {
+            Err(status) if turns::is_busy(&status) && !call.inbound.is_type(types::INVOKE) => {
+                // Refused, nothing committed: the user is told so, in the body as asked.
+                return Ok(expected_replies(&[self.busy_reply(call)]));
+            }
+            response => response.map_err(Refusal::Turn)?,
+        };
         let mut replies = replies(call, response)?;
         if call.inbound.delivery_mode.as_deref() == Some(EXPECT_REPLIES) {
             return Ok(expected_replies(&replies));
@@ -470,7 +478,15 @@ impl Gateway {
                 Stream::None,
             )
         };
-        let response = response.map_err(Refusal::Turn)?;
+        let response = match response {
+            Err(status) if turns::is_busy(&status) => {
+                // Refused, nothing committed: the user is told so, as a reply of its own.
+                return Ok(self
+                    .deliver(&call.inbound, &[self.busy_reply(call)], None)
+                    .await?);
+            }
+            response => response.map_err(Refusal::Turn)?,
+        };
         if response.stopped && teams::streams(&call.inbound) {
             // Stopped by Teams' 403: what the turn committed is what the closed stream shows the
             // user already (a redelivery too: the first run's stream showed it).
@@ -489,6 +505,21 @@ impl Gateway {
         }
         self.deliver(&call.inbound, &replies, fallback).await?;
         Ok(())
+    }
+
+    /// The reply that tells the user their message was refused while the bot still answers the
+    /// one before: addressed as the bot's replies are, never committed.
+    fn busy_reply(&self, call: &Call) -> (Activity, String) {
+        let mut reply = call.template.clone();
+        reply["type"] = json!("message");
+        reply["text"] = json!(self.busy_text);
+        let json = reply.to_string();
+        let activity = Activity::from_json(reply).unwrap_or_else(|_| {
+            let mut plain = Activity::message(self.busy_text.clone());
+            plain.reply_to_id.clone_from(&call.inbound.id);
+            plain
+        });
+        (activity, json)
     }
 
     /// POSTs `replies` in order to the channel the inbound activity came from.

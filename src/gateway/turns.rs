@@ -296,6 +296,17 @@ impl Turns {
     }
 }
 
+/// Whether `status` refuses a message because the bot is still answering the one before
+/// (`CONVERSATION_BUSY`, a bot whose double-text policy is `reject`): nothing was committed.
+pub fn is_busy(status: &Status) -> bool {
+    use tonic_types::StatusExt as _;
+    status.code() == Code::FailedPrecondition
+        && status
+            .get_error_details()
+            .error_info()
+            .is_some_and(|info| info.reason == "CONVERSATION_BUSY")
+}
+
 /// Whether the same activity may be sent again: the server committed nothing and says why.
 fn retryable(code: Code) -> bool {
     matches!(

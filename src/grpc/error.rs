@@ -46,6 +46,9 @@ const RETRY_BOT_UNAVAILABLE: Duration = Duration::from_secs(1);
 /// Before retrying a turn refused by a replica that is shutting down: at once, since a fresh
 /// connection reaches another replica.
 const RETRY_SHUTTING_DOWN: Duration = Duration::ZERO;
+/// Before sending again a message refused because its conversation's turn still runs: a
+/// language model's answer takes seconds.
+const RETRY_CONVERSATION_BUSY: Duration = Duration::from_secs(2);
 /// Before retrying a turn refused because too many are in flight: most turns finish within a
 /// few tens of milliseconds, so half a second frees the slots without a retry storm.
 const RETRY_OVERLOADED: Duration = Duration::from_millis(500);
@@ -63,6 +66,9 @@ pub enum Reason {
     UnknownBot,
     /// `ABORTED`: every attempt lost a conflict with another writer.
     ConflictRetriesExhausted,
+    /// `FAILED_PRECONDITION`: another message's turn of the conversation is still running, and
+    /// the bot refuses messages meanwhile (double-text policy `reject`).
+    ConversationBusy,
     /// `UNAVAILABLE`: the state store cannot be reached.
     StoreUnavailable,
     /// `UNAVAILABLE`: the database's schema is behind this server's (`turnstile migrate` has not
@@ -98,6 +104,7 @@ impl Reason {
             Self::InvalidStop => "INVALID_STOP",
             Self::UnknownBot => "UNKNOWN_BOT",
             Self::ConflictRetriesExhausted => "CONFLICT_RETRIES_EXHAUSTED",
+            Self::ConversationBusy => "CONVERSATION_BUSY",
             Self::StoreUnavailable => "STORE_UNAVAILABLE",
             Self::SchemaBehind => "SCHEMA_BEHIND",
             Self::ShuttingDown => "SHUTTING_DOWN",
@@ -244,6 +251,13 @@ impl From<TurnError> for Status {
                 Reason::ConflictRetriesExhausted,
                 Some(RETRY_ABORTED),
                 HashMap::new(),
+            ),
+            TurnError::ConversationBusy { bot } => with_details(
+                Code::FailedPrecondition,
+                TurnError::ConversationBusy { bot: bot.clone() }.to_string(),
+                Reason::ConversationBusy,
+                Some(RETRY_CONVERSATION_BUSY),
+                HashMap::from([("bot".to_owned(), bot)]),
             ),
             e @ TurnError::DeadlineExceeded { .. } => with_details(
                 Code::DeadlineExceeded,

@@ -265,11 +265,12 @@ impl<S: Store> Store for CachedStore<S> {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         wait: std::time::Duration,
+        others: crate::store::Others,
     ) -> Result<ConversationLock, StoreError> {
         Ok(
             match self
                 .inner
-                .hold_conversation(conversation, keys, receipt, wait)
+                .hold_conversation(conversation, keys, receipt, wait, others)
                 .await?
             {
                 ConversationLock::Held { snapshot, turn } => {

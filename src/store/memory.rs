@@ -127,6 +127,7 @@ impl Store for MemoryStore {
         _keys: &[StateKey],
         _receipt: Option<&StateKey>,
         _wait: Duration,
+        _others: crate::store::Others,
     ) -> Result<ConversationLock, StoreError> {
         Ok(ConversationLock::NotNeeded)
     }

@@ -397,7 +397,9 @@ pub trait Store: Send + Sync + 'static {
     /// still has it, so a holder that stalled past its time and was taken over replays instead
     /// of committing. `keys` and `receipt` are loaded once the hold is taken, in the same
     /// request; a redelivery of an activity whose turn held the conversation finds its receipt
-    /// there. A store that serves one replica answers [`ConversationLock::NotNeeded`].
+    /// there. With [`Others::Refuse`], a conversation held by another activity's turn (`receipt`
+    /// names this turn's) is [`ConversationLock::Busy`] at once. A store that serves one replica
+    /// answers [`ConversationLock::NotNeeded`].
     ///
     /// Required of every store, so that a wrapper cannot switch holds off by forgetting it.
     ///
@@ -410,6 +412,7 @@ pub trait Store: Send + Sync + 'static {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         wait: std::time::Duration,
+        others: Others,
     ) -> Result<ConversationLock, StoreError>;
 
     /// Holds `conversation` for this replica — against every other replica's serialized turns
@@ -468,6 +471,9 @@ pub enum ConversationLock {
     },
     /// Another turn held the conversation for all of the wait allowed; nothing was done.
     NotGranted,
+    /// Another activity's turn holds the conversation, and the hold was asked with
+    /// [`Others::Refuse`]: nothing was done.
+    Busy,
 }
 
 impl fmt::Debug for ConversationLock {
@@ -476,8 +482,19 @@ impl fmt::Debug for ConversationLock {
             Self::NotNeeded => "NotNeeded",
             Self::Held { .. } => "Held",
             Self::NotGranted => "NotGranted",
+            Self::Busy => "Busy",
         })
     }
+}
+
+/// What [`Store::hold_conversation`] does when another activity's turn holds the conversation
+/// (a redelivery of the holder's own activity always waits, to be answered from its receipt).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Others {
+    /// Wait for it, within the wait allowed.
+    Wait,
+    /// Answer [`ConversationLock::Busy`] at once.
+    Refuse,
 }
 
 /// What [`Store::lease_conversation`] got.

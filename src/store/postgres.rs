@@ -600,9 +600,10 @@ impl Store for PostgresStore {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         wait: Duration,
+        others: crate::store::Others,
     ) -> Result<ConversationLock, StoreError> {
         self.schema.admit()?;
-        hold::hold_conversation(self, conversation, keys, receipt, wait).await
+        hold::hold_conversation(self, conversation, keys, receipt, wait, others).await
     }
 
     #[tracing::instrument(level = "debug", skip_all)]

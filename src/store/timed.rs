@@ -106,11 +106,12 @@ impl Store for TimedStore {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         wait: Duration,
+        others: crate::store::Others,
     ) -> Result<ConversationLock, StoreError> {
         let started = Instant::now();
         let held = self
             .inner
-            .hold_conversation(conversation, keys, receipt, wait)
+            .hold_conversation(conversation, keys, receipt, wait, others)
             .await;
         self.lock.record(started.elapsed());
         held

@@ -52,7 +52,8 @@ struct World {
     open: SocketAddr,
     /// The gateway running the `llm` bot, which drafts its answer word by word.
     llm: SocketAddr,
-    /// The same, drafting a word every 100 ms: time for a user to press Stop.
+    /// The same, drafting a word every 100 ms: time for a user to press Stop, or to send
+    /// another message, which it refuses while it answers (double-text policy `reject`).
     slow_llm: SocketAddr,
     http: reqwest::Client,
     _server: TestServer,
@@ -67,7 +68,9 @@ impl World {
             BotRegistry::new("pizza", PizzaBot)
                 .with("flaky", Flaky)
                 .with("llm", LlmBot::new(Duration::from_millis(10)))
-                .with("slow-llm", LlmBot::new(Duration::from_millis(100))),
+                .with("slow-llm", LlmBot::new(Duration::from_millis(100)))
+                .with_double_text("slow-llm", turnstile::DoubleText::Reject)
+                .unwrap(),
         )
         .await;
         let turnstile = format!("http://{}", server.addr);
@@ -682,6 +685,41 @@ async fn a_stopped_livestream_ends_with_what_the_client_showed_and_the_transcrip
         .await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     let _ = other;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_refused_while_the_bot_answers_shows_the_busy_text_and_commits_nothing() {
+    let world = World::start().await;
+    let gw = world.slow_llm;
+    let (conversation, token, _) = world.start_conversation(gw, Some(SECRET)).await;
+    let double_text = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        world
+            .say(gw, &conversation, &token, "wait, make it large")
+            .await
+    };
+    let ((first, _), (second, refused)) =
+        tokio::join!(world.say(gw, &conversation, &token, "hello"), double_text);
+    assert_eq!(first, StatusCode::OK);
+    assert_eq!(second, StatusCode::OK, "{refused}");
+    let (read, _) = world.read(gw, &conversation, &token, "").await;
+    let busy = turnstile::gateway::BUSY_TEXT;
+    let whole = turnstile::bots::llm::answer("hello", 1);
+    assert_eq!(
+        texts(&read),
+        ["wait, make it large", busy, "hello", whole.as_str()],
+        "the refusal came at once, the answer after"
+    );
+    assert_eq!(read[1]["from"]["role"], "bot");
+    assert_eq!(read[1]["replyToId"], refused["id"]);
+    // The refused message was not committed: the next answer is the second.
+    let (status, _) = world.say(gw, &conversation, &token, "hello").await;
+    assert_eq!(status, StatusCode::OK);
+    let (read, _) = world.read(gw, &conversation, &token, "").await;
+    assert_eq!(
+        read[5]["text"].as_str().unwrap(),
+        turnstile::bots::llm::answer("hello", 2)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -323,7 +323,17 @@ impl World {
                     runs: Arc::clone(&gated_runs),
                     gate: Arc::clone(&gate),
                 },
-            ),
+            )
+            // The same bot, refusing messages while it answers one (double-text `reject`).
+            .with(
+                "busy",
+                Gated {
+                    runs: Arc::clone(&gated_runs),
+                    gate: Arc::clone(&gate),
+                },
+            )
+            .with_double_text("busy", turnstile::DoubleText::Reject)
+            .unwrap(),
         )
         .await;
         let mut config = GatewayConfig::development(format!("http://{}", server.addr));
@@ -1156,6 +1166,59 @@ async fn a_teams_group_chat_gets_the_final_only_and_a_403_stops_the_drafts() {
     // The stopped turn committed no state: this is still the conversation's first answer.
     assert_eq!(last[0]["text"], answer.as_str());
     assert!(stream_info(&last[0]).is_none(), "{:?}", last[0]);
+}
+
+#[tokio::test]
+async fn a_message_refused_while_the_bot_answers_gets_the_busy_text_and_runs_nothing() {
+    let world = World::start(Mode::MultiTenant).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gateway = listener.local_addr().unwrap();
+    let (_stop, _served) = world.gated_gateway(listener, |config| {
+        config.bot = "busy".into();
+        "Still on it!".clone_into(&mut config.busy_text);
+    });
+    let token = world.valid_token();
+    let (status, _) = world
+        .post_to(
+            gateway,
+            &world.activity("b1", "take your time"),
+            Some(&token),
+        )
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    eventually("the bot started", || {
+        world.gated_runs.load(Ordering::SeqCst) == 1
+    })
+    .await;
+
+    // A second message while the first is answered: refused, and the user is told so.
+    let (status, _) = world
+        .post_to(
+            gateway,
+            &world.activity("b2", "make it large"),
+            Some(&token),
+        )
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    let delivered = world.delivered_at_least(1).await;
+    assert_eq!(texts(&delivered), ["Still on it!"]);
+    assert_eq!(delivered[0].2["replyToId"], "b2");
+    // A caller that waits for its replies gets the same answer in the body.
+    let mut waits = world.activity("b3", "and olives");
+    waits["deliveryMode"] = json!("expectReplies");
+    let (status, body) = world.post_to(gateway, &waits, Some(&token)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let body: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(body["activities"][0]["text"], "Still on it!");
+
+    world.gate.add_permits(1);
+    let delivered = world.delivered_at_least(2).await;
+    assert_eq!(texts(&delivered), ["Still on it!", "gated: take your time"]);
+    assert_eq!(
+        world.gated_runs.load(Ordering::SeqCst),
+        1,
+        "the bot ran once"
+    );
 }
 
 #[tokio::test]

@@ -494,10 +494,11 @@ impl Store for CountingHolds {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         wait: Duration,
+        others: turnstile::store::Others,
     ) -> Result<ConversationLock, StoreError> {
         self.holds.fetch_add(1, Ordering::SeqCst);
         self.inner
-            .hold_conversation(conversation, keys, receipt, wait)
+            .hold_conversation(conversation, keys, receipt, wait, others)
             .await
     }
 

@@ -22,6 +22,7 @@ mod bad_input;
 mod binary;
 mod connection_age;
 mod directline;
+mod double_text;
 mod embedded;
 mod failover;
 mod faults;

@@ -753,6 +753,10 @@ fn values_schema_rejects_mistakes() {
         ("database.commitsInFlight=65", "/database/commitsInFlight"),
         ("gateway.turnTimeoutMs=20000", "/gateway/turnTimeoutMs"),
         ("config.serializedBots={a b}", "/config/serializedBots"),
+        (
+            "config.doubleText.llm=interrupt-ish",
+            "/config/doubleText/llm",
+        ),
         ("conversationAffinity.istio.enabld=true", "enabld"),
         (
             "metrics.prometheusRule.abortedRatio=2",
@@ -939,6 +943,10 @@ fn conversation_affinity_renders_an_istio_destination_rule_and_serialized_bots_a
         "conversationAffinity.istio.enabled=true",
         "--set",
         "config.serializedBots={slow,pizza}",
+        "--set",
+        "config.doubleText.slow=reject",
+        "--set",
+        "config.doubleText.llm=enqueue",
     ]);
     let docs = documents(&rendered);
     assert_valid(&rendered, &docs);
@@ -966,6 +974,11 @@ fn conversation_affinity_renders_an_istio_destination_rule_and_serialized_bots_a
     let deployment = one(&docs, "Deployment");
     let server = first_container(deployment);
     assert_eq!(env_value(server, "TURNSTILE_SERIALIZED_BOTS"), "slow,pizza");
+    // Parsed by the server as --double-text is.
+    assert_eq!(
+        env_value(server, "TURNSTILE_DOUBLE_TEXT"),
+        "llm=enqueue,slow=reject"
+    );
     assert_eq!(
         env_value(server, "TURNSTILE_GATEWAY_LISTEN"),
         "off",

@@ -244,3 +244,15 @@ Called with a dict: root (the top context), service, probe (the probe's timing v
 {{- end }}
 {{- toJson $command }}
 {{- end }}
+
+{{/*
+config.doubleText (bot: policy) as TURNSTILE_DOUBLE_TEXT takes it: bot=policy,bot=policy, in
+the bots' order.
+*/}}
+{{- define "turnstile.doubleText" -}}
+{{- $pairs := list -}}
+{{- range $bot, $policy := . -}}
+{{- $pairs = append $pairs (printf "%s=%s" $bot $policy) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}

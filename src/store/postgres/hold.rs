@@ -41,8 +41,8 @@ use tokio_postgres::types::Type;
 use super::{PostgresStore, Sql, classify, within_call_timeout};
 use crate::state::StateKey;
 use crate::store::{
-    Commit, CommitOutcome, ConversationLock, Expected, KeyChange, LockedTurn, Snapshot, StoreError,
-    Version,
+    Commit, CommitOutcome, ConversationLock, Expected, KeyChange, LockedTurn, Others, Snapshot,
+    StoreError, Version,
 };
 
 /// How long a hold lasts unless its holder renews it: how long a dead replica's conversation
@@ -56,17 +56,23 @@ const FIRST_PAUSE: Duration = Duration::from_millis(10);
 /// The longest pause between two asks.
 const MAX_PAUSE: Duration = Duration::from_millis(250);
 
-/// Takes the hold `$1` for `$2` (who holds it) until `$3` seconds from now, if it is free (absent,
-/// released or run out): the fence, or no row.
+/// Takes the hold `$1` for `$2` (who holds it), running activity `$4` (its receipt key), until
+/// `$3` seconds from now, if it is free (absent, released or run out): the fence; or, when
+/// someone has it, no fence and the activity its holder runs.
 const TAKE: Sql = Sql {
-    text: "INSERT INTO turnstile_state AS s (key, state, version) \
-           VALUES ($1, jsonb_build_object('holder', $2::text, \
-                   'until', extract(epoch FROM clock_timestamp()) + $3::float8), 1) \
-           ON CONFLICT (key) DO UPDATE \
-              SET state = excluded.state, version = s.version + 1, updated_at = now() \
-            WHERE (s.state->>'until')::float8 <= extract(epoch FROM clock_timestamp()) \
-           RETURNING version",
-    types: &[Type::TEXT, Type::TEXT, Type::FLOAT8],
+    text: "WITH taken AS ( \
+             INSERT INTO turnstile_state AS s (key, state, version) \
+             VALUES ($1, jsonb_build_object('holder', $2::text, 'activity', $4::text, \
+                     'until', extract(epoch FROM clock_timestamp()) + $3::float8), 1) \
+             ON CONFLICT (key) DO UPDATE \
+                SET state = excluded.state, version = s.version + 1, updated_at = now() \
+              WHERE (s.state->>'until')::float8 <= extract(epoch FROM clock_timestamp()) \
+             RETURNING version) \
+           SELECT version, NULL::text FROM taken \
+           UNION ALL \
+           SELECT NULL::bigint, state->>'activity' FROM turnstile_state \
+            WHERE key = $1 AND NOT EXISTS (SELECT 1 FROM taken)",
+    types: &[Type::TEXT, Type::TEXT, Type::FLOAT8, Type::TEXT],
 };
 /// Pushes the time of hold `$1` at fence `$2` to `$3` seconds from now; no row changed: lost.
 const RENEW: Sql = Sql {
@@ -99,6 +105,7 @@ pub(super) async fn hold_conversation(
     keys: &[StateKey],
     receipt: Option<&StateKey>,
     wait: Duration,
+    others: Others,
 ) -> Result<ConversationLock, StoreError> {
     let until = tokio::time::Instant::now() + wait;
     let key = StateKey::hold(conversation);
@@ -107,12 +114,23 @@ pub(super) async fn hold_conversation(
     // Listening from before the first ask, so that a release between it and the wait is heard.
     let mut released = store.waker.subscribe();
     loop {
-        if let Some((fence, snapshot)) = take(store, &key, &holder, keys, receipt).await? {
-            let turn = HeldTurn::new(store.clone(), key, fence);
-            return Ok(ConversationLock::Held {
-                snapshot,
-                turn: Box::new(turn),
-            });
+        match take(store, &key, &holder, keys, receipt).await? {
+            Taken::Held(fence, snapshot) => {
+                let turn = HeldTurn::new(store.clone(), key, fence);
+                return Ok(ConversationLock::Held {
+                    snapshot,
+                    turn: Box::new(turn),
+                });
+            }
+            // Another activity's turn, not a redelivery's first run: refused if asked to.
+            Taken::By(activity)
+                if others == Others::Refuse
+                    && (receipt.is_none()
+                        || activity.as_deref() != receipt.map(StateKey::as_str)) =>
+            {
+                return Ok(ConversationLock::Busy);
+            }
+            Taken::By(_) => {}
         }
         let now = tokio::time::Instant::now();
         if now + pause >= until {
@@ -125,14 +143,22 @@ pub(super) async fn hold_conversation(
     }
 }
 
-/// One ask: the fence and the load when the hold was free, `None` when someone has it.
+/// What one ask got.
+enum Taken {
+    /// The hold, at this fence, and the load under it.
+    Held(Version, Snapshot),
+    /// Someone has it, running this activity (its receipt key; `None` if it names none).
+    By(Option<String>),
+}
+
+/// One ask: the fence and the load when the hold was free, or whose it is.
 async fn take(
     store: &PostgresStore,
     key: &StateKey,
     holder: &str,
     keys: &[StateKey],
     receipt: Option<&StateKey>,
-) -> Result<Option<(Version, Snapshot)>, StoreError> {
+) -> Result<Taken, StoreError> {
     let client = store.client().await?;
     let statements = store.statements;
     within_call_timeout(async {
@@ -144,19 +170,24 @@ async fn take(
             .map_err(classify)?;
         let seconds = HOLD_FOR.as_secs_f64();
         let key = key.as_str();
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&key, &holder, &seconds];
+        let activity = receipt.map(StateKey::as_str);
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+            [&key, &holder, &seconds, &activity];
         let (taken, loaded) = futures::join!(
             TAKE.query(&client, statements, &params),
             PostgresStore::load_on(&client, statements, keys, receipt, None),
         );
+        let unexpected = |e: tokio_postgres::Error| StoreError::Unexpected(e.into());
         let Some(row) = taken.map_err(classify)?.into_iter().next() else {
-            return Ok(None);
+            // Released and gone between the two halves of the statement: ask again.
+            return Ok(Taken::By(None));
         };
-        let fence: i64 = row
-            .try_get(0)
-            .map_err(|e| StoreError::Unexpected(e.into()))?;
+        let fence: Option<i64> = row.try_get(0).map_err(unexpected)?;
+        let Some(fence) = fence else {
+            return Ok(Taken::By(row.try_get(1).map_err(unexpected)?));
+        };
         let fence = u64::try_from(fence).map_err(|e| StoreError::Unexpected(e.into()))?;
-        Ok(Some((Version::new(fence), loaded?)))
+        Ok(Taken::Held(Version::new(fence), loaded?))
     })
     .await
 }
