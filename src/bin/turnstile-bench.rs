@@ -101,6 +101,11 @@ struct Args {
     /// exactly one outcome as its last event.
     #[arg(long, conflicts_with_all = ["gateway", "health"])]
     stream: bool,
+    /// Send call N to conversation N modulo --conversations, as --stream does, instead of
+    /// drawing conversations at random: with --turns ≤ --conversations every call has a
+    /// conversation of its own, so that none waits for another's turn.
+    #[arg(long)]
+    distinct: bool,
 }
 
 fn parse_cpu_of(s: &str) -> Result<(String, u32), String> {
@@ -419,8 +424,12 @@ impl Worker {
             {
                 break;
             }
-            let conversation = self.pick_conversation();
             let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let conversation = if self.args.distinct && self.args.hot_share <= 0.0 {
+                id % self.args.conversations
+            } else {
+                self.pick_conversation()
+            };
             let request = self.request(conversation, id);
             let measuring = self.measuring.load(Ordering::Relaxed);
             let mut acked = false;
