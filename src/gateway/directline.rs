@@ -5,11 +5,15 @@
 //!
 //! A posted activity is addressed as Direct Line addresses it (channel `directline`, the
 //! conversation, a server-assigned id `{conversationId}|{seq}` and timestamp) and goes to
-//! `ProcessTurn` like any channel's, with the retries of `/api/messages` and the deadline of a call
-//! that waits there (`--turn-timeout-ms`). Only when the turn has committed are the user's
-//! activity and then the bot's replies appended to the transcript, in one step, and only then is
-//! the POST answered: a turn that fails leaves nothing a client could read, so no reply is ever
-//! shown for state that was not saved.
+//! `ProcessTurn` like any channel's, with the retries of `/api/messages`, on a task of its own
+//! with the bot's budget (`--bot-turn-timeout-ms`), among the gateway's background turns. Only when
+//! the turn has committed are the bot's replies appended to the transcript, so no reply is ever
+//! shown for state that was not saved. The POST waits for the turn as long as a call that waits
+//! may (`--turn-timeout-ms`): a turn that commits within it has the user's activity and the replies
+//! appended in one step, and one that fails within it leaves nothing a client could read (`502`,
+//! `504`). A turn still running then — a language model writing for a minute — has the user's
+//! activity appended at once and the POST answered, as Direct Line's own service does, so that no
+//! client gives up on its POST (Web Chat does after 20 s); its replies follow when it commits.
 //!
 //! A bot that drafts its reply while it runs (a streamed turn) is shown as Web Chat shows a
 //! livestream: while a client has the conversation's WebSocket open, a posted activity goes to
@@ -102,6 +106,10 @@ pub(super) struct DirectLine {
     stopping: watch::Sender<bool>,
     /// The reply to a message refused while the bot still answers the one before.
     busy_text: String,
+    /// How long a POST waits for its turn before answering and letting it run on.
+    wait: Duration,
+    /// Where the turns run, counted for the gateway's graceful shutdown.
+    background: Arc<super::background::Background>,
 }
 
 impl std::fmt::Debug for DirectLine {
@@ -232,6 +240,9 @@ pub enum DirectLineError {
     /// Turnstile did not run the turn.
     #[error("the turn failed: {0}")]
     Turn(tonic::Status),
+    /// Too many turns run in the background already.
+    #[error("{0} turns are already running here; try again shortly")]
+    Full(usize),
     /// The bot answered with something that is not an activity.
     #[error("the bot's reply is not an activity: {0}")]
     BadReply(String),
@@ -258,6 +269,7 @@ impl IntoResponse for DirectLineError {
                 (StatusCode::GATEWAY_TIMEOUT, "BotTimeout")
             }
             Self::Turn(_) | Self::BadReply(_) => (StatusCode::BAD_GATEWAY, "BotError"),
+            Self::Full(_) => (StatusCode::SERVICE_UNAVAILABLE, "ServiceError"),
             Self::Signing(_) => (StatusCode::INTERNAL_SERVER_ERROR, "ServiceError"),
         };
         if status.is_server_error() {
@@ -287,7 +299,22 @@ impl DirectLine {
             conversations: Mutex::default(),
             stopping: watch::Sender::new(false),
             busy_text: super::config::BUSY_TEXT.to_owned(),
+            wait: Duration::from_secs(8),
+            background: super::background::Background::new(1000),
         }
+    }
+
+    /// The same, running its turns among `background`'s (the gateway's, which a graceful
+    /// shutdown waits for), each POST waiting `wait` for its turn before it answers.
+    #[must_use]
+    pub(super) fn running_in(
+        mut self,
+        background: Arc<super::background::Background>,
+        wait: Duration,
+    ) -> Self {
+        self.background = background;
+        self.wait = wait;
+        self
     }
 
     /// The same, telling a user whose message is refused while the bot still answers the one
@@ -529,7 +556,7 @@ impl DirectLine {
     /// Runs the turn for `body` in `conversation_id` and appends it and its replies to the
     /// transcript once it committed; returns the activity's id.
     async fn post_activity(
-        &self,
+        self: &Arc<Self>,
         conversation_id: &str,
         user_id: &str,
         token_user: Option<&str>,
@@ -570,7 +597,71 @@ impl DirectLine {
             "recipient".into(),
             json!({"id": self.bot_id, "name": self.bot_id, "role": "bot"}),
         );
+        // The turn runs on a task of its own, within the bot's budget, and writes its outcome into
+        // the transcript itself; the POST waits for it as long as a call that waits may.
+        let echo = Arc::new(Echo::default());
+        let (ended, outcome) = tokio::sync::oneshot::channel();
+        let turn = {
+            let (dl, conversation_id, id, echo) = (
+                Arc::clone(self),
+                conversation_id.to_owned(),
+                id.clone(),
+                Arc::clone(&echo),
+            );
+            async move {
+                let result = dl.run_turn(&conversation_id, &id, activity, &echo).await;
+                if let Err(error) = &result {
+                    if echo.is_echoed() {
+                        tracing::warn!(%error, "a Direct Line turn failed after its POST was answered");
+                    }
+                }
+                let _ = ended.send(result);
+            }
+        };
+        self.background
+            .spawn(None, turn)
+            .map_err(|full| DirectLineError::Full(full.limit))?;
+        match tokio::time::timeout(self.wait, outcome).await {
+            Ok(Ok(result)) => result.map(|()| id),
+            Ok(Err(_)) => Err(DirectLineError::BadReply(
+                "the turn's task ended without an outcome".into(),
+            )),
+            // Still running: the user's message goes into the transcript now, as Direct Line's
+            // own service puts it there, and the replies follow when the turn has committed.
+            Err(_) => {
+                self.echo(conversation_id, &id, &echo)?;
+                Ok(id)
+            }
+        }
+    }
+
+    /// Appends the user's activity of a turn still running, once (see [`Echo`]).
+    fn echo(&self, conversation_id: &str, id: &str, echo: &Echo) -> Result<(), DirectLineError> {
+        let mut all = self.conversations();
+        let conversation = all
+            .by_id
+            .get_mut(conversation_id)
+            .ok_or(DirectLineError::UnknownConversation)?;
+        let mut pending = echo.lock();
+        if let Some(activity) = pending.take() {
+            conversation.append(vec![activity]);
+            tracing::debug!(id, "the turn runs on; its activity is in the transcript");
+        }
+        Ok(())
+    }
+
+    /// Runs the turn of `activity` (id `id`) in `conversation_id`, streaming it to the open
+    /// WebSockets when any is open, and appends it and its replies to the transcript once it
+    /// committed — or only the replies, when the activity was echoed meanwhile.
+    async fn run_turn(
+        &self,
+        conversation_id: &str,
+        id: &str,
+        activity: Value,
+        echo: &Echo,
+    ) -> Result<(), DirectLineError> {
         let text = activity.to_string();
+        echo.park(activity);
         let turn_conversation = Some((CHANNEL_ID, conversation_id));
         // Nobody could see a draft without an open stream: polling clients ignore livestreams.
         let watched = self
@@ -578,6 +669,7 @@ impl DirectLine {
             .by_id
             .get(conversation_id)
             .is_some_and(|c| c.live.receiver_count() > 0);
+        let id = id.to_owned();
         let mut livestream = Livestream::default();
         let response = if watched {
             if let Some(conversation) = self.conversations().by_id.get_mut(conversation_id) {
@@ -609,7 +701,7 @@ impl DirectLine {
             }
             response => response?,
         };
-        let mut appended = vec![activity];
+        let mut appended = Vec::with_capacity(response.activities_json.len() + 1);
         for json in response.activities_json {
             let mut reply: Value = serde_json::from_str(&json)
                 .map_err(|e| DirectLineError::BadReply(e.to_string()))?;
@@ -632,7 +724,7 @@ impl DirectLine {
             appended.push(reply);
         }
         if let Some(stream_id) = &livestream.id {
-            let last_text = appended.iter_mut().skip(1).rev().find(|reply| {
+            let last_text = appended.iter_mut().rev().find(|reply| {
                 reply["type"] == "message" && reply["text"].as_str().is_some_and(|t| !t.is_empty())
             });
             match last_text {
@@ -647,13 +739,39 @@ impl DirectLine {
             .by_id
             .get_mut(conversation_id)
             .ok_or(DirectLineError::UnknownConversation)?;
-        for reply in appended.iter_mut().skip(1) {
+        for reply in &mut appended {
             if let Some(fields) = reply.as_object_mut() {
                 fields.insert("id".into(), json!(conversation.next_id(conversation_id)));
             }
         }
+        // The user's activity first, unless it was echoed while the turn ran.
+        if let Some(activity) = echo.lock().take() {
+            appended.insert(0, activity);
+        }
         conversation.append(appended);
-        Ok(id)
+        Ok(())
+    }
+}
+
+/// The user's activity of a turn, until it is in the transcript: appended with the replies when
+/// the turn commits within the POST's wait, or on its own when the wait ends first (the echo),
+/// whichever comes first, under the conversations' lock, so never twice.
+#[derive(Debug, Default)]
+struct Echo(Mutex<Option<Value>>);
+
+impl Echo {
+    fn park(&self, activity: Value) {
+        *self.lock() = Some(activity);
+    }
+
+    fn is_echoed(&self) -> bool {
+        self.lock().is_none()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<Value>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 

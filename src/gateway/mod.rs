@@ -169,17 +169,20 @@ pub async fn serve(
     }
     let turns = Turns::new(&config)?;
     let readiness = Arc::new(health::Readiness::new(&config).map_err(TurnsError::from)?);
+    let background = background::Background::new(config.max_background_turns);
+    // Direct Line's turns have the bot's budget too: a POST answers within the channel's, and
+    // the turn runs on among the background turns (see `directline`).
     let direct_line = config.direct_line_enabled().then(|| {
         Arc::new(
             directline::DirectLine::new(
                 config.direct_line_secrets.clone(),
-                turns.clone(),
+                turns.with_timeout(config.bot_turn_timeout),
                 &config.bot,
             )
-            .with_busy_text(&config.busy_text),
+            .with_busy_text(&config.busy_text)
+            .running_in(Arc::clone(&background), config.turn_timeout),
         )
     });
-    let background = background::Background::new(config.max_background_turns);
     let gateway = Arc::new(Gateway {
         bot_turns: turns.with_timeout(config.bot_turn_timeout),
         turns,

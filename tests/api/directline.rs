@@ -55,6 +55,9 @@ struct World {
     /// The same, drafting a word every 100 ms: time for a user to press Stop, or to send
     /// another message, which it refuses while it answers (double-text policy `reject`).
     slow_llm: SocketAddr,
+    /// The same bot behind a gateway whose POSTs wait 500 ms for their turn: its ~3.5 s turns
+    /// run on after the POST is answered.
+    impatient: SocketAddr,
     http: reqwest::Client,
     _server: TestServer,
     _stops: Vec<oneshot::Sender<()>>,
@@ -75,8 +78,9 @@ impl World {
         .await;
         let turnstile = format!("http://{}", server.addr);
         let mut stops = Vec::new();
-        let mut gateway = |bot: &str, secrets: &[&str]| {
+        let mut gateway = |bot: &str, secrets: &[&str], wait: Duration| {
             let mut config = GatewayConfig::development(turnstile.clone());
+            config.turn_timeout = wait;
             config.bot = bot.to_owned();
             config.direct_line_secrets = secrets.iter().map(|s| Secret::new(*s)).collect();
             let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -90,17 +94,20 @@ impl World {
             stops.push(stop);
             addr
         };
-        let pizza = gateway("", &[SECRET, OLD_SECRET]);
-        let flaky = gateway("flaky", &[SECRET]);
-        let open = gateway("", &[]);
-        let llm = gateway("llm", &[SECRET]);
-        let slow_llm = gateway("slow-llm", &[SECRET]);
+        let wait = Duration::from_secs(8);
+        let pizza = gateway("", &[SECRET, OLD_SECRET], wait);
+        let flaky = gateway("flaky", &[SECRET], wait);
+        let open = gateway("", &[], wait);
+        let llm = gateway("llm", &[SECRET], wait);
+        let slow_llm = gateway("slow-llm", &[SECRET], wait);
+        let impatient = gateway("slow-llm", &[SECRET], Duration::from_millis(500));
         World {
             pizza,
             flaky,
             open,
             llm,
             slow_llm,
+            impatient,
             http: reqwest::Client::new(),
             _server: server,
             _stops: stops,
@@ -720,6 +727,48 @@ async fn a_message_refused_while_the_bot_answers_shows_the_busy_text_and_commits
         read[5]["text"].as_str().unwrap(),
         turnstile::bots::llm::answer("hello", 2)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_longer_than_the_posts_wait_is_answered_at_once_and_its_reply_comes_after() {
+    let world = World::start().await;
+    let gw = world.impatient;
+    let (conversation, token, stream_url) = world.start_conversation(gw, Some(SECRET)).await;
+    let (mut socket, _) = tokio_tungstenite::connect_async(&stream_url).await.unwrap();
+    let posted_at = std::time::Instant::now();
+    let (status, posted) = world.say(gw, &conversation, &token, "hello").await;
+    let answered_in = posted_at.elapsed();
+    assert_eq!(status, StatusCode::OK, "{posted}");
+    assert!(answered_in < Duration::from_secs(2), "{answered_in:?}");
+
+    // The user's message is in the transcript at once; the bot's reply is not, yet.
+    let (read, watermark) = world.read(gw, &conversation, &token, "").await;
+    assert_eq!(texts(&read), ["hello"]);
+    assert_eq!(read[0]["id"], posted["id"]);
+    // The socket shows the message, the drafts, and at last the committed reply, in the
+    // livestream's place.
+    let whole = turnstile::bots::llm::answer("hello", 1);
+    let (mut drafts, mut seen_message) = (0, false);
+    let last = loop {
+        let group = next_group(&mut socket).await;
+        let activity = group["activities"][0].clone();
+        if activity["type"] == "typing" {
+            drafts += 1;
+        } else if activity["text"] == "hello" {
+            seen_message = true;
+        } else {
+            break activity;
+        }
+    };
+    assert!(seen_message && drafts > 5, "{drafts} drafts");
+    assert_eq!(last["text"].as_str().unwrap(), whole);
+    assert_eq!(last["channelData"]["streamType"], "final");
+    assert!(
+        posted_at.elapsed() > Duration::from_secs(2),
+        "the turn ran on"
+    );
+    let (read, _) = world.read(gw, &conversation, &token, &watermark).await;
+    assert_eq!(texts(&read), [whole.as_str()]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
