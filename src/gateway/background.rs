@@ -51,7 +51,18 @@ pub struct Background {
     idle: Notify,
     // A std mutex: it is held for a map lookup only, never across an await (mini-redis `db.rs`).
     held: Mutex<HashMap<ActivityKey, Arc<KeyLock<()>>>>,
+    /// The activities whose replies this gateway delivered lately, oldest first, at most
+    /// [`DELIVERED`]: a redelivery of one of them is answered from its receipt but not delivered
+    /// again (the user has the replies already).
+    delivered: Mutex<(
+        std::collections::HashSet<ActivityKey>,
+        std::collections::VecDeque<ActivityKey>,
+    )>,
 }
+
+/// How many delivered activities a gateway remembers: minutes of a busy gateway's traffic, the
+/// time in which a channel resends an activity.
+const DELIVERED: usize = 10_000;
 
 /// Why a turn was not started: `limit` turns are already running in the background.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -106,7 +117,34 @@ impl Background {
             in_flight: AtomicUsize::new(0),
             idle: Notify::new(),
             held: Mutex::default(),
+            delivered: Mutex::default(),
         })
+    }
+
+    /// Remembers that `key`'s replies were delivered.
+    pub fn delivered(&self, key: &ActivityKey) {
+        let mut delivered = self
+            .delivered
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (set, order) = &mut *delivered;
+        if set.insert(key.clone()) {
+            order.push_back(key.clone());
+            while order.len() > DELIVERED {
+                if let Some(oldest) = order.pop_front() {
+                    set.remove(&oldest);
+                }
+            }
+        }
+    }
+
+    /// Whether `key`'s replies were delivered by this gateway lately.
+    pub fn was_delivered(&self, key: &ActivityKey) -> bool {
+        self.delivered
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .0
+            .contains(key)
     }
 
     /// Runs `turn` on a task of its own, counted until it ends; with a `key`, only once no

@@ -490,6 +490,20 @@ impl Gateway {
             }
             response => response.map_err(Refusal::Turn)?,
         };
+        let key = background::ActivityKey::new(
+            call.channel_id(),
+            call.inbound.conversation_id().unwrap_or_default(),
+            call.inbound.id.as_deref(),
+        );
+        if response.redelivered
+            && key
+                .as_ref()
+                .is_some_and(|k| self.background.was_delivered(k))
+        {
+            // The channel sent it again, but this gateway delivered its replies already.
+            tracing::info!("a redelivered activity's replies were delivered already; not again");
+            return Ok(());
+        }
         if response.stopped && teams::streams(&call.inbound) {
             // Stopped by Teams' 403: what the turn committed is what the closed stream shows the
             // user already (a redelivery too: the first run's stream showed it).
@@ -507,6 +521,9 @@ impl Gateway {
             fallback = Some((at, std::mem::replace(&mut replies[at].1, last)));
         }
         self.deliver(&call.inbound, &replies, fallback).await?;
+        if let Some(key) = &key {
+            self.background.delivered(key);
+        }
         Ok(())
     }
 
