@@ -81,15 +81,7 @@ async fn until_drafted(
     server: &TestServer,
     activity: &pb::Activity,
 ) -> (tonic::Streaming<pb::StreamTurnResponse>, Vec<Event>) {
-    let mut client = server.client().await;
-    let mut events = client
-        .stream_turn(pb::StreamTurnRequest::typed(activity.clone(), ""))
-        .await
-        .unwrap()
-        .into_inner();
-    let first = events.message().await.unwrap().unwrap().event.unwrap();
-    assert!(matches!(first, Event::Draft(_)), "{first:?}");
-    (events, vec![first])
+    support::streams::open_until(server, activity, |e| matches!(e, Event::Draft(_))).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -193,14 +185,7 @@ async fn a_turn_that_stalled_past_its_hold_cannot_commit_and_replays_after_the_n
 
     let (events, ended) = collect(events, seen).await;
     ended.unwrap();
-    let kinds: Vec<String> = events
-        .iter()
-        .map(|e| match e {
-            Event::Draft(d) => format!("draft {} {}", d.attempt, d.text),
-            Event::Reset(r) => format!("reset {}", r.attempt),
-            Event::Outcome(o) => format!("outcome {}", o.attempts),
-        })
-        .collect();
+    let kinds = support::streams::kinds(&events);
     assert_eq!(
         kinds,
         ["draft 1 wait", "reset 1", "draft 2 wait, wait", "outcome 2"]

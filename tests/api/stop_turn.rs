@@ -72,21 +72,12 @@ async fn until_second_draft(
     server: &TestServer,
     activity: &pb::Activity,
 ) -> (tonic::Streaming<pb::StreamTurnResponse>, Vec<Event>) {
-    let mut client = server.client().await;
-    let mut events = client
-        .stream_turn(pb::StreamTurnRequest::typed(activity.clone(), ""))
-        .await
-        .unwrap()
-        .into_inner();
-    let mut seen = Vec::new();
-    loop {
-        let event = events.message().await.unwrap().unwrap().event.unwrap();
-        let second = matches!(&event, Event::Draft(d) if d.text == "one two");
-        seen.push(event);
-        if second {
-            return (events, seen);
-        }
-    }
+    support::streams::open_until(
+        server,
+        activity,
+        |e| matches!(e, Event::Draft(d) if d.text == "one two"),
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

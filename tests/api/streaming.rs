@@ -145,14 +145,7 @@ async fn a_conflict_mid_stream_resets_the_drafts_and_the_replay_commits_once() {
     while let Some(response) = events.message().await.unwrap() {
         rest.push(response.event.unwrap());
     }
-    let kinds: Vec<String> = rest
-        .iter()
-        .map(|e| match e {
-            Event::Draft(d) => format!("draft {} {}", d.attempt, d.text),
-            Event::Reset(r) => format!("reset {}", r.attempt),
-            Event::Outcome(o) => format!("outcome {}", o.attempts),
-        })
-        .collect();
+    let kinds = support::streams::kinds(&rest);
     assert_eq!(
         kinds,
         [
@@ -236,6 +229,17 @@ async fn a_streams_deadline_ends_the_call_and_the_turn_still_commits_once() {
     let server = TestServer::start(postgres_config(&url), bots).await;
     let activity = message("deadline", "ada", "hello");
     let mut client = server.client().await;
+    // The server is up first (on a fresh database its start migrates it, which can take longer
+    // than the deadline below): a stream's first event means it serves.
+    let mut warm = client
+        .stream_turn(pb::StreamTurnRequest::typed(
+            message("warm", "ada", "hi"),
+            "",
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    warm.message().await.unwrap().expect("a first event");
     let mut request = tonic::Request::new(pb::StreamTurnRequest::typed(activity.clone(), ""));
     request.set_timeout(Duration::from_millis(200));
     let events = client.stream_turn(request).await.unwrap().into_inner();

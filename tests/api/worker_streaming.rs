@@ -416,14 +416,7 @@ async fn a_conflict_mid_stream_voids_the_workers_drafts_and_its_replay_drafts_an
     while let Some(response) = events.message().await.unwrap() {
         rest.push(response.event.unwrap());
     }
-    let seen: Vec<String> = rest
-        .iter()
-        .map(|e| match e {
-            Event::Draft(d) => format!("draft {} {}", d.attempt, d.text),
-            Event::Reset(r) => format!("reset {}", r.attempt),
-            Event::Outcome(o) => format!("outcome {}", o.attempts),
-        })
-        .collect();
+    let seen = support::streams::kinds(&rest);
     assert_eq!(
         seen,
         [

@@ -55,3 +55,46 @@ pub fn outcome(events: &[Event]) -> &pb::ProcessTurnResponse {
         other => panic!("the last event is not the outcome: {other:?}"),
     }
 }
+
+/// Each event of a call in a word or three, for comparing a whole call at once: `draft 1 text`,
+/// `reset 1`, `outcome 2` (its attempts).
+pub fn kinds(events: &[Event]) -> Vec<String> {
+    events
+        .iter()
+        .map(|e| match e {
+            Event::Draft(d) => format!("draft {} {}", d.attempt, d.text),
+            Event::Reset(r) => format!("reset {}", r.attempt),
+            Event::Outcome(o) => format!("outcome {}", o.attempts),
+        })
+        .collect()
+}
+
+/// Opens a `StreamTurn` of `activity` to the default bot of `server` and reads it up to and with
+/// the first event `until` accepts: the open call and the events read.
+pub async fn open_until(
+    server: &TestServer,
+    activity: &pb::Activity,
+    until: impl Fn(&Event) -> bool,
+) -> (Streaming<pb::StreamTurnResponse>, Vec<Event>) {
+    let mut client = server.client().await;
+    let mut events = client
+        .stream_turn(pb::StreamTurnRequest::typed(activity.clone(), ""))
+        .await
+        .expect("the call opens")
+        .into_inner();
+    let mut seen = Vec::new();
+    loop {
+        let event = events
+            .message()
+            .await
+            .expect("no error")
+            .expect("more events")
+            .event
+            .expect("an event");
+        let last = until(&event);
+        seen.push(event);
+        if last {
+            return (events, seen);
+        }
+    }
+}
