@@ -559,7 +559,10 @@ impl Worker {
     fn request(&self, conversation: u64, id: u64) -> pb::ProcessTurnRequest {
         let mut activity = base_activity(&self.run, conversation);
         activity.r#type = Some("message".into());
-        activity.id = Some(format!("{}-{id}", self.run));
+        // The conversations are the run's, which a later process may continue (--run-id); the
+        // activities are this process's own, so that a second run's are not redeliveries of
+        // the first's.
+        activity.id = Some(format!("{}-{}-{id}", self.run, process_tag()));
         activity.text = Some("count".into());
         if self.args.state_bytes > 0 {
             activity.value = Some(json_to_proto_value(json!({ "pad": self.args.state_bytes })));
@@ -649,6 +652,12 @@ async fn read_stream(
             }
         }
     }
+}
+
+/// This process's tag in its activities' ids: random, the same for all of them.
+fn process_tag() -> &'static str {
+    static TAG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TAG.get_or_init(|| format!("{:08x}", rand::random::<u32>()))
 }
 
 fn base_activity(run: &str, conversation: u64) -> pb::Activity {

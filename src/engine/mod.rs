@@ -424,7 +424,7 @@ impl Engine {
             // the next one to the lock at once, as the queue it is, without a blind wait.
             let unlocked = match mode {
                 Mode::Optimistic => true,
-                Mode::Held => false,
+                Mode::Locked | Mode::Held => false,
                 Mode::Leased => HeldLease::serves(lease, attempt),
             };
             // One span per run of the bot, so that a trace shows what each replay cost and why
@@ -439,6 +439,11 @@ impl Engine {
             let ended = match mode {
                 Mode::Optimistic => {
                     self.attempt(plan, attempt)
+                        .instrument(attempt_span.clone())
+                        .await
+                }
+                Mode::Locked => {
+                    self.attempt_serialized(plan, attempt, deadline)
                         .instrument(attempt_span.clone())
                         .await
                 }
@@ -472,6 +477,12 @@ impl Engine {
                     self.metrics.conflicts.increment(1);
                     tracing::debug!(attempt, %key, "conflict; replaying the turn under the lock");
                     self.hot.contended(&plan.keys.conversation);
+                    if mode == Mode::Held && !key.is_hold() {
+                        // A writer that holds nothing (a plain turn of another replica) beat a
+                        // held turn: the hold cannot keep it out, the lock's row lock can. The
+                        // replay locks, as an optimistic turn's does, and then wins.
+                        mode = Mode::Locked;
+                    }
                     if unlocked {
                         // The lock is the queue now: no blind wait before it.
                         if mode == Mode::Optimistic {
@@ -783,6 +794,9 @@ impl Engine {
 enum Mode {
     /// Not at all: a guess or a load, and the conditional commit.
     Optimistic,
+    /// The conversation lock for this attempt ([`Store::lock_conversation`]): the replay of a
+    /// held turn that a plain turn of another replica beat.
+    Locked,
     /// The conversation's fenced hold for this attempt ([`Store::hold_conversation`]): a
     /// a serialized bot's turns, and streamed ones, whose bots may take minutes.
     Held,
@@ -795,6 +809,7 @@ impl Mode {
     fn name(self) -> &'static str {
         match self {
             Self::Optimistic => "optimistic",
+            Self::Locked => "locked",
             Self::Held => "held",
             Self::Leased => "leased",
         }

@@ -162,10 +162,15 @@ impl StateKey {
     }
 
     /// The key of conversation `conversation`'s hold (`store::postgres::hold`): a row beside its
-    /// state, `{conversation}/hold`, which no scope's key can be (ids are escaped, and a scope's
-    /// key goes on with `/users/`, a receipt's with `/activities/`).
+    /// state, `{conversation}/%hold`, which no other key can be or end with: an id's `%` is
+    /// escaped (`%25`), so `/%hold` is never an id's part.
     pub fn hold(conversation: &StateKey) -> Self {
-        Self::from_text(format!("{}/hold", conversation.as_str()).into())
+        Self::from_text(format!("{}/%hold", conversation.as_str()).into())
+    }
+
+    /// Whether this is a conversation's hold key ([`StateKey::hold`]).
+    pub fn is_hold(&self) -> bool {
+        self.text.ends_with("/%hold")
     }
 
     /// Wraps a key read back from a store, which only ever holds keys built here.
@@ -502,6 +507,21 @@ mod tests {
             prop_assert_eq!(map.get(&a2), Some(&1));
             prop_assert_eq!(a1.cmp(&b1), a1.as_str().cmp(b1.as_str()));
             prop_assert_eq!(a1 == b1, a1.as_str() == b1.as_str());
+        }
+    }
+
+    #[test]
+    fn a_hold_key_is_told_from_every_other_key() {
+        let channel = ChannelId::parse("test", "channelId").expect("an id");
+        for conversation in ["c", "hold", "%hold", "x/%hold"] {
+            let conversation =
+                ConversationId::parse(conversation, "conversation.id").expect("an id");
+            let key = StateKey::conversation("bot", &channel, &conversation);
+            assert!(!key.is_hold(), "{key:?}");
+            assert!(StateKey::hold(&key).is_hold());
+            let user = UserId::parse("%hold", "from.id").expect("an id");
+            let private = StateKey::private_conversation("bot", &channel, &conversation, &user);
+            assert!(!private.is_hold(), "{private:?}");
         }
     }
 }

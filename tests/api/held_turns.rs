@@ -160,7 +160,7 @@ async fn a_turn_that_stalled_past_its_hold_cannot_commit_and_replays_after_the_n
     let expired = observer
         .execute(
             "UPDATE turnstile_state SET state = jsonb_set(state, '{until}', '0') \
-              WHERE key LIKE '%/hold'",
+              WHERE key LIKE '%/\\%hold'",
             &[],
         )
         .await
@@ -247,5 +247,79 @@ async fn serialized_slow_turns_on_many_conversations_all_run_at_once_on_a_small_
     assert!(
         elapsed < BOT_DELAY * 4,
         "{CONVERSATIONS} turns took {elapsed:?}: they did not all run at once"
+    );
+}
+
+/// Appends each message's text to the conversation's list, drafting it first; a message `wait`
+/// holds every attempt on `gate` after drafting.
+struct Patient {
+    gate: Arc<Semaphore>,
+}
+
+#[async_trait]
+impl Bot for Patient {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        let mut items: Vec<String> = turn.conversation_property("items")?;
+        items.push(turn.text().to_owned());
+        turn.draft(items.join(", "))?;
+        if turn.text() == "wait" {
+            self.gate.acquire().await?.forget();
+        }
+        turn.conversation_state().set("items", &items)?;
+        turn.send_text(items.join(", "));
+        Ok(())
+    }
+}
+
+/// A plain turn of another replica holds nothing, so the hold cannot keep it out: a held
+/// (streamed) turn it beat replays under the conversation lock, whose row lock makes the next
+/// plain commit wait, and so commits on that replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_turn_beaten_by_a_plain_turn_replays_under_the_lock_and_wins() {
+    let url = support::pg::fresh_database().await;
+    let gate = Arc::new(Semaphore::new(0));
+    let bots = || {
+        BotRegistry::new(
+            "patient",
+            Patient {
+                gate: Arc::clone(&gate),
+            },
+        )
+    };
+    let a = TestServer::start(postgres_config(&url), bots()).await;
+    let b = TestServer::start(postgres_config(&url), bots()).await;
+    let mut b_client = b.client().await;
+    let plain = |text: &str| pb::ProcessTurnRequest::typed(message("beaten", "bob", text), "");
+
+    let (mut events, mut seen) = until_drafted(&a, &message("beaten", "ada", "wait")).await;
+    let first = b_client.process_turn(plain("one")).await.unwrap();
+    assert_eq!(texts(first.get_ref()), ["one"]);
+    gate.add_permits(1);
+    // The held turn's commit meets the plain one's: a reset, and the replay drafts again.
+    for _ in 0..2 {
+        seen.push(events.message().await.unwrap().unwrap().event.unwrap());
+    }
+    assert!(matches!(seen[1], Event::Reset(_)), "{seen:?}");
+    // While the replay runs, another plain turn: its commit must wait for the replay's.
+    let mut late = b_client.clone();
+    let second = tokio::spawn(async move {
+        late.process_turn(pb::ProcessTurnRequest::typed(
+            message("beaten", "bob", "two"),
+            "",
+        ))
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    gate.add_permits(1);
+    let (events, ended) = collect(events, seen).await;
+    ended.unwrap();
+    let held = outcome(&events);
+    assert_eq!(held.attempts, 2, "the replay won: {events:?}");
+    assert_eq!(texts(held), ["one, wait"]);
+    let second = second.await.unwrap().unwrap().into_inner();
+    assert_eq!(texts(&second), ["one, wait, two"]);
+    assert_eq!(
+        second.attempts, 2,
+        "it waited, then replayed on the held turn's state"
     );
 }

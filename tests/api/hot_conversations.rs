@@ -193,7 +193,7 @@ async fn take_hold_by_hand(
     session
         .execute(
             "INSERT INTO turnstile_state (key, state, version) \
-             VALUES ($1 || '/hold', '{\"holder\": \"by hand\", \"until\": 1e12}', 1)",
+             VALUES ($1 || '/%hold', '{\"holder\": \"by hand\", \"until\": 1e12}', 1)",
             &[&conversation_key(bot, conversation)],
         )
         .await
@@ -202,7 +202,7 @@ async fn take_hold_by_hand(
 
 /// Releases the hold [`take_hold_by_hand`] took, and announces it as a replica does.
 async fn release_hold_by_hand(session: &tokio_postgres::Client, bot: &str, conversation: &str) {
-    let key = format!("{}/hold", conversation_key(bot, conversation));
+    let key = format!("{}/%hold", conversation_key(bot, conversation));
     session
         .batch_execute(&format!(
             "UPDATE turnstile_state SET state = jsonb_set(state, '{{until}}', '0') \
@@ -215,7 +215,7 @@ async fn release_hold_by_hand(session: &tokio_postgres::Client, bot: &str, conve
 /// How many conversations' fenced holds are held right now in `db`'s database.
 async fn holds_held(db: &tokio_postgres::Client) -> i64 {
     db.query_one(
-        "SELECT count(*) FROM turnstile_state WHERE key LIKE '%/hold' \
+        "SELECT count(*) FROM turnstile_state WHERE key LIKE '%/\\%hold' \
             AND (state->>'until')::float8 > extract(epoch FROM clock_timestamp())",
         &[],
     )
@@ -655,7 +655,7 @@ async fn a_hold_not_granted_in_time_ends_the_turn_with_nothing_committed() {
     assert_eq!(runs.load(Ordering::SeqCst), 0, "the bot never ran");
     let rows: i64 = observer
         .query_one(
-            "SELECT (SELECT count(*) FROM turnstile_state WHERE key NOT LIKE '%/hold') \
+            "SELECT (SELECT count(*) FROM turnstile_state WHERE key NOT LIKE '%/\\%hold') \
                   + (SELECT count(*) FROM turnstile_receipt)",
             &[],
         )
