@@ -79,7 +79,7 @@ const RENEW: Sql = Sql {
     text: "UPDATE turnstile_state \
               SET state = jsonb_set(state, '{until}', \
                   to_jsonb(extract(epoch FROM clock_timestamp()) + $3::float8)) \
-            WHERE key = $1 AND version = $2",
+            WHERE key = $1 AND version = $2 RETURNING 1",
     types: &[Type::TEXT, Type::INT8, Type::FLOAT8],
 };
 /// Releases hold `$1` at fence `$2` (its time set to the past, the fence kept), and announces
@@ -243,21 +243,9 @@ async fn renew(store: PostgresStore, key: StateKey, fence: Version) {
     let seconds = HOLD_FOR.as_secs_f64();
     loop {
         tokio::time::sleep(RENEW_EVERY).await;
-        let renewed = async {
-            let client = store.client().await?;
-            within_call_timeout(async {
-                RENEW
-                    .execute(
-                        &client,
-                        store.statements,
-                        &[&key.as_str(), &fence, &seconds],
-                    )
-                    .await
-                    .map_err(classify)
-            })
+        let renewed = query(&store, &RENEW, &[&key.as_str(), &fence, &seconds])
             .await
-        }
-        .await;
+            .map(|rows| rows.len());
         match renewed {
             Ok(1) => {}
             Ok(_) => {
@@ -273,15 +261,23 @@ async fn renew(store: PostgresStore, key: StateKey, fence: Version) {
 /// Releases hold `key` at `fence`.
 async fn release(store: &PostgresStore, key: &StateKey, fence: Version) -> Result<(), StoreError> {
     let fence = i64::try_from(fence.get()).map_err(|e| StoreError::Unexpected(e.into()))?;
+    query(store, &RELEASE, &[&key.as_str(), &fence]).await?;
+    Ok(())
+}
+
+/// Runs `sql` with `params` on a pooled connection, within the store's call timeout.
+async fn query(
+    store: &PostgresStore,
+    sql: &Sql,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<Vec<tokio_postgres::Row>, StoreError> {
     let client = store.client().await?;
     within_call_timeout(async {
-        RELEASE
-            .query(&client, store.statements, &[&key.as_str(), &fence])
+        sql.query(&client, store.statements, params)
             .await
             .map_err(classify)
     })
-    .await?;
-    Ok(())
+    .await
 }
 
 /// Announces hold `key`, released by a commit, to the turns waiting for it, on a task of its
@@ -289,17 +285,7 @@ async fn release(store: &PostgresStore, key: &StateKey, fence: Version) -> Resul
 fn announce(store: &PostgresStore, key: &StateKey) {
     let (store, key) = (store.clone(), key.clone());
     tokio::spawn(async move {
-        let announced = async {
-            let client = store.client().await?;
-            within_call_timeout(async {
-                ANNOUNCE
-                    .query(&client, store.statements, &[&key.as_str()])
-                    .await
-                    .map_err(classify)
-            })
-            .await
-        }
-        .await;
+        let announced = query(&store, &ANNOUNCE, &[&key.as_str()]).await;
         if let Err(e) = announced {
             tracing::debug!(error = %e, "announcing a released hold failed; waiters ask again");
         }
