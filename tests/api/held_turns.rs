@@ -323,3 +323,34 @@ async fn a_held_turn_beaten_by_a_plain_turn_replays_under_the_lock_and_wins() {
         "it waited, then replayed on the held turn's state"
     );
 }
+
+/// A hold lasts `HOLD_FOR` unless renewed: a turn whose bot runs longer keeps its conversation
+/// by renewing it, so another replica's held turn waits for it rather than taking over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_longer_than_its_hold_keeps_the_conversation_by_renewing_it() {
+    let r = replicas(8).await;
+    let (events, seen) = until_drafted(&r.a, &message("renewed", "ada", "wait")).await;
+    // A streamed turn on the other replica, with time to wait for the hold.
+    let mut b = r.b.client().await;
+    let waiting = async {
+        let mut call = tonic::Request::new(pb::StreamTurnRequest::typed(
+            message("renewed", "bob", "cheese"),
+            "",
+        ));
+        call.set_timeout(Duration::from_secs(30));
+        collect(b.stream_turn(call).await.unwrap().into_inner(), Vec::new()).await
+    };
+    tokio::pin!(waiting);
+    let past_the_hold = turnstile::store::postgres::hold::HOLD_FOR + Duration::from_secs(1);
+    tokio::select! {
+        ended = &mut waiting => panic!("the hold ran out under a running turn: {ended:?}"),
+        () = tokio::time::sleep(past_the_hold) => {}
+    }
+    r.gate.add_permits(1);
+    let (events, ended) = collect(events, seen).await;
+    ended.unwrap();
+    assert_eq!(outcome(&events).attempts, 1, "{events:?}");
+    let (after, ended) = waiting.await;
+    ended.unwrap();
+    assert_eq!(texts(outcome(&after)), ["wait, cheese"]);
+}
