@@ -178,6 +178,8 @@ pub struct TurnContext<'a> {
     outbox: Vec<Activity>,
     deadline: Option<Instant>,
     drafts: Option<&'a Drafts>,
+    superseded: &'a [Activity],
+    batch: &'a [Activity],
 }
 
 impl<'a> TurnContext<'a> {
@@ -198,7 +200,41 @@ impl<'a> TurnContext<'a> {
             outbox: Vec::new(),
             deadline: None,
             drafts: None,
+            superseded: &[],
+            batch: &[],
         }
+    }
+
+    /// The same context, for a turn that supersedes `superseded` (see
+    /// [`TurnContext::superseded`]).
+    #[must_use]
+    pub fn with_superseded(mut self, superseded: &'a [Activity]) -> Self {
+        self.superseded = superseded;
+        self
+    }
+
+    /// The same context, for a run that answers `batch` together (see [`TurnContext::batch`]).
+    #[must_use]
+    pub fn with_batch(mut self, batch: &'a [Activity]) -> Self {
+        self.batch = batch;
+        self
+    }
+
+    /// The messages this turn supersedes, oldest first, when the bot's double-text policy is
+    /// [`DoubleText::Interrupt`]: messages of the conversation whose turns a later message
+    /// cancelled before they committed. Nothing of those turns was kept, and their users expect
+    /// this turn to take them into account. Empty when nothing was interrupted.
+    pub fn superseded(&self) -> &[Activity] {
+        self.superseded
+    }
+
+    /// The messages this run answers together, in arrival order, when the bot's double-text
+    /// policy is [`DoubleText::Coalesce`]: every message that arrived while the conversation's
+    /// previous turn ran. [`activity`](Self::activity) is one of them, the one whose call runs
+    /// the batch (its user's scopes are the ones given); the latest is the last. The replies
+    /// answer them all. Empty for other policies.
+    pub fn batch(&self) -> &[Activity] {
+        self.batch
     }
 
     /// The same context, for a turn someone streams: its drafts go to `drafts` (`None`: nobody
@@ -422,6 +458,14 @@ pub enum DoubleText {
     /// with a `RetryInfo`), and nothing is committed for it; a redelivery of the running
     /// message itself still waits for that turn's answer.
     Reject,
+    /// The new message cancels the running turn: its drafts are reset, nothing of it is
+    /// committed, and its activity is receipted as superseded. The new turn runs with the
+    /// superseded messages in [`TurnContext::superseded`].
+    Interrupt,
+    /// The messages arriving while a turn runs wait for it, then are answered by one run of the
+    /// bot, which gets them all in [`TurnContext::batch`], in arrival order; each one is
+    /// receipted with that run's answer, which is delivered once.
+    Coalesce,
 }
 
 impl DoubleText {
@@ -430,6 +474,8 @@ impl DoubleText {
         match self {
             Self::Enqueue => "enqueue",
             Self::Reject => "reject",
+            Self::Interrupt => "interrupt",
+            Self::Coalesce => "coalesce",
         }
     }
 }
@@ -441,12 +487,10 @@ impl std::str::FromStr for DoubleText {
         match name.trim() {
             "enqueue" => Ok(Self::Enqueue),
             "reject" => Ok(Self::Reject),
-            "interrupt" | "coalesce" => Err(format!(
-                "the double-text policy `{}` is not available yet (available: enqueue, reject)",
-                name.trim()
-            )),
+            "interrupt" => Ok(Self::Interrupt),
+            "coalesce" => Ok(Self::Coalesce),
             other => Err(format!(
-                "unknown double-text policy `{other}` (one of: enqueue, reject)"
+                "unknown double-text policy `{other}` (one of: enqueue, reject, interrupt, coalesce)"
             )),
         }
     }

@@ -367,8 +367,10 @@ pub struct ServeArgs {
     )]
     pub serialized_bots: Vec<String>,
     /// What happens to a message that arrives while a turn of its conversation runs, per bot:
-    /// `BOT=POLICY`, comma-separated; `enqueue` (the default: it waits, then runs) or `reject`
-    /// (refused at once with `CONVERSATION_BUSY`, nothing committed). The same on every replica.
+    /// `BOT=POLICY`, comma-separated; `enqueue` (the default: it waits, then runs), `reject`
+    /// (refused at once with `CONVERSATION_BUSY`, nothing committed), `interrupt` (the running
+    /// turn is cancelled and the new one runs with it handed on) or `coalesce` (the messages
+    /// arriving meanwhile are answered together by one run). The same on every replica.
     #[arg(
         help_heading = "Bots",
         long,
@@ -826,18 +828,27 @@ mod server_flags {
     #[test]
     fn double_text_policies_are_parsed_named_and_checked() {
         use crate::bot::DoubleText;
-        let cli = Cli::try_parse_from(["turnstile", "--double-text", "slow=reject, llm=enqueue"])
-            .expect("valid arguments");
+        let cli = Cli::try_parse_from([
+            "turnstile",
+            "--double-text",
+            "slow=reject, llm=interrupt, subtract=coalesce, counter=enqueue",
+        ])
+        .expect("valid arguments");
         let bots = crate::server::with_policies(cli.serve.bots(), &cli.serve.config())
             .expect("hosted bots");
         assert_eq!(bots.double_text("slow"), DoubleText::Reject);
-        assert_eq!(bots.double_text("llm"), DoubleText::Enqueue);
+        assert_eq!(bots.double_text("llm"), DoubleText::Interrupt);
+        assert_eq!(bots.double_text("subtract"), DoubleText::Coalesce);
+        assert_eq!(bots.double_text("counter"), DoubleText::Enqueue);
         assert_eq!(bots.double_text("pizza"), DoubleText::Enqueue);
         for (value, says) in [
             ("slow=maybe", "unknown double-text policy `maybe`"),
             ("slow", "is not BOT=POLICY"),
             ("=reject", "names no bot"),
-            ("slow=coalesce", "`coalesce` is not available yet"),
+            (
+                "slow=Coalesce",
+                "one of: enqueue, reject, interrupt, coalesce",
+            ),
         ] {
             let err = Cli::try_parse_from(["turnstile", "--double-text", value])
                 .expect_err("refused")

@@ -301,6 +301,8 @@ impl RemoteBot {
             conversation: Some(scope(turn.conversation_state())),
             user: turn.user_state().ok().map(|s| scope(s)),
             private_conversation: turn.private_conversation_state().ok().map(|s| scope(s)),
+            superseded_json: activities_json(turn.superseded()),
+            batch_json: activities_json(turn.batch()),
         }
     }
 
@@ -516,25 +518,7 @@ impl RemoteBot {
         request: pb::RunTurnRequest,
         until: Instant,
     ) -> Result<Streamed, BotError> {
-        let pb::RunTurnRequest {
-            bot,
-            activity_json,
-            attempt,
-            conversation,
-            user,
-            private_conversation,
-        } = request;
-        let request = self.call(
-            pb::StreamRunTurnRequest {
-                bot,
-                activity_json,
-                attempt,
-                conversation,
-                user,
-                private_conversation,
-            },
-            until,
-        );
+        let request = self.call(stream_request(request), until);
         let mut client = self.client.clone();
         let streamed = async {
             let mut events = match client.stream_run_turn(request).await {
@@ -611,10 +595,41 @@ impl RemoteBot {
     }
 }
 
+/// `request` as the request of `StreamRunTurn`, which carries the same fields (every one: a field
+/// added to the contract must be named here).
+fn stream_request(request: pb::RunTurnRequest) -> pb::StreamRunTurnRequest {
+    let pb::RunTurnRequest {
+        bot,
+        activity_json,
+        attempt,
+        conversation,
+        user,
+        private_conversation,
+        superseded_json,
+        batch_json,
+    } = request;
+    pb::StreamRunTurnRequest {
+        bot,
+        activity_json,
+        attempt,
+        conversation,
+        user,
+        private_conversation,
+        superseded_json,
+        batch_json,
+    }
+}
+
 /// Whether `status` is a worker saying it has no `StreamRunTurn` (not a failed connection that
 /// a client library reported as such).
 fn unimplemented(status: &tonic::Status) -> bool {
     status.code() == Code::Unimplemented && std::error::Error::source(status).is_none()
+}
+
+/// Each of `activities` as its Bot Framework JSON text, in order: the superseded messages and the
+/// batch of a turn, as `activity_json` carries its activity.
+fn activities_json(activities: &[Activity]) -> Vec<String> {
+    activities.iter().map(|a| a.to_json().to_string()).collect()
 }
 
 /// Applies one scope's outcome: marks it read, replaces it.
@@ -664,6 +679,9 @@ fn shortened(message: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::activity::incoming::IncomingActivity;
+    use crate::activity::{ChannelAccount, ConversationAccount};
+    use crate::state::Scope;
 
     #[test]
     fn remote_bot_specs_are_parsed_at_the_boundary() {
@@ -681,6 +699,93 @@ mod tests {
             let err = bad.parse::<RemoteBotSpec>().expect_err(bad);
             assert!(err.to_string().contains(bad.trim()), "{err}");
         }
+    }
+
+    /// A message `id` saying `text` in conversation `c1`, from `u1`.
+    fn message(id: &str, text: &str) -> Activity {
+        Activity {
+            id: Some(id.into()),
+            channel_id: Some("test".into()),
+            conversation: Some(ConversationAccount {
+                id: Some("c1".into()),
+                ..Default::default()
+            }),
+            from: Some(ChannelAccount {
+                id: Some("u1".into()),
+                ..Default::default()
+            }),
+            ..Activity::message(text)
+        }
+    }
+
+    /// The ids and texts of activities sent as JSON texts.
+    fn sent(texts: &[String]) -> Vec<(String, String)> {
+        texts
+            .iter()
+            .map(|text| {
+                let activity: serde_json::Value = serde_json::from_str(text).expect("JSON");
+                (
+                    activity["id"].as_str().unwrap_or_default().to_owned(),
+                    activity["text"].as_str().unwrap_or_default().to_owned(),
+                )
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn the_superseded_messages_and_the_batch_reach_the_worker_in_order() {
+        let bot = RemoteBot::new(
+            "remote",
+            Endpoint::from_static("http://127.0.0.1:1").connect_lazy(),
+        );
+        let incoming = IncomingActivity::parse(message("m3", "three")).expect("valid");
+        let scope = || ScopeState::new(Scope::Conversation, JsonMap::new());
+
+        let mut plain = TurnContext::new(&incoming, 1, scope(), None, None);
+        let request = bot.request(&mut plain);
+        assert!(request.superseded_json.is_empty() && request.batch_json.is_empty());
+
+        let superseded = [message("m0", "zero"), message("m1", "one")];
+        let mut interrupting =
+            TurnContext::new(&incoming, 1, scope(), None, None).with_superseded(&superseded);
+        let request = bot.request(&mut interrupting);
+        let expected = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(id, text)| ((*id).to_owned(), (*text).to_owned()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            sent(&request.superseded_json),
+            expected(&[("m0", "zero"), ("m1", "one")])
+        );
+        assert!(request.batch_json.is_empty());
+
+        let batch = [
+            message("m1", "one"),
+            message("m2", "two"),
+            message("m3", "three"),
+        ];
+        let mut coalesced = TurnContext::new(&incoming, 2, scope(), None, None).with_batch(&batch);
+        let request = bot.request(&mut coalesced);
+        let batch_sent = expected(&[("m1", "one"), ("m2", "two"), ("m3", "three")]);
+        assert_eq!(sent(&request.batch_json), batch_sent);
+        assert!(request.superseded_json.is_empty());
+        // Each is the whole activity, as `activity_json` is.
+        assert_eq!(
+            request.batch_json[2], request.activity_json,
+            "the batch's last is the turn's activity"
+        );
+
+        // A streamed attempt's request carries them too.
+        let streamed = stream_request(request);
+        assert_eq!(sent(&streamed.batch_json), batch_sent);
+        assert_eq!(streamed.attempt, 2);
+        let streamed = stream_request(bot.request(&mut interrupting));
+        assert_eq!(
+            sent(&streamed.superseded_json),
+            expected(&[("m0", "zero"), ("m1", "one")])
+        );
     }
 
     #[test]

@@ -25,6 +25,7 @@
 
 mod busy;
 mod hot;
+mod interrupts;
 mod queue;
 mod receipt;
 mod retry;
@@ -52,8 +53,8 @@ use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
 use crate::store::cached::CachedStore;
 use crate::store::timed::TimedStore;
 use crate::store::{
-    Commit, CommitOutcome, Consistency, ConversationLease, ConversationLock, KeyChange, Lease,
-    LockedTurn, Others, Snapshot, Store, StoreError, Version,
+    Commit, CommitOutcome, Consistency, ConversationLease, ConversationLock, Handed, KeyChange,
+    Lease, LockedTurn, NOTHING_HANDED, Others, Pending, Snapshot, Store, StoreError, Version,
 };
 use crate::telemetry::metrics::{
     CONFLICTS, LOCK_WAITS, REDELIVERIES, TURN_ATTEMPTS, TURN_DURATION, TURNS,
@@ -80,6 +81,13 @@ pub struct TurnOutcome {
     /// Whether its user stopped the reply while it was being written ([`Engine::stop_turn`]):
     /// the activities are what was shown then.
     pub stopped: bool,
+    /// Whether a later message of the conversation interrupted the turn before it committed
+    /// ([`DoubleText::Interrupt`]): nothing of it was kept, and it has no activities.
+    pub superseded: bool,
+    /// The ids of the activities one run answered together, in arrival order, when the bot
+    /// coalesces double texts ([`DoubleText::Coalesce`]); empty otherwise. Only the call that
+    /// ran the batch has the activities, so that they are delivered once.
+    pub coalesced: Vec<String>,
 }
 
 /// A turn that did not commit. None of these returns any activity.
@@ -132,6 +140,7 @@ pub struct Engine {
     hot: Arc<hot::HotConversations>,
     stoppable: Arc<stoppable::Stoppable>,
     busy: Arc<busy::Busy>,
+    interrupts: Arc<interrupts::Interrupts>,
     metrics: Arc<TurnMetrics>,
 }
 
@@ -212,6 +221,7 @@ impl Engine {
             hot: Arc::new(hot::HotConversations::default()),
             stoppable: Arc::default(),
             busy: Arc::default(),
+            interrupts: Arc::default(),
             metrics: Arc::new(TurnMetrics::new()),
         }
     }
@@ -350,7 +360,7 @@ impl Engine {
         span.record("channel", incoming.address().channel.as_str());
         span.record("bot", bot_name);
         let double_text = self.bots.double_text(bot_name);
-        let plan = TurnPlan::new(
+        let mut plan = TurnPlan::new(
             bot_name,
             handler.as_ref(),
             incoming,
@@ -358,18 +368,43 @@ impl Engine {
             drafts,
             double_text,
         );
-        // A bot that refuses double texts refuses one at once while another message's turn of
-        // the conversation is in flight here; across replicas, the hold tells (`attempt_held`).
-        let _admitted = match double_text {
-            DoubleText::Reject => Some(
-                self.busy
-                    .admit(&plan.keys.conversation, plan.receipt.as_ref())
-                    .ok_or_else(|| TurnError::ConversationBusy {
-                        bot: bot_name.to_owned(),
-                    })?,
-            ),
-            DoubleText::Enqueue => None,
-        };
+        // What a double text does to the turns of its conversation in flight here, before it
+        // queues behind them; across replicas, the hold tells (`attempt_held`).
+        let mut _admitted = None;
+        let mut _in_flight = None;
+        match double_text {
+            DoubleText::Enqueue => {}
+            // Refused at once while another message's turn is in flight.
+            DoubleText::Reject => {
+                _admitted = Some(
+                    self.busy
+                        .admit(&plan.keys.conversation, plan.receipt.as_ref())
+                        .ok_or_else(|| TurnError::ConversationBusy {
+                            bot: bot_name.to_owned(),
+                        })?,
+                );
+            }
+            // Those turns are asked to stop.
+            DoubleText::Interrupt => {
+                let in_flight = self
+                    .interrupts
+                    .enter(&plan.keys.conversation, plan.receipt.as_ref());
+                plan.interrupt = Some(Arc::clone(in_flight.signal()));
+                _in_flight = Some(in_flight);
+            }
+            // The message joins the ones waiting for the next run.
+            DoubleText::Coalesce => {
+                if let Some(receipt) = &plan.receipt {
+                    let pending = Pending {
+                        receipt: receipt.clone(),
+                        activity: activity_json(incoming.activity()),
+                    };
+                    self.store
+                        .add_pending(&plan.keys.conversation, &pending)
+                        .await?;
+                }
+            }
+        }
         // A streamed turn can be stopped from its first moment, queued or running.
         let _stoppable = plan
             .receipt
@@ -540,7 +575,17 @@ impl Engine {
         if let Some(receipt) = snapshot.receipt() {
             return receipt::decode(receipt).map(AttemptOutcome::Answered);
         }
-        let (commit, outcome) = plan.run(attempt, &snapshot).await?;
+        let never = Box::pin(std::future::pending());
+        let (commit, outcome) = match plan.run(attempt, &snapshot, &NOTHING_HANDED, never).await? {
+            Ran::Built(commit, outcome) => (commit, outcome),
+            // Interrupted without a hold (a store that needs none answered): there is nothing
+            // to hand on, nor a receipt to write outside the conversation's order.
+            Ran::Superseded => {
+                return Ok(AttemptOutcome::NothingToCommit(
+                    plan.superseded_outcome(attempt, &snapshot),
+                ));
+            }
+        };
         if !commit.writes_anything() {
             // A read-only turn of an activity without id, answered from one consistent
             // snapshot: nothing to commit.
@@ -652,11 +697,11 @@ impl Engine {
         deadline: Option<Instant>,
     ) -> Result<AttemptOutcome, TurnError> {
         let wait = lock_wait(deadline);
-        // A bot that refuses double texts refuses them before running, not on a replay.
-        let others = if plan.double_text == DoubleText::Reject && attempt == 1 {
-            Others::Refuse
-        } else {
-            Others::Wait
+        let others = match plan.double_text {
+            // A bot that refuses double texts refuses them before running, not on a replay.
+            DoubleText::Reject if attempt == 1 => Others::Refuse,
+            DoubleText::Interrupt => Others::Interrupt,
+            _ => Others::Wait,
         };
         match self
             .store
@@ -772,8 +817,12 @@ impl Engine {
             locked.release().await;
             return receipt::decode(receipt).map(AttemptOutcome::Answered);
         }
-        let (commit, outcome) = match plan.run(attempt, &snapshot).await {
-            Ok(built) => built,
+        let ran = plan
+            .run(attempt, &snapshot, locked.handed(), locked.interrupted())
+            .await;
+        let (commit, outcome) = match ran {
+            Ok(Ran::Built(commit, outcome)) => (commit, outcome),
+            Ok(Ran::Superseded) => return self.supersede(plan, attempt, &snapshot, locked).await,
             Err(e) => {
                 locked.release().await;
                 return Err(e);
@@ -787,6 +836,42 @@ impl Engine {
         let result = locked.commit(commit).await;
         settle(plan, implied, result, outcome)
     }
+
+    /// Ends a turn a later message interrupted: nothing of it is kept but its receipt, which
+    /// answers it (and its redeliveries) as superseded, and its activity is handed on to the
+    /// next turn of the conversation ([`TurnContext::superseded`]).
+    async fn supersede(
+        &self,
+        plan: &TurnPlan<'_>,
+        attempt: u32,
+        snapshot: &Snapshot,
+        locked: Box<dyn LockedTurn>,
+    ) -> Result<AttemptOutcome, TurnError> {
+        tracing::debug!(attempt, "the turn was interrupted by a later message");
+        if let Some(drafts) = plan.drafts {
+            drafts.reset(attempt).await;
+        }
+        let outcome = plan.superseded_outcome(attempt, snapshot);
+        let mut commit = Commit::new(Vec::new());
+        if let Some(key) = &plan.receipt {
+            commit = commit.with_receipt(key.clone(), receipt::encode(&outcome));
+        }
+        let activity = activity_json(plan.incoming.activity());
+        match locked.supersede(commit, activity).await? {
+            CommitOutcome::Committed(_) => Ok(AttemptOutcome::Committed(outcome)),
+            CommitOutcome::Conflict { key } => {
+                // The hold was lost (this turn stalled past it): nothing was written, and the
+                // turn that took over runs without it.
+                tracing::warn!(%key, "an interrupted turn could not hand itself on");
+                Ok(AttemptOutcome::NothingToCommit(outcome))
+            }
+        }
+    }
+}
+
+/// `activity` as its Bot Framework JSON object.
+fn activity_json(activity: &Activity) -> serde_json::Value {
+    serde_json::to_value(activity).unwrap_or_default()
 }
 
 /// How an attempt holds its conversation.
@@ -924,6 +1009,57 @@ struct TurnPlan<'a> {
     bot_name: &'a str,
     /// What happens to a message arriving while a turn of the conversation runs.
     double_text: DoubleText,
+    /// Set when a later message of the conversation on this replica asks this turn to stop
+    /// ([`DoubleText::Interrupt`]).
+    interrupt: Option<Arc<interrupts::Signal>>,
+}
+
+/// How a run of the bot ended, when it did not fail.
+enum Ran {
+    /// What the attempt asks the store to apply, and the outcome it delivers once applied.
+    Built(Commit, TurnOutcome),
+    /// A later message interrupted it: nothing of it is kept.
+    Superseded,
+}
+
+/// One run's batch of activities answered together (coalesced double texts), in arrival order.
+struct Batch {
+    /// Each one's receipt and activity; this turn's own among them.
+    members: Vec<(StateKey, Activity)>,
+}
+
+impl Batch {
+    /// The batch of this turn (receipt `own`, activity `incoming`): the activities waiting, then
+    /// this turn's if it was not among them. Those the store keeps unreadably are left out.
+    fn of(pending: &[Pending], own: &StateKey, incoming: &Activity) -> Self {
+        let mut members: Vec<(StateKey, Activity)> = pending
+            .iter()
+            .filter_map(|p| {
+                if &p.receipt == own {
+                    return Some((own.clone(), incoming.clone()));
+                }
+                match Activity::from_json(p.activity.clone()) {
+                    Ok(activity) => Some((p.receipt.clone(), activity)),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "a coalesced activity is unreadable; skipped");
+                        None
+                    }
+                }
+            })
+            .collect();
+        if !members.iter().any(|(receipt, _)| receipt == own) {
+            members.push((own.clone(), incoming.clone()));
+        }
+        Self { members }
+    }
+
+    /// The ids of its activities, in order.
+    fn ids(&self) -> Vec<String> {
+        self.members
+            .iter()
+            .map(|(_, a)| a.id.clone().unwrap_or_default())
+            .collect()
+    }
 }
 
 impl<'a> TurnPlan<'a> {
@@ -947,6 +1083,7 @@ impl<'a> TurnPlan<'a> {
             keys,
             deadline,
             drafts,
+            interrupt: None,
         }
     }
 
@@ -968,31 +1105,76 @@ impl<'a> TurnPlan<'a> {
         .with_drafts(self.drafts)
     }
 
-    /// Runs the bot for attempt `attempt` on `snapshot`: what the attempt asks the store to
-    /// apply, and the outcome it delivers once applied. A streamed turn's run is raced against
-    /// its stop ([`Drafts::stop`]): once stopped, the bot is cancelled (or not run), and the
-    /// attempt commits the reply as far as it was shown, on the state as it was.
+    /// Runs the bot for attempt `attempt` on `snapshot`, with what the turns before handed on
+    /// (`handed`): what the attempt asks the store to apply, and the outcome it delivers once
+    /// applied. The run is raced against a later message's interruption (`interrupted`, or this
+    /// replica's [`TurnPlan::interrupt`]), which ends it with nothing kept; and a streamed
+    /// turn's against its stop ([`Drafts::stop`]): once stopped, the bot is cancelled (or not
+    /// run), and the attempt commits the reply as far as it was shown, on the state as it was.
     async fn run(
         &self,
         attempt: u32,
         snapshot: &Snapshot,
-    ) -> Result<(Commit, TurnOutcome), TurnError> {
+        handed: &Handed,
+        interrupted: futures::future::BoxFuture<'static, ()>,
+    ) -> Result<Ran, TurnError> {
+        let superseded = self.superseded(handed);
+        let batch = match (self.double_text, &self.receipt) {
+            (DoubleText::Coalesce, Some(own)) => {
+                Some(Batch::of(&handed.pending, own, self.incoming.activity()))
+            }
+            _ => None,
+        };
+        let batch_activities: Vec<Activity> = batch
+            .iter()
+            .flat_map(|b| b.members.iter().map(|(_, a)| a.clone()))
+            .collect();
+        let context = || {
+            self.context(attempt, snapshot)
+                .with_superseded(&superseded)
+                .with_batch(&batch_activities)
+        };
+        let interrupt = async {
+            match &self.interrupt {
+                Some(signal) => tokio::select! {
+                    () = signal.wait() => {}
+                    () = interrupted => {}
+                },
+                None => interrupted.await,
+            }
+        };
+        if self.interrupt.as_ref().is_some_and(|s| s.asked()) {
+            return Ok(Ran::Superseded);
+        }
         let Some(drafts) = self.drafts else {
-            let (scopes, activities) = run_bot(self.bot, self.context(attempt, snapshot)).await?;
-            return Ok(self.commit(scopes, activities, attempt, snapshot, false));
+            let ran = tokio::select! {
+                biased;
+                () = interrupt => return Ok(Ran::Superseded),
+                ran = run_bot(self.bot, context()) => ran,
+            };
+            let (scopes, activities) = ran?;
+            return Ok(self.built(scopes, activities, attempt, snapshot, false, batch.as_ref()));
         };
         let shown = match drafts.begin() {
             Err(shown) => shown,
             Ok(()) => {
                 let ran = tokio::select! {
                     biased;
-                    ran = run_bot(self.bot, self.context(attempt, snapshot)) => Some(ran),
+                    () = interrupt => return Ok(Ran::Superseded),
+                    ran = run_bot(self.bot, context()) => Some(ran),
                     () = drafts.stopped() => None,
                 };
                 match ran.map(|ran| (drafts.finish(), ran)) {
                     Some((None, ran)) => {
                         let (scopes, activities) = ran?;
-                        return Ok(self.commit(scopes, activities, attempt, snapshot, false));
+                        return Ok(self.built(
+                            scopes,
+                            activities,
+                            attempt,
+                            snapshot,
+                            false,
+                            batch.as_ref(),
+                        ));
                     }
                     // Stopped as the bot finished: the stop was answered first, and wins.
                     Some((Some(shown), _)) => shown,
@@ -1002,24 +1184,56 @@ impl<'a> TurnPlan<'a> {
         };
         tracing::debug!(attempt, shown_bytes = shown.len(), "the turn was stopped");
         // The reply as the bot would have sent it, on the state it was given, left unchanged.
-        let mut context = self.context(attempt, snapshot);
+        let mut context = context();
         if !shown.is_empty() {
             context.send_text(shown);
         }
         let (scopes, activities) = context.finish();
-        Ok(self.commit(scopes, activities, attempt, snapshot, true))
+        Ok(self.built(scopes, activities, attempt, snapshot, true, batch.as_ref()))
     }
 
-    /// What the attempt asks the store to apply, with the receipt that answers a redelivery,
-    /// and the outcome it delivers once applied.
-    fn commit(
+    /// The outcome of attempt `attempt` on `snapshot`, interrupted by a later message: no
+    /// replies, nothing changed.
+    fn superseded_outcome(&self, attempt: u32, snapshot: &Snapshot) -> TurnOutcome {
+        TurnOutcome {
+            activities: Vec::new(),
+            attempts: attempt,
+            conversation_version: snapshot.get(&self.keys.conversation).map(|row| row.version),
+            redelivered: false,
+            stopped: false,
+            superseded: true,
+            coalesced: Vec::new(),
+        }
+    }
+
+    /// The activities of the turns `handed` says this one supersedes, for the bot; those the
+    /// store keeps unreadably are left out.
+    fn superseded(&self, handed: &Handed) -> Vec<Activity> {
+        handed
+            .superseded
+            .iter()
+            .filter_map(|json| match Activity::from_json(json.clone()) {
+                Ok(activity) => Some(activity),
+                Err(e) => {
+                    tracing::warn!(error = %e, "a superseded activity is unreadable; skipped");
+                    None
+                }
+            })
+            .collect()
+    }
+
+    /// What the attempt asks the store to apply, with the receipt that answers a redelivery
+    /// (and, for a batch, the receipts of the others it answered), and the outcome it delivers
+    /// once applied.
+    fn built(
         &self,
         scopes: TurnScopes,
         activities: Vec<Activity>,
         attempt: u32,
         snapshot: &Snapshot,
         stopped: bool,
-    ) -> (Commit, TurnOutcome) {
+        batch: Option<&Batch>,
+    ) -> Ran {
         let mut commit = commit_of(&self.keys, scopes, snapshot);
         let outcome = TurnOutcome {
             conversation_version: version_after(&commit, &self.keys.conversation, snapshot),
@@ -1027,11 +1241,26 @@ impl<'a> TurnPlan<'a> {
             attempts: attempt,
             redelivered: false,
             stopped,
+            superseded: false,
+            coalesced: batch.map(Batch::ids).unwrap_or_default(),
         };
         if let Some(key) = &self.receipt {
             commit = commit.with_receipt(key.clone(), receipt::encode(&outcome));
         }
-        (commit, outcome)
+        if let Some(batch) = batch.filter(|b| b.members.len() > 1) {
+            // The others' calls get the same outcome without the replies, which this call
+            // delivers.
+            let others = receipt::encode(&TurnOutcome {
+                activities: Vec::new(),
+                ..outcome.clone()
+            });
+            for (key, _) in &batch.members {
+                if Some(key) != self.receipt.as_ref() {
+                    commit = commit.with_receipt_also(key.clone(), others.clone());
+                }
+            }
+        }
+        Ran::Built(commit, outcome)
     }
 }
 
@@ -1277,6 +1506,14 @@ mod tests {
                         .await
                 }
             }
+        }
+
+        async fn add_pending(
+            &self,
+            conversation: &StateKey,
+            pending: &crate::store::Pending,
+        ) -> Result<(), StoreError> {
+            self.inner.add_pending(conversation, pending).await
         }
     }
 

@@ -35,6 +35,14 @@ pub(super) fn encode(outcome: &TurnOutcome) -> Receipt {
         // from before stops reads this one (as an ordinary answer).
         text.push_str(",\"stopped\":true");
     }
+    if outcome.superseded {
+        text.push_str(",\"superseded\":true");
+    }
+    if !outcome.coalesced.is_empty() {
+        text.push_str(",\"coalesced\":");
+        // Activity ids: strings, which serde_json writes escaped; nothing in them can fail.
+        text.push_str(&Value::from(outcome.coalesced.clone()).to_string());
+    }
     text.push('}');
     Receipt::from_written(text)
 }
@@ -89,6 +97,16 @@ fn read(receipt: &Value) -> anyhow::Result<TurnOutcome> {
         conversation_version: (version > 0).then(|| Version::new(version)),
         redelivered: true,
         stopped: receipt.get("stopped").and_then(Value::as_bool) == Some(true),
+        superseded: receipt.get("superseded").and_then(Value::as_bool) == Some(true),
+        coalesced: receipt
+            .get("coalesced")
+            .and_then(Value::as_array)
+            .map(|ids| {
+                ids.iter()
+                    .filter_map(|id| id.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default(),
     })
 }
 
@@ -132,6 +150,8 @@ mod tests {
             conversation_version: Some(Version::new(3)),
             redelivered: false,
             stopped: false,
+            superseded: false,
+            coalesced: Vec::new(),
         };
         let back = decode(&encode(&outcome)).expect("readable");
         assert_eq!(
@@ -143,7 +163,7 @@ mod tests {
         );
         let stopped = TurnOutcome {
             stopped: true,
-            ..outcome
+            ..outcome.clone()
         };
         assert!(encode(&stopped).text().ends_with(",\"stopped\":true}"));
         assert_eq!(
@@ -151,6 +171,34 @@ mod tests {
             TurnOutcome {
                 redelivered: true,
                 ..stopped
+            }
+        );
+        let superseded = TurnOutcome {
+            activities: Vec::new(),
+            superseded: true,
+            ..outcome.clone()
+        };
+        assert_eq!(
+            decode(&encode(&superseded)).expect("readable"),
+            TurnOutcome {
+                redelivered: true,
+                ..superseded
+            }
+        );
+        let coalesced = TurnOutcome {
+            coalesced: vec!["a\"1".into(), "b".into()],
+            ..outcome
+        };
+        assert!(
+            encode(&coalesced)
+                .text()
+                .ends_with(r#","coalesced":["a\"1","b"]}"#)
+        );
+        assert_eq!(
+            decode(&encode(&coalesced)).expect("readable"),
+            TurnOutcome {
+                redelivered: true,
+                ..coalesced
             }
         );
     }
@@ -167,6 +215,8 @@ mod tests {
             conversation_version: None,
             redelivered: false,
             stopped: false,
+            superseded: false,
+            coalesced: Vec::new(),
         };
         let serde = |a: &Activity| serde_json::to_string(a).expect("serializable");
         assert_eq!(

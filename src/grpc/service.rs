@@ -145,6 +145,8 @@ fn response(outcome: TurnOutcome, json_replies: bool) -> pb::ProcessTurnResponse
         version: outcome.conversation_version.map_or(0, |v| v.get()),
         redelivered: outcome.redelivered,
         stopped: outcome.stopped,
+        superseded: outcome.superseded,
+        coalesced: outcome.coalesced,
     }
 }
 

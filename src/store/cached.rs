@@ -285,6 +285,14 @@ impl<S: Store> Store for CachedStore<S> {
         )
     }
 
+    async fn add_pending(
+        &self,
+        conversation: &StateKey,
+        pending: &crate::store::Pending,
+    ) -> Result<(), StoreError> {
+        self.inner.add_pending(conversation, pending).await
+    }
+
     /// Remembers the load under the lease, and the commit of the lease's last turn, as
     /// [`CachedStore::lock_conversation`] does.
     async fn lease_conversation(
@@ -407,6 +415,25 @@ impl LockedTurn for RememberingTurn {
 
     async fn release(self: Box<Self>) {
         self.inner.release().await;
+    }
+
+    fn handed(&self) -> &crate::store::Handed {
+        self.inner.handed()
+    }
+
+    fn interrupted(&self) -> futures::future::BoxFuture<'static, ()> {
+        self.inner.interrupted()
+    }
+
+    async fn supersede(
+        self: Box<Self>,
+        commit: Commit,
+        activity: serde_json::Value,
+    ) -> Result<CommitOutcome, StoreError> {
+        let written = Written::of(&commit);
+        let result = self.inner.supersede(commit, activity).await;
+        written.settle(&self.cache, &result);
+        result
     }
 }
 

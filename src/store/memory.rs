@@ -6,27 +6,29 @@
 //! `.await` inside, so holding it never blocks the runtime for long, and it is never held across
 //! a suspension point.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
 use super::{
-    Commit, CommitOutcome, ConversationLock, Expected, KeyMap, Receipt, Snapshot, Store,
-    StoreError, Versioned, Versions,
+    Commit, CommitOutcome, ConversationLock, Expected, Handed, KeyMap, LockedTurn, Pending,
+    Receipt, Snapshot, Store, StoreError, Versioned, Versions,
 };
 use crate::state::StateKey;
 
 /// Turn state in this process's memory.
 #[derive(Debug, Default)]
 pub struct MemoryStore {
-    tables: Mutex<Tables>,
+    tables: Arc<Mutex<Tables>>,
 }
 
 #[derive(Debug, Default)]
 struct Tables {
     rows: KeyMap<Versioned>,
     receipts: KeyMap<(Receipt, Instant)>,
+    /// What each conversation's turns hand on to the next (double texting), by conversation.
+    handed: KeyMap<Handed>,
 }
 
 impl MemoryStore {
@@ -36,37 +38,26 @@ impl MemoryStore {
     }
 
     fn tables(&self) -> MutexGuard<'_, Tables> {
-        // A panic while the lock was held cannot leave a half-applied commit behind: a commit
-        // checks everything before it writes anything. So the data behind a poisoned lock is
-        // consistent, and serving on is right.
-        self.tables
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.tables)
     }
 }
 
-#[async_trait]
-impl Store for MemoryStore {
-    async fn load(
-        &self,
-        keys: &[StateKey],
-        receipt: Option<&StateKey>,
-    ) -> Result<Snapshot, StoreError> {
-        let tables = self.tables();
-        let found = keys
-            .iter()
-            .filter_map(|k| tables.rows.get(k).map(|row| (k.clone(), row.clone())))
-            .collect();
-        let receipt = receipt.and_then(|k| tables.receipts.get(k).map(|(r, _)| r.clone()));
-        Ok(Snapshot::new(found, receipt))
-    }
+fn lock(tables: &Mutex<Tables>) -> MutexGuard<'_, Tables> {
+    // A panic while the lock was held cannot leave a half-applied commit behind: a commit checks
+    // everything before it writes anything. So the data behind a poisoned lock is consistent,
+    // and serving on is right.
+    tables
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
-    async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
-        let mut tables = self.tables();
-        let Tables { rows, receipts } = &mut *tables;
+impl Tables {
+    /// [`Store::commit`] on these tables.
+    fn commit(&mut self, commit: &Commit) -> CommitOutcome {
+        let Self { rows, receipts, .. } = self;
         if let Some((key, _)) = commit.receipt() {
             if receipts.contains_key(key) {
-                return Ok(CommitOutcome::Conflict { key: key.clone() });
+                return CommitOutcome::Conflict { key: key.clone() };
             }
         }
         for change in commit.changes() {
@@ -76,9 +67,9 @@ impl Store for MemoryStore {
                 Expected::Version(v) => current == Some(v),
             };
             if !holds {
-                return Ok(CommitOutcome::Conflict {
+                return CommitOutcome::Conflict {
                     key: change.key.clone(),
-                });
+                };
             }
         }
         let mut versions = Versions::default();
@@ -102,10 +93,34 @@ impl Store for MemoryStore {
             };
             versions.insert(change.key.clone(), version);
         }
-        if let Some((key, payload)) = commit.receipt() {
-            receipts.insert(key.clone(), (payload.clone(), Instant::now()));
+        let now = Instant::now();
+        for (key, payload) in commit.receipt().into_iter().chain(commit.receipts_also()) {
+            receipts
+                .entry(key.clone())
+                .or_insert_with(|| (payload.clone(), now));
         }
-        Ok(CommitOutcome::Committed(versions))
+        CommitOutcome::Committed(versions)
+    }
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    async fn load(
+        &self,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
+    ) -> Result<Snapshot, StoreError> {
+        let tables = self.tables();
+        let found = keys
+            .iter()
+            .filter_map(|k| tables.rows.get(k).map(|row| (k.clone(), row.clone())))
+            .collect();
+        let receipt = receipt.and_then(|k| tables.receipts.get(k).map(|(r, _)| r.clone()));
+        Ok(Snapshot::new(found, receipt))
+    }
+
+    async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
+        Ok(self.tables().commit(&commit))
     }
 
     /// One process, one replica: its engine's queue already runs a conversation's turns one at
@@ -120,16 +135,49 @@ impl Store for MemoryStore {
         Ok(ConversationLock::NotNeeded)
     }
 
-    /// One replica: nothing to hold, as for [`MemoryStore::lock_conversation`].
+    /// One replica: its engine's queue runs a conversation's turns one at a time, so the hold is
+    /// always free; what it keeps is what the conversation's turns hand on to the next
+    /// ([`Handed`]).
     async fn hold_conversation(
         &self,
-        _conversation: &StateKey,
-        _keys: &[StateKey],
-        _receipt: Option<&StateKey>,
+        conversation: &StateKey,
+        keys: &[StateKey],
+        receipt: Option<&StateKey>,
         _wait: Duration,
         _others: crate::store::Others,
     ) -> Result<ConversationLock, StoreError> {
-        Ok(ConversationLock::NotNeeded)
+        let snapshot = self.load(keys, receipt).await?;
+        let mut tables = self.tables();
+        let Tables {
+            receipts, handed, ..
+        } = &mut *tables;
+        let mut left = handed.get(conversation).cloned().unwrap_or_default();
+        left.pending.retain(|p| !receipts.contains_key(&p.receipt));
+        Ok(ConversationLock::Held {
+            snapshot,
+            turn: Box::new(MemoryHeldTurn {
+                tables: Arc::clone(&self.tables),
+                conversation: conversation.clone(),
+                handed: left,
+            }),
+        })
+    }
+
+    async fn add_pending(
+        &self,
+        conversation: &StateKey,
+        pending: &Pending,
+    ) -> Result<(), StoreError> {
+        let mut tables = self.tables();
+        let waiting = &mut tables
+            .handed
+            .entry(conversation.clone())
+            .or_default()
+            .pending;
+        if !waiting.iter().any(|p| p.receipt == pending.receipt) {
+            waiting.push(pending.clone());
+        }
+        Ok(())
     }
 
     async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
@@ -140,5 +188,58 @@ impl Store for MemoryStore {
             .receipts
             .retain(|_, (_, created)| now.duration_since(*created) < age);
         Ok((before - tables.receipts.len()) as u64)
+    }
+}
+
+/// A conversation held for one turn in memory: what it commits clears what was handed to it.
+#[derive(Debug)]
+struct MemoryHeldTurn {
+    tables: Arc<Mutex<Tables>>,
+    conversation: StateKey,
+    handed: Handed,
+}
+
+#[async_trait]
+impl LockedTurn for MemoryHeldTurn {
+    async fn commit(self: Box<Self>, commit: Commit) -> Result<CommitOutcome, StoreError> {
+        let mut tables = lock(&self.tables);
+        let outcome = tables.commit(&commit);
+        if matches!(outcome, CommitOutcome::Committed(_)) {
+            let Tables {
+                receipts, handed, ..
+            } = &mut *tables;
+            if let Some(left) = handed.get_mut(&self.conversation) {
+                left.superseded.clear();
+                left.pending.retain(|p| !receipts.contains_key(&p.receipt));
+                if left.pending.is_empty() {
+                    handed.remove(&self.conversation);
+                }
+            }
+        }
+        Ok(outcome)
+    }
+
+    async fn release(self: Box<Self>) {}
+
+    fn handed(&self) -> &Handed {
+        &self.handed
+    }
+
+    async fn supersede(
+        self: Box<Self>,
+        commit: Commit,
+        activity: serde_json::Value,
+    ) -> Result<CommitOutcome, StoreError> {
+        let mut tables = lock(&self.tables);
+        let outcome = tables.commit(&commit);
+        if matches!(outcome, CommitOutcome::Committed(_)) {
+            tables
+                .handed
+                .entry(self.conversation.clone())
+                .or_default()
+                .superseded
+                .push(activity);
+        }
+        Ok(outcome)
     }
 }

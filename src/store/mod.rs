@@ -241,6 +241,9 @@ impl KeyChange {
 pub struct Commit {
     changes: Vec<KeyChange>,
     receipt: Option<(StateKey, Receipt)>,
+    /// More receipts written with it, for activities answered by the same run; each one is
+    /// skipped if it exists (the main receipt alone decides a conflict).
+    also: Vec<(StateKey, Receipt)>,
 }
 
 impl Commit {
@@ -250,6 +253,7 @@ impl Commit {
         Self {
             changes,
             receipt: None,
+            also: Vec::new(),
         }
     }
 
@@ -259,6 +263,19 @@ impl Commit {
     pub fn with_receipt(mut self, key: StateKey, payload: impl Into<Receipt>) -> Self {
         self.receipt = Some((key, payload.into()));
         self
+    }
+
+    /// The same commit, also writing receipt `key` with `payload` for another activity the same
+    /// run answered (skipped if that receipt exists).
+    #[must_use]
+    pub fn with_receipt_also(mut self, key: StateKey, payload: impl Into<Receipt>) -> Self {
+        self.also.push((key, payload.into()));
+        self
+    }
+
+    /// The receipts written with the main one ([`Commit::with_receipt_also`]).
+    pub fn receipts_also(&self) -> &[(StateKey, Receipt)] {
+        &self.also
     }
 
     /// The changes, sorted by key.
@@ -415,6 +432,21 @@ pub trait Store: Send + Sync + 'static {
         others: Others,
     ) -> Result<ConversationLock, StoreError>;
 
+    /// Adds `pending` to the activities of `conversation` waiting to be answered together by
+    /// one run (the double-text policy `coalesce`), after the ones there, unless it is there
+    /// already. The next turn to take the conversation's hold ([`Store::hold_conversation`])
+    /// finds them in [`LockedTurn::handed`], and its commit answers them.
+    ///
+    /// Required of every store, like [`Store::hold_conversation`].
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot answer.
+    async fn add_pending(
+        &self,
+        conversation: &StateKey,
+        pending: &Pending,
+    ) -> Result<(), StoreError>;
+
     /// Holds `conversation` for this replica — against every other replica's serialized turns
     /// and leases — until the returned [`Lease`] ends, so that this replica can run several of
     /// the conversation's turns in a row, each an ordinary one (a guess from its cache and one
@@ -495,6 +527,53 @@ pub enum Others {
     Wait,
     /// Answer [`ConversationLock::Busy`] at once.
     Refuse,
+    /// Ask the holder's turn to stop ([`LockedTurn::interrupted`]), wherever it runs, then wait
+    /// for it: the double-text policy `interrupt`. Asked again of each new holder met.
+    Interrupt,
+}
+
+/// What the conversation's earlier turns left to the turn that takes its hold next: the
+/// activities of turns a later message interrupted, and the activities waiting to be answered
+/// together. Kept with the hold until a turn that took it commits.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Handed {
+    /// The activities of turns interrupted before they committed, oldest first, each a Bot
+    /// Framework JSON object.
+    pub superseded: Vec<serde_json::Value>,
+    /// The activities waiting to be answered by one run ([`Store::add_pending`]), in arrival
+    /// order, without the ones answered already.
+    pub pending: Vec<Pending>,
+}
+
+/// The empty [`Handed`], for turns holding nothing.
+pub static NOTHING_HANDED: Handed = Handed {
+    superseded: Vec::new(),
+    pending: Vec::new(),
+};
+
+/// An activity waiting to be answered together with the others that arrived while a turn of its
+/// conversation ran.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pending {
+    /// Its receipt's key: the run that answers it writes that receipt.
+    pub receipt: StateKey,
+    /// The activity, as its Bot Framework JSON object.
+    pub activity: serde_json::Value,
+}
+
+impl Pending {
+    /// The entry as it is kept with the hold: `{"receipt": …, "activity": {…}}`.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({ "receipt": self.receipt.as_str(), "activity": self.activity })
+    }
+
+    /// An entry as kept with the hold; `None` for one that is not.
+    pub fn from_json(entry: &serde_json::Value) -> Option<Self> {
+        Some(Self {
+            receipt: StateKey::from_stored(entry.get("receipt")?.as_str()?.to_owned()),
+            activity: entry.get("activity")?.clone(),
+        })
+    }
 }
 
 /// What [`Store::lease_conversation`] got.
@@ -565,4 +644,31 @@ pub trait LockedTurn: Send {
 
     /// Releases the lock without writing anything.
     async fn release(self: Box<Self>);
+
+    /// What the conversation's earlier turns left to this one (a hold's; a lock keeps nothing).
+    fn handed(&self) -> &Handed {
+        &NOTHING_HANDED
+    }
+
+    /// A future that resolves when a turn of another activity asked this one to stop
+    /// ([`Others::Interrupt`]), on any replica; never for a turn that cannot be asked (a lock's).
+    fn interrupted(&self) -> futures::future::BoxFuture<'static, ()> {
+        Box::pin(std::future::pending())
+    }
+
+    /// Ends an interrupted turn: `commit` (its receipt, marking it superseded) applies and the
+    /// conversation is let go, handing `activity` on to the next turn as superseded, after the
+    /// ones handed to this turn ([`Handed::superseded`]). A lock cannot hand anything on: it
+    /// commits and releases.
+    ///
+    /// # Errors
+    /// As [`Store::commit`].
+    async fn supersede(
+        self: Box<Self>,
+        commit: Commit,
+        activity: serde_json::Value,
+    ) -> Result<CommitOutcome, StoreError> {
+        let _ = activity;
+        self.commit(commit).await
+    }
 }

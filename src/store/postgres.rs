@@ -87,6 +87,26 @@ const COMMIT: Sql = Sql {
         Type::JSONB,
     ],
 };
+/// [`COMMIT`], also writing the receipts `$6` with payloads `$7` if it applies (those of other
+/// activities one run answered; one that exists is kept): one statement, so all or none.
+const COMMIT_WITH_RECEIPTS: Sql = Sql {
+    text: "WITH c AS (SELECT conflict_key, versions FROM turnstile_commit($1, $2, $3, $4, $5)), \
+                also AS ( \
+             INSERT INTO turnstile_receipt (key, payload) \
+             SELECT r.key, r.payload FROM unnest($6::text[], $7::jsonb[]) AS r(key, payload), c \
+              WHERE c.conflict_key IS NULL \
+             ON CONFLICT (key) DO NOTHING) \
+           SELECT conflict_key, versions FROM c",
+    types: &[
+        Type::TEXT_ARRAY,
+        Type::INT8_ARRAY,
+        Type::JSONB_ARRAY,
+        Type::TEXT,
+        Type::JSONB,
+        Type::TEXT_ARRAY,
+        Type::JSONB_ARRAY,
+    ],
+};
 /// The receipt table's primary key: violating it means the activity has committed already.
 const RECEIPT_KEY_CONSTRAINT: &str = "turnstile_receipt_pkey";
 /// Deletes one batch of old receipts. Small batches keep each delete short, and SKIP LOCKED lets
@@ -607,6 +627,16 @@ impl Store for PostgresStore {
     }
 
     #[tracing::instrument(level = "debug", skip_all)]
+    async fn add_pending(
+        &self,
+        conversation: &StateKey,
+        pending: &crate::store::Pending,
+    ) -> Result<(), StoreError> {
+        self.schema.admit()?;
+        hold::add_pending(self, conversation, pending).await
+    }
+
+    #[tracing::instrument(level = "debug", skip_all)]
     async fn lease_conversation(
         &self,
         conversation: &StateKey,
@@ -751,7 +781,33 @@ impl PostgresStore {
             .map(|(_, payload)| jsonb::Jsonb::Text(payload.text()));
 
         let params: [&(dyn ToSql + Sync); 5] = [&keys, &expected, &states, &receipt_key, &receipt];
-        let rows = match COMMIT.query(client, statements, &params).await {
+        let also_keys: Vec<&str> = commit
+            .receipts_also()
+            .iter()
+            .map(|(k, _)| k.as_str())
+            .collect();
+        let also: Vec<jsonb::Jsonb<'_>> = commit
+            .receipts_also()
+            .iter()
+            .map(|(_, payload)| jsonb::Jsonb::Text(payload.text()))
+            .collect();
+        let queried = if also.is_empty() {
+            COMMIT.query(client, statements, &params).await
+        } else {
+            let params: [&(dyn ToSql + Sync); 7] = [
+                &keys,
+                &expected,
+                &states,
+                &receipt_key,
+                &receipt,
+                &also_keys,
+                &also,
+            ];
+            COMMIT_WITH_RECEIPTS
+                .query(client, statements, &params)
+                .await
+        };
+        let rows = match queried {
             Ok(rows) => rows,
             Err(e) if is_conflict(&e) => return Ok(conflict_from(&e, commit)),
             Err(e) => return Err(classify(e)),

@@ -117,6 +117,14 @@ impl Store for TimedStore {
         held
     }
 
+    async fn add_pending(
+        &self,
+        conversation: &StateKey,
+        pending: &crate::store::Pending,
+    ) -> Result<(), StoreError> {
+        self.inner.add_pending(conversation, pending).await
+    }
+
     /// Times the wait for the lease with the load under it, as a lock; the lease's last turn's
     /// commit is not timed.
     async fn lease_conversation(

@@ -3,21 +3,26 @@
 //! the replica running the turn and on any other, and nothing is committed for it; a redelivery
 //! of the running message itself is not refused but answered from its receipt; once the turn is
 //! over, the conversation takes messages again. With the default, `enqueue`, the message waits
-//! and runs. On real PostgreSQL, with two replicas.
+//! and runs. With `interrupt` it cancels the running turn, which commits nothing and is
+//! receipted as superseded, and runs with that message handed to it. With `coalesce` the
+//! messages arriving meanwhile are answered by one run, once. On real PostgreSQL, with two
+//! replicas, and on the embedded store.
 #![allow(clippy::unwrap_used)]
 
 use crate::support;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use support::bots::Gated;
+use support::bots::{DoubleTexts, Gated};
 use support::{TestServer, message, postgres_config, texts};
 use tokio::sync::Semaphore;
 use tonic::Code;
 use tonic_types::StatusExt as _;
 use turnstile::DoubleText;
 use turnstile::bot::BotRegistry;
+use turnstile::config::Config;
 use turnstile::grpc::pb;
 
 async fn replicas(policy: DoubleText) -> (TestServer, TestServer, Arc<Semaphore>) {
@@ -141,4 +146,178 @@ async fn enqueue_lets_a_double_text_wait_and_run_after_the_turn() {
         .unwrap()
         .into_inner();
     assert_eq!(texts(&third), ["wait, second, third"]);
+}
+
+/// Two replicas over one fresh database — or, `embedded`, one replica over its in-memory store,
+/// named twice — of the [`DoubleTexts`] bot with `policy`; its gate and run count.
+async fn recording(
+    policy: DoubleText,
+    embedded: bool,
+) -> (
+    TestServer,
+    Option<TestServer>,
+    Arc<Semaphore>,
+    Arc<AtomicU32>,
+) {
+    let gate = Arc::new(Semaphore::new(0));
+    let runs = Arc::new(AtomicU32::new(0));
+    let bots = || {
+        BotRegistry::new(
+            "texts",
+            DoubleTexts {
+                gate: Arc::clone(&gate),
+                runs: Arc::clone(&runs),
+            },
+        )
+        .with_double_text("texts", policy)
+        .unwrap()
+    };
+    if embedded {
+        let only = TestServer::start(Config::default(), bots()).await;
+        return (only, None, gate, runs);
+    }
+    let url = support::pg::fresh_database().await;
+    (
+        TestServer::start(postgres_config(&url), bots()).await,
+        Some(TestServer::start(postgres_config(&url), bots()).await),
+        gate,
+        runs,
+    )
+}
+
+/// Until the first message's run holds on the gate.
+async fn until_running(runs: &AtomicU32, n: u32) {
+    for _ in 0..500 {
+        if runs.load(Ordering::SeqCst) >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the bot never ran {n} times");
+}
+
+async fn interrupt_hands_the_running_message_on(embedded: bool) {
+    let (a, b, _gate, runs) = recording(DoubleText::Interrupt, embedded).await;
+    let b = b.as_ref().unwrap_or(&a);
+    let first = message("int", "ada", "wait");
+    let running = send(&a, &first);
+    until_running(&runs, 1).await;
+
+    // The second message, on the other replica: the first turn stops (its gate never opens),
+    // and the second runs with the first handed to it.
+    let second = send(b, &message("int", "ada", "make it large"))
+        .await
+        .unwrap()
+        .unwrap();
+    let stopped = running.await.unwrap().unwrap();
+    assert!(stopped.superseded, "{stopped:?}");
+    assert!(stopped.activities.is_empty(), "{stopped:?}");
+    assert_eq!(texts(&second), ["make it large | superseded: wait"]);
+    assert!(!second.superseded);
+
+    // Nothing of the interrupted run was kept: no `tool_use` without its `tool_result`, and the
+    // list holds the second message only. The next turn has nothing handed to it.
+    let third = send(&a, &message("int", "ada", "thanks"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(texts(&third), ["make it large, thanks | superseded: "]);
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+
+    // The interrupted message, delivered again: answered from its receipt, superseded.
+    let again = send(b, &first).await.unwrap().unwrap();
+    assert!(again.superseded && again.redelivered, "{again:?}");
+    assert!(again.activities.is_empty());
+    assert_eq!(runs.load(Ordering::SeqCst), 3, "a redelivery does not run");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interrupt_stops_the_running_turn_on_another_replica_and_hands_its_message_on() {
+    interrupt_hands_the_running_message_on(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interrupt_on_the_embedded_store_hands_the_running_message_on() {
+    interrupt_hands_the_running_message_on(true).await;
+}
+
+async fn coalesce_answers_the_waiting_messages_in_one_run(embedded: bool) {
+    let (a, b, gate, runs) = recording(DoubleText::Coalesce, embedded).await;
+    let b = b.as_ref().unwrap_or(&a);
+    let first = message("co", "ada", "wait");
+    let running = send(&a, &first);
+    until_running(&runs, 1).await;
+
+    // Three more while it runs, on both replicas, one after the other.
+    let mut later = Vec::new();
+    for (n, text) in ["large", "no olives", "and a coke"].into_iter().enumerate() {
+        let activity = message("co", "ada", text);
+        let server = if n % 2 == 0 { b } else { &a };
+        later.push((
+            activity.id.clone().unwrap(),
+            send(server, &activity),
+            activity,
+        ));
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    assert!(
+        later.iter().all(|(_, call, _)| !call.is_finished()),
+        "they wait"
+    );
+    gate.add_permits(1);
+
+    let alone = running.await.unwrap().unwrap();
+    assert_eq!(texts(&alone), ["wait | superseded: "]);
+    assert_eq!(alone.coalesced, [first.id.clone().unwrap()]);
+    let ids: Vec<String> = later.iter().map(|(id, _, _)| id.clone()).collect();
+    let mut answered = Vec::new();
+    let mut activities = Vec::new();
+    for (_, call, activity) in later {
+        answered.push(call.await.unwrap().unwrap());
+        activities.push(activity);
+    }
+    // One run answered the three, in arrival order, and its answer is delivered once.
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    for outcome in &answered {
+        assert_eq!(outcome.coalesced, ids, "{outcome:?}");
+    }
+    let replies: Vec<Vec<String>> = answered
+        .iter()
+        .map(texts)
+        .filter(|t| !t.is_empty())
+        .collect();
+    assert_eq!(
+        replies,
+        [["wait, large+no olives+and a coke | superseded: "]],
+        "{answered:?}"
+    );
+
+    // Each one, delivered again, is answered from its receipt without a third run.
+    for (activity, outcome) in activities.iter().zip(&answered) {
+        let again = send(&a, activity).await.unwrap().unwrap();
+        assert!(again.redelivered, "{again:?}");
+        assert_eq!(again.coalesced, ids);
+        assert_eq!(again.activities.len(), outcome.activities.len());
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+
+    // The conversation goes on, its next message alone.
+    let next = send(b, &message("co", "ada", "thanks"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        texts(&next),
+        ["wait, large+no olives+and a coke, thanks | superseded: "]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesce_answers_the_messages_of_a_running_turn_in_one_run_across_replicas() {
+    coalesce_answers_the_waiting_messages_in_one_run(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesce_on_the_embedded_store_answers_the_waiting_messages_in_one_run() {
+    coalesce_answers_the_waiting_messages_in_one_run(true).await;
 }

@@ -475,6 +475,14 @@ impl Store for CountingHolds {
         self.inner.prune_receipts(age).await
     }
 
+    async fn add_pending(
+        &self,
+        conversation: &StateKey,
+        pending: &turnstile::store::Pending,
+    ) -> Result<(), StoreError> {
+        self.inner.add_pending(conversation, pending).await
+    }
+
     async fn lock_conversation(
         &self,
         conversation: &StateKey,

@@ -131,6 +131,8 @@ impl pb::bot_worker_server::BotWorker for FakeService {
                 conversation: r.conversation,
                 user: r.user,
                 private_conversation: r.private_conversation,
+                superseded_json: r.superseded_json,
+                batch_json: r.batch_json,
             },
         );
         if bot == "old" {

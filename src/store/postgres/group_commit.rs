@@ -145,7 +145,7 @@ impl TryFrom<Commit> for SingleWrite {
     /// The commit as a single write, or the commit as it was when it checks or writes more keys.
     fn try_from(commit: Commit) -> Result<Self, Commit> {
         match commit.changes() {
-            [only] if only.write.is_some() => {}
+            [only] if only.write.is_some() && commit.receipts_also().is_empty() => {}
             _ => return Err(commit),
         }
         let (changes, receipt) = commit.into_parts();

@@ -16,12 +16,20 @@
 //!   turn waits, asking again with a growing pause, within its deadline.
 //! - **Keeping it**: while the bot runs, the holder pushes its time on every [`RENEW_EVERY`]
 //!   (it lasts [`HOLD_FOR`]). A replica that dies lets it run out, and the next turn takes over.
-//! - **Committing under it**: the turn's commit carries the hold key as one more change, expected
-//!   at the fence and written released. `turnstile_commit` checks it with the rest, atomically:
-//!   a holder whose hold was taken over (it stalled past its time) cannot commit, and replays.
-//!   No new SQL, no schema change: a replica of an older release ignores the row.
+//! - **Committing under it**: the turn's commit carries the hold key as one more change, checked
+//!   at the fence, not written. `turnstile_commit` checks it with the rest, atomically: a holder
+//!   whose hold was taken over (it stalled past its time) cannot commit, and replays. The
+//!   release follows on a task of its own, so the answer does not wait for it. No schema change:
+//!   a replica of an older release ignores the row.
 //! - **Letting it go** without a commit (the bot failed, or the turn was answered from its
 //!   receipt) releases it in one statement, at once or, when dropped, on a task of its own.
+//! - **Handing on** (double texting): the row also keeps what the conversation's turns leave to
+//!   the next one ([`Handed`]), which is why the commit does not overwrite it. A message of an
+//!   `interrupt` bot that finds the hold taken marks it and announces `turnstile_interrupt`; the
+//!   holder hears it (or reads the mark at its next renewal), stops, commits its receipt, and
+//!   releases handing its activity on as superseded. A message of a `coalesce` bot adds itself
+//!   to the hold's waiting list before it asks for the hold; whoever takes it next gets the list
+//!   (without the activities answered meanwhile), and its commit's release consumes it.
 //!
 //! A redelivered activity whose first turn still runs elsewhere waits for the hold like any turn
 //! of its conversation, and once it has it finds the first turn's receipt in the same load: it
@@ -35,14 +43,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_postgres::types::Type;
 
+use super::waker::Released;
 use super::{PostgresStore, Sql, classify, within_call_timeout};
 use crate::state::StateKey;
 use crate::store::{
-    Commit, CommitOutcome, ConversationLock, Expected, KeyChange, LockedTurn, Others, Snapshot,
-    StoreError, Version,
+    Commit, CommitOutcome, ConversationLock, Expected, Handed, KeyChange, LockedTurn, Others,
+    Pending, Snapshot, StoreError, Version,
 };
 
 /// How long a hold lasts unless its holder renews it: how long a dead replica's conversation
@@ -57,33 +67,45 @@ const FIRST_PAUSE: Duration = Duration::from_millis(10);
 const MAX_PAUSE: Duration = Duration::from_millis(250);
 
 /// Takes the hold `$1` for `$2` (who holds it), running activity `$4` (its receipt key), until
-/// `$3` seconds from now, if it is free (absent, released or run out): the fence; or, when
-/// someone has it, no fence and the activity its holder runs.
+/// `$3` seconds from now, if it is free (absent, released or run out): the fence, and what the
+/// turns before left to the next ([`Handed`]: kept across holders until a commit consumes it;
+/// pending activities answered already are left out); or, when someone has it, no fence and the
+/// activity its holder runs.
 const TAKE: Sql = Sql {
     text: "WITH taken AS ( \
              INSERT INTO turnstile_state AS s (key, state, version) \
              VALUES ($1, jsonb_build_object('holder', $2::text, 'activity', $4::text, \
                      'until', extract(epoch FROM clock_timestamp()) + $3::float8), 1) \
              ON CONFLICT (key) DO UPDATE \
-                SET state = excluded.state, version = s.version + 1, updated_at = now() \
+                SET state = excluded.state || jsonb_build_object( \
+                      'superseded', coalesce(s.state->'superseded', '[]'), \
+                      'pending', coalesce(s.state->'pending', '[]')), \
+                    version = s.version + 1, updated_at = now() \
               WHERE (s.state->>'until')::float8 <= extract(epoch FROM clock_timestamp()) \
-             RETURNING version) \
-           SELECT version, NULL::text FROM taken \
+             RETURNING version, state) \
+           SELECT version, NULL::text, state->'superseded', \
+                  (SELECT jsonb_agg(p.entry ORDER BY p.n) \
+                     FROM jsonb_array_elements(coalesce(state->'pending', '[]')) \
+                          WITH ORDINALITY AS p(entry, n) \
+                    WHERE NOT EXISTS (SELECT 1 FROM turnstile_receipt r \
+                                       WHERE r.key = p.entry->>'receipt')) \
+             FROM taken \
            UNION ALL \
-           SELECT NULL::bigint, state->>'activity' FROM turnstile_state \
+           SELECT NULL::bigint, state->>'activity', NULL::jsonb, NULL::jsonb FROM turnstile_state \
             WHERE key = $1 AND NOT EXISTS (SELECT 1 FROM taken)",
     types: &[Type::TEXT, Type::TEXT, Type::FLOAT8, Type::TEXT],
 };
 /// Pushes the time of hold `$1` at fence `$2` to `$3` seconds from now; no row changed: lost.
+/// Answers whether its holder was asked to stop ([`INTERRUPT`]).
 const RENEW: Sql = Sql {
     text: "UPDATE turnstile_state \
               SET state = jsonb_set(state, '{until}', \
                   to_jsonb(extract(epoch FROM clock_timestamp()) + $3::float8)) \
-            WHERE key = $1 AND version = $2 RETURNING 1",
+            WHERE key = $1 AND version = $2 RETURNING state ? 'interrupt'",
     types: &[Type::TEXT, Type::INT8, Type::FLOAT8],
 };
-/// Releases hold `$1` at fence `$2` (its time set to the past, the fence kept), and announces
-/// it to the turns waiting for it (`waker`).
+/// Releases hold `$1` at fence `$2` (its time set to the past, the fence kept, what was handed
+/// on kept), and announces it to the turns waiting for it (`waker`).
 const RELEASE: Sql = Sql {
     text: "WITH released AS ( \
              UPDATE turnstile_state SET state = jsonb_set(state, '{until}', '0') \
@@ -91,10 +113,56 @@ const RELEASE: Sql = Sql {
            SELECT pg_notify('turnstile_hold', key) FROM released",
     types: &[Type::TEXT, Type::INT8],
 };
-/// Announces hold `$1` released (by a commit, which released it).
-const ANNOUNCE: Sql = Sql {
-    text: "SELECT pg_notify('turnstile_hold', $1)",
-    types: &[Type::TEXT],
+/// Releases hold `$1` at fence `$2` after its turn committed: what was handed to that turn is
+/// consumed (the superseded activities, and the pending ones whose receipts the commit wrote).
+const RELEASE_COMMITTED: Sql = Sql {
+    text: "WITH released AS ( \
+             UPDATE turnstile_state \
+                SET state = (state - 'superseded' - 'pending' - 'interrupt') \
+                    || jsonb_build_object('until', 0, 'pending', coalesce( \
+                       (SELECT jsonb_agg(p.entry ORDER BY p.n) \
+                          FROM jsonb_array_elements(coalesce(state->'pending', '[]')) \
+                               WITH ORDINALITY AS p(entry, n) \
+                         WHERE NOT EXISTS (SELECT 1 FROM turnstile_receipt r \
+                                            WHERE r.key = p.entry->>'receipt')), '[]')) \
+              WHERE key = $1 AND version = $2 RETURNING key) \
+           SELECT pg_notify('turnstile_hold', key) FROM released",
+    types: &[Type::TEXT, Type::INT8],
+};
+/// Releases hold `$1` at fence `$2` of a turn a later message interrupted, handing its activity
+/// `$3` on to the next turn as superseded, after the ones handed to it.
+const RELEASE_SUPERSEDED: Sql = Sql {
+    text: "WITH released AS ( \
+             UPDATE turnstile_state \
+                SET state = (state - 'interrupt') || jsonb_build_object('until', 0, \
+                    'superseded', coalesce(state->'superseded', '[]') || jsonb_build_array($3::jsonb)) \
+              WHERE key = $1 AND version = $2 RETURNING key) \
+           SELECT pg_notify('turnstile_hold', key) FROM released",
+    types: &[Type::TEXT, Type::INT8, Type::JSONB],
+};
+/// Asks the holder of hold `$1`, running activity `$2`, to stop for activity `$3`: marks the
+/// hold (read by the holder's renewal) and announces it (heard by the holder at once). Nothing
+/// when the hold is free or has another holder by now.
+const INTERRUPT: Sql = Sql {
+    text: "WITH marked AS ( \
+             UPDATE turnstile_state SET state = state || jsonb_build_object('interrupt', $3::text) \
+              WHERE key = $1 AND state->>'activity' = $2 \
+                AND (state->>'until')::float8 > extract(epoch FROM clock_timestamp()) \
+             RETURNING key) \
+           SELECT pg_notify('turnstile_interrupt', key) FROM marked",
+    types: &[Type::TEXT, Type::TEXT, Type::TEXT],
+};
+/// Adds `$2` (receipt key `$3`) to the activities of hold `$1` waiting to be answered together,
+/// unless it is there; the hold itself (its holder, time and fence) is left as it is.
+const ADD_PENDING: Sql = Sql {
+    text: "INSERT INTO turnstile_state AS s (key, state, version) \
+           VALUES ($1, jsonb_build_object('until', 0, 'pending', jsonb_build_array($2::jsonb)), 1) \
+           ON CONFLICT (key) DO UPDATE \
+              SET state = jsonb_set(s.state, '{pending}', \
+                  coalesce(s.state->'pending', '[]') || jsonb_build_array($2::jsonb)) \
+            WHERE NOT coalesce(s.state->'pending', '[]') \
+                      @> jsonb_build_array(jsonb_build_object('receipt', $3::text))",
+    types: &[Type::TEXT, Type::JSONB, Type::TEXT],
 };
 
 /// Takes `conversation`'s hold, waiting at most `wait` for it, and loads `keys` and `receipt`
@@ -111,24 +179,34 @@ pub(super) async fn hold_conversation(
     let key = StateKey::hold(conversation);
     let holder = holder();
     let mut pause = FIRST_PAUSE;
-    // Listening from before the first ask, so that a release between it and the wait is heard.
+    // Listening from before the first ask, so that a release between it and the wait is heard,
+    // and, for a turn that may be interrupted, an interruption between its take and its run.
     let mut released = store.waker.subscribe();
+    let mut interrupted: Option<String> = None;
     loop {
         match take(store, &key, &holder, keys, receipt).await? {
-            Taken::Held(fence, snapshot) => {
-                let turn = HeldTurn::new(store.clone(), key, fence);
+            Taken::Held(fence, snapshot, handed) => {
+                let interruptible = (others == Others::Interrupt).then(|| store.waker.subscribe());
+                let turn = HeldTurn::new(store.clone(), key, fence, handed, interruptible);
                 return Ok(ConversationLock::Held {
                     snapshot,
                     turn: Box::new(turn),
                 });
             }
-            // Another activity's turn, not a redelivery's first run: refused if asked to.
-            Taken::By(activity)
-                if others == Others::Refuse
-                    && (receipt.is_none()
-                        || activity.as_deref() != receipt.map(StateKey::as_str)) =>
+            // Another activity's turn, not a redelivery's first run.
+            Taken::By(Some(activity))
+                if receipt.is_none_or(|r| r.as_str() != activity.as_str()) =>
             {
-                return Ok(ConversationLock::Busy);
+                match others {
+                    Others::Refuse => return Ok(ConversationLock::Busy),
+                    Others::Interrupt if interrupted.as_deref() != Some(activity.as_str()) => {
+                        let by = receipt.map_or("", StateKey::as_str);
+                        query(store, &INTERRUPT, &[&key.as_str(), &activity.as_str(), &by]).await?;
+                        tracing::debug!(%key, "asked the conversation's running turn to stop");
+                        interrupted = Some(activity);
+                    }
+                    Others::Wait | Others::Interrupt => {}
+                }
             }
             Taken::By(_) => {}
         }
@@ -143,10 +221,27 @@ pub(super) async fn hold_conversation(
     }
 }
 
+/// Adds `pending` to the activities of `conversation` waiting to be answered together.
+pub(super) async fn add_pending(
+    store: &PostgresStore,
+    conversation: &StateKey,
+    pending: &Pending,
+) -> Result<(), StoreError> {
+    let key = StateKey::hold(conversation);
+    let entry = pending.to_json();
+    query(
+        store,
+        &ADD_PENDING,
+        &[&key.as_str(), &entry, &pending.receipt.as_str()],
+    )
+    .await?;
+    Ok(())
+}
+
 /// What one ask got.
 enum Taken {
-    /// The hold, at this fence, and the load under it.
-    Held(Version, Snapshot),
+    /// The hold, at this fence, the load under it, and what the turns before left.
+    Held(Version, Snapshot, Handed),
     /// Someone has it, running this activity (its receipt key; `None` if it names none).
     By(Option<String>),
 }
@@ -187,7 +282,18 @@ async fn take(
             return Ok(Taken::By(row.try_get(1).map_err(unexpected)?));
         };
         let fence = u64::try_from(fence).map_err(|e| StoreError::Unexpected(e.into()))?;
-        Ok(Taken::Held(Version::new(fence), loaded?))
+        let list = |at: usize| -> Result<Vec<serde_json::Value>, StoreError> {
+            let value: Option<serde_json::Value> = row.try_get(at).map_err(unexpected)?;
+            Ok(match value {
+                Some(serde_json::Value::Array(items)) => items,
+                _ => Vec::new(),
+            })
+        };
+        let handed = Handed {
+            superseded: list(2)?,
+            pending: list(3)?.iter().filter_map(Pending::from_json).collect(),
+        };
+        Ok(Taken::Held(Version::new(fence), loaded?, handed))
     })
     .await
 }
@@ -207,47 +313,124 @@ struct HeldTurn {
     store: PostgresStore,
     key: StateKey,
     fence: Version,
+    handed: Handed,
     renewing: JoinHandle<()>,
+    /// Set once a later message asked this turn to stop: by its renewal, or by a task hearing
+    /// the announcement (for a turn that may be interrupted).
+    interrupt: Arc<watch::Sender<bool>>,
+    hearing: Option<JoinHandle<()>>,
     /// Whether the commit or the release ended it.
     ended: bool,
 }
 
 impl HeldTurn {
-    fn new(store: PostgresStore, key: StateKey, fence: Version) -> Self {
-        let renewing = tokio::spawn(renew(store.clone(), key.clone(), fence));
+    fn new(
+        store: PostgresStore,
+        key: StateKey,
+        fence: Version,
+        handed: Handed,
+        interruptible: Option<Released>,
+    ) -> Self {
+        let interrupt = Arc::new(watch::Sender::new(false));
+        let renewing = tokio::spawn(renew(
+            store.clone(),
+            key.clone(),
+            fence,
+            Arc::clone(&interrupt),
+        ));
+        let hearing = interruptible.map(|mut heard| {
+            let (key, interrupt) = (key.clone(), Arc::clone(&interrupt));
+            tokio::spawn(async move {
+                heard.interrupt_of(key.as_str()).await;
+                interrupt.send_replace(true);
+            })
+        });
         Self {
             store,
             key,
             fence,
+            handed,
             renewing,
+            interrupt,
+            hearing,
             ended: false,
         }
     }
 
-    /// The change that checks the hold is still this turn's and releases it, in the commit.
-    fn release_in_commit(&self) -> KeyChange {
-        let mut released = serde_json::Map::new();
-        released.insert("until".into(), serde_json::Value::from(0));
+    /// The change that checks, in the commit, that the hold is still this turn's. It is not
+    /// written: what others add to the hold meanwhile (activities waiting to be answered) must
+    /// survive the commit. The release follows it ([`RELEASE_COMMITTED`]).
+    fn checked_in_commit(&self) -> KeyChange {
         KeyChange {
             key: self.key.clone(),
             expected: Expected::Version(self.fence),
-            write: Some(Arc::new(released)),
+            write: None,
+        }
+    }
+
+    /// Stops renewing and hearing, and marks the turn ended.
+    fn end(&mut self) {
+        self.renewing.abort();
+        if let Some(hearing) = &self.hearing {
+            hearing.abort();
+        }
+        self.ended = true;
+    }
+
+    /// Applies `commit` with the hold's check in it: one statement, as any turn's.
+    async fn commit_checked(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
+        let also: Vec<_> = commit.receipts_also().to_vec();
+        let (mut changes, receipt) = commit.into_parts();
+        changes.push(self.checked_in_commit());
+        let mut held = Commit::new(changes);
+        if let Some((key, payload)) = receipt {
+            held = held.with_receipt(key, payload);
+        }
+        for (key, payload) in also {
+            held = held.with_receipt_also(key, payload);
+        }
+        let outcome = crate::store::Store::commit(&self.store, held).await;
+        match outcome {
+            Ok(CommitOutcome::Conflict { key }) if key != self.key => {
+                // Nothing was written: let the conversation go.
+                if let Err(e) = release(&self.store, &self.key, self.fence).await {
+                    tracing::info!(error = %e, "releasing a conversation's hold failed");
+                }
+                Ok(CommitOutcome::Conflict { key })
+            }
+            Ok(CommitOutcome::Conflict { key }) => {
+                tracing::warn!(%key, "a stalled turn lost its conversation's hold; it replays");
+                Ok(CommitOutcome::Conflict { key })
+            }
+            Ok(CommitOutcome::Committed(mut versions)) => {
+                versions.remove(&self.key);
+                Ok(CommitOutcome::Committed(versions))
+            }
+            Err(e) => Err(e),
         }
     }
 }
 
 /// Renews the hold `key` at `fence` every [`RENEW_EVERY`] until aborted, or until it finds the
-/// hold lost (then the commit will fail its check, and the turn replays).
-async fn renew(store: PostgresStore, key: StateKey, fence: Version) {
+/// hold lost (then the commit will fail its check, and the turn replays); sets `interrupt` when
+/// it finds its holder asked to stop.
+async fn renew(
+    store: PostgresStore,
+    key: StateKey,
+    fence: Version,
+    interrupt: Arc<watch::Sender<bool>>,
+) {
     let fence = i64::try_from(fence.get()).unwrap_or(i64::MAX);
     let seconds = HOLD_FOR.as_secs_f64();
     loop {
         tokio::time::sleep(RENEW_EVERY).await;
-        let renewed = query(&store, &RENEW, &[&key.as_str(), &fence, &seconds])
-            .await
-            .map(|rows| rows.len());
-        match renewed {
-            Ok(1) => {}
+        let renewed = query(&store, &RENEW, &[&key.as_str(), &fence, &seconds]).await;
+        match renewed.as_deref() {
+            Ok([row]) => {
+                if row.try_get::<_, bool>(0).unwrap_or(false) {
+                    interrupt.send_replace(true);
+                }
+            }
             Ok(_) => {
                 tracing::warn!(%key, "a conversation's hold was taken over while its turn ran");
                 return;
@@ -280,64 +463,91 @@ async fn query(
     .await
 }
 
-/// Announces hold `key`, released by a commit, to the turns waiting for it, on a task of its
-/// own: the committed turn's answer does not wait for it.
-fn announce(store: &PostgresStore, key: &StateKey) {
+/// Releases hold `key` at `fence` by `sql` (with `more` parameters after the two), and
+/// announces it, on a task of its own: the committed turn's answer does not wait for it. Should
+/// it fail, the hold runs out.
+fn release_after_commit(
+    store: &PostgresStore,
+    key: &StateKey,
+    fence: Version,
+    sql: &'static Sql,
+    more: Option<serde_json::Value>,
+) {
     let (store, key) = (store.clone(), key.clone());
+    let fence = i64::try_from(fence.get()).unwrap_or(i64::MAX);
     tokio::spawn(async move {
-        let announced = query(&store, &ANNOUNCE, &[&key.as_str()]).await;
-        if let Err(e) = announced {
-            tracing::debug!(error = %e, "announcing a released hold failed; waiters ask again");
+        let released = match &more {
+            None => query(&store, sql, &[&key.as_str(), &fence]).await,
+            Some(more) => query(&store, sql, &[&key.as_str(), &fence, more]).await,
+        };
+        if let Err(e) = released {
+            tracing::info!(error = %e, "releasing a committed turn's hold failed; it runs out");
         }
     });
 }
 
 #[async_trait]
 impl LockedTurn for HeldTurn {
-    /// The commit, with the hold's check and release in it: one statement, as any turn's.
+    /// The commit, with the hold's check in it; then the release, consuming what was handed to
+    /// this turn.
     async fn commit(mut self: Box<Self>, commit: Commit) -> Result<CommitOutcome, StoreError> {
-        self.renewing.abort();
-        self.ended = true;
-        let (mut changes, receipt) = commit.into_parts();
-        changes.push(self.release_in_commit());
-        let mut held = Commit::new(changes);
-        if let Some((key, payload)) = receipt {
-            held = held.with_receipt(key, payload);
+        self.end();
+        let outcome = self.commit_checked(commit).await;
+        if let Ok(CommitOutcome::Committed(_)) = &outcome {
+            release_after_commit(&self.store, &self.key, self.fence, &RELEASE_COMMITTED, None);
         }
-        let outcome = crate::store::Store::commit(&self.store, held).await;
-        match outcome {
-            Ok(CommitOutcome::Conflict { key }) if key != self.key => {
-                // Nothing was written, the release neither: let the conversation go.
-                if let Err(e) = release(&self.store, &self.key, self.fence).await {
-                    tracing::info!(error = %e, "releasing a conversation's hold failed");
-                }
-                Ok(CommitOutcome::Conflict { key })
-            }
-            Ok(CommitOutcome::Conflict { key }) => {
-                tracing::warn!(%key, "a stalled turn lost its conversation's hold; it replays");
-                Ok(CommitOutcome::Conflict { key })
-            }
-            Ok(CommitOutcome::Committed(mut versions)) => {
-                announce(&self.store, &self.key);
-                versions.remove(&self.key);
-                Ok(CommitOutcome::Committed(versions))
-            }
-            Err(e) => Err(e),
-        }
+        outcome
     }
 
     async fn release(mut self: Box<Self>) {
-        self.renewing.abort();
-        self.ended = true;
+        self.end();
         if let Err(e) = release(&self.store, &self.key, self.fence).await {
             tracing::info!(error = %e, "releasing a conversation's hold failed; it runs out");
         }
+    }
+
+    fn handed(&self) -> &Handed {
+        &self.handed
+    }
+
+    fn interrupted(&self) -> futures::future::BoxFuture<'static, ()> {
+        let mut asked = self.interrupt.subscribe();
+        Box::pin(async move {
+            // Dropped with the turn: then nobody waits any more.
+            if asked.wait_for(|asked| *asked).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        })
+    }
+
+    /// The interrupted turn's receipt, with the hold's check; then the release, handing its
+    /// activity on.
+    async fn supersede(
+        mut self: Box<Self>,
+        commit: Commit,
+        activity: serde_json::Value,
+    ) -> Result<CommitOutcome, StoreError> {
+        self.end();
+        let outcome = self.commit_checked(commit).await;
+        if let Ok(CommitOutcome::Committed(_)) = &outcome {
+            release_after_commit(
+                &self.store,
+                &self.key,
+                self.fence,
+                &RELEASE_SUPERSEDED,
+                Some(activity),
+            );
+        }
+        outcome
     }
 }
 
 impl Drop for HeldTurn {
     fn drop(&mut self) {
         self.renewing.abort();
+        if let Some(hearing) = &self.hearing {
+            hearing.abort();
+        }
         if self.ended {
             return;
         }

@@ -2,7 +2,9 @@
 //! releaser sends `NOTIFY turnstile_hold, '<hold key>'`, and each replica's one listening session
 //! passes it to the turns waiting here for that key, which ask again at once instead of at their
 //! next pause. So a held conversation passes from turn to turn, across replicas, within a round
-//! trip or two of its release.
+//! trip or two of its release. The same session hears `turnstile_interrupt`: a later message
+//! asking the holder of a conversation to stop (the double-text policy `interrupt`), which the
+//! holder's turn hears within milliseconds instead of at its next renewal.
 //!
 //! Best effort, by design: the waiters still ask again on their own every so often, so a lost
 //! notification, a listener that is reconnecting, or a transaction-mode pooler in front of
@@ -19,6 +21,15 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 
 /// The channel releases are announced on.
 pub(super) const CHANNEL: &str = "turnstile_hold";
+/// The channel a hold's holder is asked to stop on (the double-text policy `interrupt`).
+pub(super) const INTERRUPT_CHANNEL: &str = "turnstile_interrupt";
+
+/// What a notification announced about a hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum News {
+    Released,
+    Interrupted,
+}
 /// How many announcements may wait for a slow waiter before it misses some (and then asks again,
 /// as if woken).
 const BACKLOG: usize = 1024;
@@ -29,7 +40,7 @@ const RECONNECT_AFTER: Duration = Duration::from_secs(1);
 pub(super) struct Waker {
     config: tokio_postgres::Config,
     tls: MakeRustlsConnect,
-    released: broadcast::Sender<Arc<str>>,
+    released: broadcast::Sender<(News, Arc<str>)>,
     started: Mutex<bool>,
 }
 
@@ -66,16 +77,26 @@ impl Waker {
     }
 }
 
-/// The releases a waiting turn hears of.
-pub(super) struct Released(broadcast::Receiver<Arc<str>>);
+/// The releases and interruptions a turn hears of.
+pub(super) struct Released(broadcast::Receiver<(News, Arc<str>)>);
 
 impl Released {
     /// Resolves when hold `key` is announced released (or announcements were missed, which may
     /// have held it); never otherwise.
     pub(super) async fn of(&mut self, key: &str) {
+        self.heard(News::Released, key).await;
+    }
+
+    /// Resolves when the holder of hold `key` is asked to stop (or announcements were missed,
+    /// which may have asked it: the holder then reads its hold to tell); never otherwise.
+    pub(super) async fn interrupt_of(&mut self, key: &str) {
+        self.heard(News::Interrupted, key).await;
+    }
+
+    async fn heard(&mut self, news: News, key: &str) {
         loop {
             match self.0.recv().await {
-                Ok(released) if &*released == key => return,
+                Ok((heard, about)) if heard == news && &*about == key => return,
                 Ok(_) => {}
                 Err(broadcast::error::RecvError::Lagged(_)) => return,
                 // The listener is gone: the pauses alone wake the waiter.
@@ -108,7 +129,7 @@ async fn listen(waker: std::sync::Weak<Waker>) {
 async fn session(
     config: &tokio_postgres::Config,
     tls: MakeRustlsConnect,
-    released: &broadcast::Sender<Arc<str>>,
+    released: &broadcast::Sender<(News, Arc<str>)>,
 ) -> Result<(), tokio_postgres::Error> {
     let (client, mut connection) = config.connect(tls).await?;
     let (messages_tx, mut messages) = futures::channel::mpsc::unbounded();
@@ -121,7 +142,9 @@ async fn session(
             }
         }
     });
-    let listened = client.batch_execute(&format!("LISTEN {CHANNEL}")).await;
+    let listened = client
+        .batch_execute(&format!("LISTEN {CHANNEL}; LISTEN {INTERRUPT_CHANNEL}"))
+        .await;
     if let Err(e) = listened {
         driving.abort();
         return Err(e);
@@ -129,8 +152,13 @@ async fn session(
     while let Some(message) = messages.next().await {
         match message {
             Ok(AsyncMessage::Notification(n)) => {
+                let news = if n.channel() == INTERRUPT_CHANNEL {
+                    News::Interrupted
+                } else {
+                    News::Released
+                };
                 // Nobody waiting: nothing to wake.
-                let _ = released.send(Arc::from(n.payload()));
+                let _ = released.send((news, Arc::from(n.payload())));
             }
             Ok(_) => {}
             Err(e) => {
