@@ -411,16 +411,21 @@ impl Engine {
             .as_ref()
             .zip(drafts)
             .and_then(|(key, drafts)| self.stoppable.enter(key, drafts));
+        if self.bots.policy(bot_name) == ConcurrencyPolicy::Serialized
+            || double_text != DoubleText::Enqueue
+            || (plan.drafts.is_some() && plan.receipt.is_some())
+        {
+            // Held turns wait for each other at the hold, not in this replica's queue: there
+            // the turns of every replica line up together, first come, first served.
+            return self
+                .attempts(&plan, Mode::Held, &mut None, true, deadline, &span)
+                .await;
+        }
         let mut turn = self.queue_up(&plan.keys.conversation, deadline).await?;
         let last = !turn.others_waiting();
         let mut no_lease = None;
         let lease = turn.held().unwrap_or(&mut no_lease);
-        let mode = if self.bots.policy(bot_name) == ConcurrencyPolicy::Serialized
-            || double_text != DoubleText::Enqueue
-            || (plan.drafts.is_some() && plan.receipt.is_some())
-        {
-            Mode::Held
-        } else if lease.is_some() || self.hot.is_hot(&plan.keys.conversation) {
+        let mode = if lease.is_some() || self.hot.is_hot(&plan.keys.conversation) {
             Mode::Leased
         } else {
             Mode::Optimistic

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 
 use super::{
-    Commit, CommitOutcome, ConversationLock, Expected, Handed, KeyMap, LockedTurn, Pending,
+    Commit, CommitOutcome, ConversationLock, Expected, Handed, KeyMap, LockedTurn, Others, Pending,
     Receipt, Snapshot, Store, StoreError, Versioned, Versions,
 };
 use crate::state::StateKey;
@@ -21,6 +21,26 @@ use crate::state::StateKey;
 #[derive(Debug, Default)]
 pub struct MemoryStore {
     tables: Arc<Mutex<Tables>>,
+    /// Each conversation's hold ([`Store::hold_conversation`]), by conversation; kept for the
+    /// store's life, as its rows are.
+    holds: Mutex<KeyMap<Arc<Hold>>>,
+}
+
+/// One conversation's hold in memory: a fair async mutex, so that the turns waiting for it get
+/// it first come, first served, and the activity of the turn holding it.
+#[derive(Debug, Default)]
+struct Hold {
+    turn: Arc<tokio::sync::Mutex<()>>,
+    holder: Mutex<Option<StateKey>>,
+}
+
+impl Hold {
+    fn holder(&self) -> MutexGuard<'_, Option<StateKey>> {
+        // Held for an assignment or a clone, never across an await.
+        self.holder
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -135,17 +155,39 @@ impl Store for MemoryStore {
         Ok(ConversationLock::NotNeeded)
     }
 
-    /// One replica: its engine's queue runs a conversation's turns one at a time, so the hold is
-    /// always free; what it keeps is what the conversation's turns hand on to the next
-    /// ([`Handed`]).
+    /// One replica, whose held turns wait for each other here, first come, first served; with
+    /// what the conversation's turns hand on to the next ([`Handed`]). A turn of this process
+    /// asked to stop is asked by its engine, so [`Others::Interrupt`] waits as
+    /// [`Others::Wait`] does.
     async fn hold_conversation(
         &self,
         conversation: &StateKey,
         keys: &[StateKey],
         receipt: Option<&StateKey>,
-        _wait: Duration,
-        _others: crate::store::Others,
+        wait: Duration,
+        others: Others,
     ) -> Result<ConversationLock, StoreError> {
+        let hold = {
+            let mut holds = self
+                .holds
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            Arc::clone(holds.entry(conversation.clone()).or_default())
+        };
+        let guard = match Arc::clone(&hold.turn).try_lock_owned() {
+            Ok(guard) => guard,
+            Err(_) => {
+                let own = receipt.is_some() && hold.holder().as_ref() == receipt;
+                if others == Others::Refuse && !own {
+                    return Ok(ConversationLock::Busy);
+                }
+                match tokio::time::timeout(wait, Arc::clone(&hold.turn).lock_owned()).await {
+                    Ok(guard) => guard,
+                    Err(_) => return Ok(ConversationLock::NotGranted),
+                }
+            }
+        };
+        *hold.holder() = receipt.cloned();
         let snapshot = self.load(keys, receipt).await?;
         let mut tables = self.tables();
         let Tables {
@@ -159,6 +201,10 @@ impl Store for MemoryStore {
                 tables: Arc::clone(&self.tables),
                 conversation: conversation.clone(),
                 handed: left,
+                _held: HeldGuard {
+                    hold,
+                    _guard: guard,
+                },
             }),
         })
     }
@@ -197,6 +243,22 @@ struct MemoryHeldTurn {
     tables: Arc<Mutex<Tables>>,
     conversation: StateKey,
     handed: Handed,
+    /// The hold, let go when the turn ends (committed, released or dropped).
+    _held: HeldGuard,
+}
+
+/// A hold held: its holder named until it is let go.
+#[derive(Debug)]
+struct HeldGuard {
+    hold: Arc<Hold>,
+    _guard: tokio::sync::OwnedMutexGuard<()>,
+}
+
+impl Drop for HeldGuard {
+    fn drop(&mut self) {
+        // Before the guard goes (fields drop after this): the next holder names itself after.
+        *self.hold.holder() = None;
+    }
 }
 
 #[async_trait]

@@ -321,3 +321,52 @@ async fn coalesce_answers_the_messages_of_a_running_turn_in_one_run_across_repli
 async fn coalesce_on_the_embedded_store_answers_the_waiting_messages_in_one_run() {
     coalesce_answers_the_waiting_messages_in_one_run(true).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_serves_the_waiting_turns_of_every_replica_in_arrival_order() {
+    // A serialized bot holds its conversations: its waiting turns line up at the hold.
+    let url = support::pg::fresh_database().await;
+    let gate = Arc::new(Semaphore::new(0));
+    let runs = Arc::new(AtomicU32::new(0));
+    let bots = || {
+        BotRegistry::new(
+            "texts",
+            DoubleTexts {
+                gate: Arc::clone(&gate),
+                runs: Arc::clone(&runs),
+            },
+        )
+        .with_policy("texts", turnstile::ConcurrencyPolicy::Serialized)
+        .unwrap()
+    };
+    let a = TestServer::start(postgres_config(&url), bots()).await;
+    let b = TestServer::start(postgres_config(&url), bots()).await;
+    // Both replicas connected and ready, so that a message reaches the database when it is sent.
+    for server in [&a, &b] {
+        send(server, &message("warm", "ada", "hello")).await.unwrap().unwrap();
+    }
+    let running = send(&a, &message("line", "ada", "wait"));
+    until_running(&runs, 3).await;
+
+    // Six more while it runs, alternating between the replicas, one after the other.
+    let said = ["one", "two", "three", "four", "five", "six"];
+    let mut waiting = Vec::new();
+    for (n, text) in said.into_iter().enumerate() {
+        let server = if n % 2 == 0 { &b } else { &a };
+        waiting.push(send(server, &message("line", "ada", text)));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(waiting.iter().all(|call| !call.is_finished()), "they wait");
+    gate.add_permits(1);
+    assert_eq!(texts(&running.await.unwrap().unwrap()), ["wait | superseded: "]);
+    let mut last = Vec::new();
+    for call in waiting {
+        last = texts(&call.await.unwrap().unwrap());
+    }
+    // Each turn appended its message to the list on the state the one before left: the list is
+    // the order they ran in.
+    assert_eq!(
+        last,
+        ["wait, one, two, three, four, five, six | superseded: "]
+    );
+}

@@ -35,9 +35,15 @@
 //! of its conversation, and once it has it finds the first turn's receipt in the same load: it
 //! joins that turn's outcome instead of running the bot again.
 //!
+//! - **Waiting in line**: a turn that found the hold taken puts itself in the line kept in the
+//!   row ([`QUEUE`]), and marks itself still there on every ask; the hold is granted only to the
+//!   first in line among those still asking ([`STILL_WAITING`]), so the turns waiting for a
+//!   conversation get it in the order they first asked, whichever replica they are on, and one
+//!   that gave up holds nobody back for long.
+//!
 //! The price against the lock: a waiter learns of a release by asking again, at most
-//! [`MAX_PAUSE`] late, and waiters are not served in the order they asked. For turns of seconds
-//! that is nothing; fast bots keep the lock and the lease.
+//! [`MAX_PAUSE`] late (or at once, woken by `waker`). For turns of seconds that is nothing; fast
+//! bots keep the lock and the lease.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -69,8 +75,9 @@ const MAX_PAUSE: Duration = Duration::from_millis(250);
 /// Takes the hold `$1` for `$2` (who holds it), running activity `$4` (its receipt key), until
 /// `$3` seconds from now, if it is free (absent, released or run out): the fence, and what the
 /// turns before left to the next ([`Handed`]: kept across holders until a commit consumes it;
-/// pending activities answered already are left out); or, when someone has it, no fence and the
-/// activity its holder runs.
+/// pending activities answered already are left out); or, when someone has it — or `$2` is not
+/// first in the line of the turns waiting for it ([`QUEUE`]) that asked within `$5` seconds — no
+/// fence and the activity its holder runs.
 const TAKE: Sql = Sql {
     text: "WITH taken AS ( \
              INSERT INTO turnstile_state AS s (key, state, version) \
@@ -79,9 +86,24 @@ const TAKE: Sql = Sql {
              ON CONFLICT (key) DO UPDATE \
                 SET state = excluded.state || jsonb_build_object( \
                       'superseded', coalesce(s.state->'superseded', '[]'), \
-                      'pending', coalesce(s.state->'pending', '[]')), \
+                      'pending', coalesce(s.state->'pending', '[]'), \
+                      'queue', coalesce((SELECT jsonb_agg(q.e ORDER BY q.n) \
+                         FROM jsonb_array_elements(coalesce(s.state->'queue', '[]')) \
+                              WITH ORDINALITY AS q(e, n) \
+                        WHERE q.e->>'ticket' <> $2 \
+                          AND (q.e->>'seen')::float8 \
+                              > extract(epoch FROM clock_timestamp()) - $5::float8), '[]')), \
                     version = s.version + 1, updated_at = now() \
               WHERE (s.state->>'until')::float8 <= extract(epoch FROM clock_timestamp()) \
+                AND NOT EXISTS ( \
+                    SELECT 1 FROM jsonb_array_elements(coalesce(s.state->'queue', '[]')) \
+                                  WITH ORDINALITY AS q(e, n) \
+                     WHERE q.e->>'ticket' <> $2 \
+                       AND (q.e->>'seen')::float8 > extract(epoch FROM clock_timestamp()) - $5::float8 \
+                       AND q.n < coalesce(( \
+                           SELECT m.n FROM jsonb_array_elements(coalesce(s.state->'queue', '[]')) \
+                                           WITH ORDINALITY AS m(e, n) \
+                            WHERE m.e->>'ticket' = $2 LIMIT 1), 9223372036854775807)) \
              RETURNING version, state) \
            SELECT version, NULL::text, state->'superseded', \
                   (SELECT jsonb_agg(p.entry ORDER BY p.n) \
@@ -93,8 +115,33 @@ const TAKE: Sql = Sql {
            UNION ALL \
            SELECT NULL::bigint, state->>'activity', NULL::jsonb, NULL::jsonb FROM turnstile_state \
             WHERE key = $1 AND NOT EXISTS (SELECT 1 FROM taken)",
-    types: &[Type::TEXT, Type::TEXT, Type::FLOAT8, Type::TEXT],
+    types: &[Type::TEXT, Type::TEXT, Type::FLOAT8, Type::TEXT, Type::FLOAT8],
 };
+/// Puts waiter `$2` (its ticket) in the line for hold `$1`, at the end, or, when it is in the
+/// line, marks it still waiting; drops the waiters who stopped asking ([`STILL_WAITING`]).
+const QUEUE: Sql = Sql {
+    text: "UPDATE turnstile_state SET state = jsonb_set(state, '{queue}', coalesce(( \
+             SELECT jsonb_agg(w.e ORDER BY w.n) FROM ( \
+               SELECT CASE WHEN q.e->>'ticket' = $2 \
+                           THEN jsonb_build_object('ticket', $2::text, \
+                                'seen', extract(epoch FROM clock_timestamp())) \
+                           ELSE q.e END AS e, q.n \
+                 FROM jsonb_array_elements(coalesce(state->'queue', '[]')) \
+                      WITH ORDINALITY AS q(e, n) \
+                WHERE q.e->>'ticket' = $2 \
+                   OR (q.e->>'seen')::float8 > extract(epoch FROM clock_timestamp()) - $3::float8 \
+               UNION ALL \
+               SELECT jsonb_build_object('ticket', $2::text, \
+                      'seen', extract(epoch FROM clock_timestamp())), 9223372036854775807 \
+                WHERE NOT coalesce(state->'queue', '[]') \
+                          @> jsonb_build_array(jsonb_build_object('ticket', $2::text))) w), \
+             '[]')) \
+           WHERE key = $1",
+    types: &[Type::TEXT, Type::TEXT, Type::FLOAT8],
+};
+/// How long a waiter stays in the line for a hold without asking again: eight of the longest
+/// pauses between two asks ([`MAX_PAUSE`]).
+const STILL_WAITING: Duration = Duration::from_secs(2);
 /// Pushes the time of hold `$1` at fence `$2` to `$3` seconds from now; no row changed: lost.
 /// Answers whether its holder was asked to stop ([`INTERRUPT`]).
 const RENEW: Sql = Sql {
@@ -210,6 +257,10 @@ pub(super) async fn hold_conversation(
             }
             Taken::By(_) => {}
         }
+        // In line (or still in line) for it, so that the turns waiting for it get it in the
+        // order they first asked, whichever replica they are on.
+        let still = STILL_WAITING.as_secs_f64();
+        query(store, &QUEUE, &[&key.as_str(), &holder.as_str(), &still]).await?;
         let now = tokio::time::Instant::now();
         if now + pause >= until {
             return Ok(ConversationLock::NotGranted);
@@ -266,8 +317,9 @@ async fn take(
         let seconds = HOLD_FOR.as_secs_f64();
         let key = key.as_str();
         let activity = receipt.map(StateKey::as_str);
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-            [&key, &holder, &seconds, &activity];
+        let still = STILL_WAITING.as_secs_f64();
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+            [&key, &holder, &seconds, &activity, &still];
         let (taken, loaded) = futures::join!(
             TAKE.query(&client, statements, &params),
             PostgresStore::load_on(&client, statements, keys, receipt, None),
