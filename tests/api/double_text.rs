@@ -370,3 +370,30 @@ async fn enqueue_serves_the_waiting_turns_of_every_replica_in_arrival_order() {
         ["wait, one, two, three, four, five, six | superseded: "]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_streamed_turn_resets_its_drafts_and_ends_superseded() {
+    use support::streams;
+    let (a, b, _gate, runs) = recording(DoubleText::Interrupt, false).await;
+    let b = b.unwrap();
+    // The first message's turn is streamed; its bot drafts, then holds.
+    let first = message("stream", "ada", "wait");
+    let (call, seen) = streams::open_until(&a, &first, |e| {
+        matches!(e, pb::stream_turn_response::Event::Draft(_))
+    })
+    .await;
+    let second = send(&b, &message("stream", "ada", "make it large"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(texts(&second), ["make it large | superseded: wait"]);
+    let (events, ended) = streams::collect(call, seen).await;
+    ended.unwrap();
+    assert_eq!(
+        streams::kinds(&events),
+        ["draft 1 looking at the menu", "reset 1", "outcome 1"]
+    );
+    let outcome = streams::outcome(&events);
+    assert!(outcome.superseded && outcome.activities.is_empty(), "{outcome:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
