@@ -65,6 +65,8 @@ pub struct Config {
     pub receipt_retention: Duration,
     /// How many keys' last committed state a replica remembers to skip loads (0: none).
     pub state_cache_entries: usize,
+    /// The largest state a bot may write to one scope, as JSON text.
+    pub max_scope_bytes: usize,
     /// Bearer tokens a `TurnService` caller may present; with none here nor in
     /// `auth_tokens_file`, calls need no token.
     pub auth_tokens: Vec<Token>,
@@ -181,6 +183,7 @@ impl Default for Config {
             shutdown_grace: Duration::from_secs(30),
             receipt_retention: Duration::from_secs(24 * 60 * 60),
             state_cache_entries: 100_000,
+            max_scope_bytes: crate::engine::DEFAULT_MAX_SCOPE_BYTES,
             auth_tokens: Vec::new(),
             auth_tokens_file: None,
             tls: None,
@@ -306,6 +309,12 @@ pub struct ServeArgs {
     /// Deepest nesting of any JSON value in an activity.
     #[arg(help_heading = "Limits", long, env = "TURNSTILE_MAX_JSON_DEPTH", default_value_t = Limits::default().max_json_depth)]
     pub max_json_depth: usize,
+    /// Largest state a bot may write to one scope (conversation, user, private conversation),
+    /// in bytes of JSON text: a turn that would write more fails with `FAILED_PRECONDITION`
+    /// `STATE_TOO_LARGE`, nothing committed.
+    #[arg(help_heading = "Limits", long, env = "TURNSTILE_MAX_SCOPE_BYTES", default_value_t = crate::engine::DEFAULT_MAX_SCOPE_BYTES,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_scope_bytes: usize,
     /// Most turns in flight; beyond it calls are refused at once with RESOURCE_EXHAUSTED.
     /// Default: 32 per pool connection with PostgreSQL, 1024 in memory.
     #[arg(help_heading = "Limits", long, env = "TURNSTILE_MAX_IN_FLIGHT",
@@ -569,6 +578,7 @@ impl ServeArgs {
             shutdown_grace: Duration::from_secs(self.shutdown_grace_secs),
             receipt_retention: Duration::from_secs(self.receipt_retention_secs),
             state_cache_entries: self.state_cache_entries,
+            max_scope_bytes: self.max_scope_bytes,
             auth_tokens: self
                 .auth_tokens
                 .as_deref()
@@ -823,6 +833,21 @@ mod server_flags {
             crate::server::with_policies(cli.serve.bots(), &cli.serve.config()).is_err(),
             "an unknown bot is refused"
         );
+    }
+
+    #[test]
+    fn the_scope_size_limit_defaults_to_256_kib_and_refuses_nonsense() {
+        let cli = Cli::try_parse_from(["turnstile"]).expect("valid arguments");
+        assert_eq!(cli.serve.config().max_scope_bytes, 256 << 10);
+        let cli = Cli::try_parse_from(["turnstile", "--max-scope-bytes", "1000"])
+            .expect("valid arguments");
+        assert_eq!(cli.serve.config().max_scope_bytes, 1000);
+        for value in ["0", "256k", "", "18446744073709551616"] {
+            let err = Cli::try_parse_from(["turnstile", "--max-scope-bytes", value])
+                .expect_err("refused")
+                .to_string();
+            assert!(err.contains("--max-scope-bytes"), "{value}: {err}");
+        }
     }
 
     #[test]

@@ -206,8 +206,9 @@ pub async fn serve(
         None => None,
     };
     let pruner = tokio::spawn(prune_receipts(Arc::clone(&store), config.receipt_retention));
-    let engine =
-        Engine::new(store, bots, config.retry).with_state_cache(config.state_cache_entries);
+    let engine = Engine::new(store, bots, config.retry)
+        .with_state_cache(config.state_cache_entries)
+        .with_max_scope_bytes(config.max_scope_bytes);
     let max_message = config
         .limits
         .max_activity_bytes

@@ -40,10 +40,10 @@ use futures::FutureExt as _;
 use tokio::time::Instant;
 use tracing::Instrument as _;
 
-use crate::activity::Activity;
 use crate::activity::incoming::{
     ActivityId, ChannelId, ConversationId, IncomingActivity, InvalidActivity,
 };
+use crate::activity::{Activity, JsonMap};
 use crate::bot::{
     Bot, BotError, BotErrorKind, BotRegistry, ConcurrencyPolicy, DoubleText, TurnContext,
     TurnScopes, UnknownBot,
@@ -57,7 +57,7 @@ use crate::store::{
     Lease, LockedTurn, NOTHING_HANDED, Others, Pending, Snapshot, Store, StoreError, Version,
 };
 use crate::telemetry::metrics::{
-    CONFLICTS, LOCK_WAITS, REDELIVERIES, TURN_ATTEMPTS, TURN_DURATION, TURNS,
+    CONFLICTS, LOCK_WAITS, REDELIVERIES, STATE_BYTES, TURN_ATTEMPTS, TURN_DURATION, TURNS,
 };
 
 /// How long a serialized attempt of a call without deadline waits for its conversation's lock.
@@ -66,6 +66,9 @@ const LOCK_WAIT_WITHOUT_DEADLINE: std::time::Duration = std::time::Duration::fro
 /// left), so that the caller hears why (`DEADLINE_EXCEEDED`, nothing committed) rather than
 /// seeing its own timer fire.
 const LOCK_ANSWER_MARGIN: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// The largest state a scope may be written with unless told: 256 KiB of JSON text.
+pub const DEFAULT_MAX_SCOPE_BYTES: usize = 256 << 10;
 
 /// A turn that committed (or changed nothing): what to deliver.
 #[derive(Debug, Clone, PartialEq)]
@@ -112,6 +115,19 @@ pub enum TurnError {
         /// How many times the bot ran.
         attempts: u32,
     },
+    /// The attempt would have written a scope's state larger than the limit
+    /// ([`Engine::with_max_scope_bytes`]): nothing was committed.
+    #[error(
+        "the bot's {scope} state would be {bytes} bytes, over the limit of {limit}; nothing was committed"
+    )]
+    StateTooLarge {
+        /// The scope, as its name in the message (`conversation`, `user`, `private conversation`).
+        scope: Scope,
+        /// Its size as JSON text.
+        bytes: usize,
+        /// The limit.
+        limit: usize,
+    },
     /// Another message's turn of the conversation is still running, and the bot's double-text
     /// policy is `reject`: nothing was committed for this one.
     #[error(
@@ -141,6 +157,8 @@ pub struct Engine {
     stoppable: Arc<stoppable::Stoppable>,
     busy: Arc<busy::Busy>,
     interrupts: Arc<interrupts::Interrupts>,
+    /// The largest state a scope may be written with, as JSON text, and the sizes written.
+    sizes: Arc<ScopeSizes>,
     metrics: Arc<TurnMetrics>,
 }
 
@@ -222,6 +240,7 @@ impl Engine {
             stoppable: Arc::default(),
             busy: Arc::default(),
             interrupts: Arc::default(),
+            sizes: Arc::new(ScopeSizes::new(DEFAULT_MAX_SCOPE_BYTES)),
             metrics: Arc::new(TurnMetrics::new()),
         }
     }
@@ -232,6 +251,14 @@ impl Engine {
     #[must_use]
     pub fn with_state_cache(mut self, entries: usize) -> Self {
         self.store = Arc::new(CachedStore::new(self.store.inner().clone(), entries));
+        self
+    }
+
+    /// The same engine, refusing to write a scope's state larger than `bytes` as JSON text: the
+    /// turn fails with [`TurnError::StateTooLarge`], nothing committed.
+    #[must_use]
+    pub fn with_max_scope_bytes(mut self, bytes: usize) -> Self {
+        self.sizes = Arc::new(ScopeSizes::new(bytes));
         self
     }
 
@@ -367,6 +394,7 @@ impl Engine {
             deadline,
             drafts,
             double_text,
+            &self.sizes,
         );
         // What a double text does to the turns of its conversation in flight here, before it
         // queues behind them; across replicas, the hold tells (`attempt_held`).
@@ -1017,6 +1045,8 @@ struct TurnPlan<'a> {
     /// Set when a later message of the conversation on this replica asks this turn to stop
     /// ([`DoubleText::Interrupt`]).
     interrupt: Option<Arc<interrupts::Signal>>,
+    /// The limit on a scope's written state.
+    sizes: &'a ScopeSizes,
 }
 
 /// How a run of the bot ended, when it did not fail.
@@ -1075,6 +1105,7 @@ impl<'a> TurnPlan<'a> {
         deadline: Option<Instant>,
         drafts: Option<&'a Drafts>,
         double_text: DoubleText,
+        sizes: &'a ScopeSizes,
     ) -> Self {
         let address = incoming.address();
         let keys = TurnKeys::new(bot_name, address);
@@ -1089,6 +1120,7 @@ impl<'a> TurnPlan<'a> {
             deadline,
             drafts,
             interrupt: None,
+            sizes,
         }
     }
 
@@ -1158,7 +1190,7 @@ impl<'a> TurnPlan<'a> {
                 ran = run_bot(self.bot, context()) => ran,
             };
             let (scopes, activities) = ran?;
-            return Ok(self.built(scopes, activities, attempt, snapshot, false, batch.as_ref()));
+            return self.built(scopes, activities, attempt, snapshot, false, batch.as_ref());
         };
         let shown = match drafts.begin() {
             Err(shown) => shown,
@@ -1172,14 +1204,14 @@ impl<'a> TurnPlan<'a> {
                 match ran.map(|ran| (drafts.finish(), ran)) {
                     Some((None, ran)) => {
                         let (scopes, activities) = ran?;
-                        return Ok(self.built(
+                        return self.built(
                             scopes,
                             activities,
                             attempt,
                             snapshot,
                             false,
                             batch.as_ref(),
-                        ));
+                        );
                     }
                     // Stopped as the bot finished: the stop was answered first, and wins.
                     Some((Some(shown), _)) => shown,
@@ -1194,7 +1226,7 @@ impl<'a> TurnPlan<'a> {
             context.send_text(shown);
         }
         let (scopes, activities) = context.finish();
-        Ok(self.built(scopes, activities, attempt, snapshot, true, batch.as_ref()))
+        self.built(scopes, activities, attempt, snapshot, true, batch.as_ref())
     }
 
     /// The outcome of attempt `attempt` on `snapshot`, interrupted by a later message: no
@@ -1238,8 +1270,8 @@ impl<'a> TurnPlan<'a> {
         snapshot: &Snapshot,
         stopped: bool,
         batch: Option<&Batch>,
-    ) -> Ran {
-        let mut commit = commit_of(&self.keys, scopes, snapshot);
+    ) -> Result<Ran, TurnError> {
+        let mut commit = commit_of(&self.keys, scopes, snapshot, self.sizes)?;
         let outcome = TurnOutcome {
             conversation_version: version_after(&commit, &self.keys.conversation, snapshot),
             activities,
@@ -1265,7 +1297,7 @@ impl<'a> TurnPlan<'a> {
                 }
             }
         }
-        Ran::Built(commit, outcome)
+        Ok(Ran::Built(commit, outcome))
     }
 }
 
@@ -1373,28 +1405,105 @@ async fn run_bot(
 /// only read checked, each against the version the attempt read. Checking the read scopes too
 /// makes a turn that wrote one scope on the strength of another replay when that other one moved;
 /// a scope the bot never looked at is left out, so changes there cost this turn nothing.
-fn commit_of(keys: &TurnKeys, scopes: TurnScopes, snapshot: &Snapshot) -> Commit {
+fn commit_of(
+    keys: &TurnKeys,
+    scopes: TurnScopes,
+    snapshot: &Snapshot,
+    sizes: &ScopeSizes,
+) -> Result<Commit, TurnError> {
     let TurnScopes {
         conversation,
         user,
         private_conversation,
     } = scopes;
-    let scoped = std::iter::once((Some(&keys.conversation), Some(conversation))).chain([
-        (keys.user.as_ref(), user),
-        (keys.private_conversation.as_ref(), private_conversation),
-    ]);
-    let changes = scoped
-        .filter_map(|(key, state)| Some((key?, state?)))
-        .filter(|(_, state)| state.was_used() || state.is_changed())
-        .map(|(key, state)| KeyChange {
+    let scoped = [
+        (
+            Scope::Conversation,
+            Some(&keys.conversation),
+            Some(conversation),
+        ),
+        (Scope::User, keys.user.as_ref(), user),
+        (
+            Scope::PrivateConversation,
+            keys.private_conversation.as_ref(),
+            private_conversation,
+        ),
+    ];
+    let mut changes = Vec::with_capacity(scoped.len());
+    for (scope, key, state) in scoped {
+        let (Some(key), Some(state)) = (key, state) else {
+            continue;
+        };
+        if !(state.was_used() || state.is_changed()) {
+            continue;
+        }
+        let write = match state.is_changed() {
+            true => Some(Arc::new(sizes.check(scope, state.into_properties())?)),
+            false => None,
+        };
+        changes.push(KeyChange {
             key: key.clone(),
             expected: snapshot.precondition(key),
-            write: state
-                .is_changed()
-                .then(|| Arc::new(state.into_properties())),
-        })
-        .collect();
-    Commit::new(changes)
+            write,
+        });
+    }
+    Ok(Commit::new(changes))
+}
+
+/// The limit on a scope's written state, and the histogram of the sizes written, by scope.
+#[derive(Debug)]
+struct ScopeSizes {
+    limit: usize,
+    /// [`STATE_BYTES`] for the conversation, user and private conversation scopes.
+    written: [metrics::Histogram; 3],
+}
+
+impl ScopeSizes {
+    fn new(limit: usize) -> Self {
+        Self {
+            limit,
+            written: ["conversation", "user", "private_conversation"]
+                .map(|scope| metrics::histogram!(STATE_BYTES, "scope" => scope)),
+        }
+    }
+
+    /// `state`, to be written to `scope`, when it is within the limit; counted either way.
+    fn check(&self, scope: Scope, state: JsonMap) -> Result<JsonMap, TurnError> {
+        let bytes = json_bytes(&state);
+        let at = match scope {
+            Scope::Conversation => 0,
+            Scope::User => 1,
+            Scope::PrivateConversation => 2,
+        };
+        #[allow(clippy::cast_precision_loss)]
+        self.written[at].record(bytes as f64);
+        if bytes > self.limit {
+            return Err(TurnError::StateTooLarge {
+                scope,
+                bytes,
+                limit: self.limit,
+            });
+        }
+        Ok(state)
+    }
+}
+
+/// The length of `state` as JSON text, counted as it is written, without keeping the text.
+fn json_bytes(state: &JsonMap) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0 += bytes.len();
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // Writing to a counter cannot fail, and a map of JSON values always serializes.
+    let _ = serde_json::to_writer(&mut count, state);
+    count.0
 }
 
 #[cfg(test)]

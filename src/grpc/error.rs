@@ -69,6 +69,9 @@ pub enum Reason {
     /// `FAILED_PRECONDITION`: another message's turn of the conversation is still running, and
     /// the bot refuses messages meanwhile (double-text policy `reject`).
     ConversationBusy,
+    /// `FAILED_PRECONDITION`: the bot would have written a scope's state larger than
+    /// `--max-scope-bytes`; nothing was committed.
+    StateTooLarge,
     /// `UNAVAILABLE`: the state store cannot be reached.
     StoreUnavailable,
     /// `UNAVAILABLE`: the database's schema is behind this server's (`turnstile migrate` has not
@@ -105,6 +108,7 @@ impl Reason {
             Self::UnknownBot => "UNKNOWN_BOT",
             Self::ConflictRetriesExhausted => "CONFLICT_RETRIES_EXHAUSTED",
             Self::ConversationBusy => "CONVERSATION_BUSY",
+            Self::StateTooLarge => "STATE_TOO_LARGE",
             Self::StoreUnavailable => "STORE_UNAVAILABLE",
             Self::SchemaBehind => "SCHEMA_BEHIND",
             Self::ShuttingDown => "SHUTTING_DOWN",
@@ -258,6 +262,21 @@ impl From<TurnError> for Status {
                 Reason::ConversationBusy,
                 Some(RETRY_CONVERSATION_BUSY),
                 HashMap::from([("bot".to_owned(), bot)]),
+            ),
+            e @ TurnError::StateTooLarge {
+                scope,
+                bytes,
+                limit,
+            } => with_details(
+                Code::FailedPrecondition,
+                e.to_string(),
+                Reason::StateTooLarge,
+                None,
+                HashMap::from([
+                    ("scope".to_owned(), scope.to_string()),
+                    ("bytes".to_owned(), bytes.to_string()),
+                    ("limit".to_owned(), limit.to_string()),
+                ]),
             ),
             e @ TurnError::DeadlineExceeded { .. } => with_details(
                 Code::DeadlineExceeded,

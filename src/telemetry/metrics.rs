@@ -40,6 +40,9 @@ pub const STORE_DURATION: &str = "turnstile_store_duration_seconds";
 pub const COMMIT_BATCH_SIZE: &str = "turnstile_commit_batch_size";
 /// Database connections by `state` (`in_use` | `idle` | `waiting`).
 pub const POOL_CONNECTIONS: &str = "turnstile_pool_connections";
+/// The size of each scope's state a turn wrote (or was refused for writing), as JSON text, by
+/// `scope` (`conversation` | `user` | `private_conversation`).
+pub const STATE_BYTES: &str = "turnstile_state_bytes";
 /// Redelivered activities answered from their stored receipt, without running the bot.
 pub const REDELIVERIES: &str = "turnstile_redeliveries_total";
 /// Conversation locks and leases asked for, by `outcome` (`granted` |
@@ -66,6 +69,18 @@ const ATTEMPT_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 5.0, 10.0, 20.0];
 /// Batch-size buckets: 1 when the database keeps up; up to the group commit's largest batch.
 const BATCH_SIZE_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0];
 
+/// State-size buckets, in bytes: from a counter's few bytes to past the default limit (256 KiB).
+const BYTES_BUCKETS: &[f64] = &[
+    64.0,
+    256.0,
+    1024.0,
+    4096.0,
+    16384.0,
+    65536.0,
+    262_144.0,
+    1_048_576.0,
+];
+
 /// Why metrics could not be set up.
 #[derive(Debug, thiserror::Error)]
 #[error("installing the Prometheus metrics recorder failed: {0}")]
@@ -90,6 +105,9 @@ pub fn recorder() -> Result<PrometheusHandle, MetricsError> {
                         BATCH_SIZE_BUCKETS,
                     )
                 })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Full(STATE_BYTES.into()), BYTES_BUCKETS)
+                })
                 .and_then(PrometheusBuilder::install_recorder)
                 .map_err(|e| e.to_string())?;
             describe();
@@ -113,6 +131,11 @@ fn describe() {
         "Single-scope commits applied by one statement of the group commit"
     );
     describe_gauge!(POOL_CONNECTIONS, "Database connections by state");
+    describe_histogram!(
+        STATE_BYTES,
+        Unit::Bytes,
+        "Size of each scope's state a turn wrote, as JSON text, by scope"
+    );
     describe_counter!(
         REDELIVERIES,
         "Redelivered activities answered from their receipt"

@@ -419,3 +419,58 @@ async fn calls_to_an_unknown_service_or_method_are_unimplemented() {
     let reply = say(&mut client, "c1", "hello").await;
     assert!(!texts(&reply).is_empty());
 }
+
+/// Writes a conversation-scope `blob` as long as the message's text says, and its user scope's
+/// `name`; replies with the blob's length before.
+struct Blob;
+
+#[async_trait]
+impl Bot for Blob {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        let length: usize = turn.text().parse().unwrap_or(0);
+        let before: String = turn.conversation_property("blob")?;
+        turn.conversation_state().set("blob", &"x".repeat(length))?;
+        turn.user_state()?.set("name", &"ada")?;
+        turn.send_text(before.len().to_string());
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_scope_written_past_the_size_limit_fails_naming_it_and_commits_nothing() {
+    let url = support::pg::fresh_database().await;
+    let config = turnstile::Config {
+        max_scope_bytes: 1000,
+        ..postgres_config(&url)
+    };
+    let server = TestServer::start(config, BotRegistry::new("blob", Blob)).await;
+    let mut client = server.client().await;
+    // `{"blob":"x…x"}` is the length plus 11 bytes.
+    let fits = client
+        .process_turn(request(message("big", "ada", "989")))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(texts(&fits), ["0"]);
+    let too_large = client
+        .process_turn(request(message("big", "ada", "990")))
+        .await;
+    let status = assert_status(too_large, Code::FailedPrecondition, "conversation state");
+    assert!(status.message().contains("1001 bytes"), "{status:?}");
+    assert_details(&status, "STATE_TOO_LARGE", false);
+    let info = status.get_details_error_info().unwrap();
+    assert_eq!(
+        info.metadata.get("scope").map(String::as_str),
+        Some("conversation")
+    );
+    assert_eq!(info.metadata.get("bytes").map(String::as_str), Some("1001"));
+    assert_eq!(info.metadata.get("limit").map(String::as_str), Some("1000"));
+    // Nothing of it was committed: the blob is the one before, at its version.
+    let after = client
+        .process_turn(request(message("big", "ada", "1")))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(texts(&after), ["989"]);
+    assert_eq!(after.version, fits.version + 1);
+}
