@@ -33,6 +33,10 @@ pub enum StoreConfig {
     Shared(SharedStore),
 }
 
+/// The memory the state cache may hold unless told: 64 MiB, a quarter of the chart's default
+/// memory limit.
+pub const DEFAULT_STATE_CACHE_BYTES: usize = 64 << 20;
+
 /// A store built outside `serve`, for [`StoreConfig::Shared`].
 #[derive(Clone)]
 pub struct SharedStore(pub std::sync::Arc<dyn crate::store::Store>);
@@ -65,6 +69,8 @@ pub struct Config {
     pub receipt_retention: Duration,
     /// How many keys' last committed state a replica remembers to skip loads (0: none).
     pub state_cache_entries: usize,
+    /// How many bytes of memory those states may hold, at most (0: none).
+    pub state_cache_bytes: usize,
     /// The largest state a bot may write to one scope, as JSON text.
     pub max_scope_bytes: usize,
     /// Bearer tokens a `TurnService` caller may present; with none here nor in
@@ -183,6 +189,7 @@ impl Default for Config {
             shutdown_grace: Duration::from_secs(30),
             receipt_retention: Duration::from_secs(24 * 60 * 60),
             state_cache_entries: 100_000,
+            state_cache_bytes: DEFAULT_STATE_CACHE_BYTES,
             max_scope_bytes: crate::engine::DEFAULT_MAX_SCOPE_BYTES,
             auth_tokens: Vec::new(),
             auth_tokens_file: None,
@@ -478,6 +485,16 @@ pub struct ServeArgs {
         default_value_t = 100_000
     )]
     pub state_cache_entries: usize,
+    /// Bytes of memory the states this replica remembers may hold, at most (their JSON values
+    /// and keys, counted as held in memory); 0 turns the cache off. Keep it well under the
+    /// process's memory limit: the chart's default limit, 256 MiB, holds the default.
+    #[arg(
+        help_heading = "Tuning",
+        long,
+        env = "TURNSTILE_STATE_CACHE_BYTES",
+        default_value_t = DEFAULT_STATE_CACHE_BYTES
+    )]
+    pub state_cache_bytes: usize,
     /// Seconds after which a client connection is told to go away (GOAWAY) and the client
     /// reconnects, so that new replicas get traffic; 0: never.
     #[arg(
@@ -578,6 +595,7 @@ impl ServeArgs {
             shutdown_grace: Duration::from_secs(self.shutdown_grace_secs),
             receipt_retention: Duration::from_secs(self.receipt_retention_secs),
             state_cache_entries: self.state_cache_entries,
+            state_cache_bytes: self.state_cache_bytes,
             max_scope_bytes: self.max_scope_bytes,
             auth_tokens: self
                 .auth_tokens
@@ -839,6 +857,7 @@ mod server_flags {
     fn the_scope_size_limit_defaults_to_256_kib_and_refuses_nonsense() {
         let cli = Cli::try_parse_from(["turnstile"]).expect("valid arguments");
         assert_eq!(cli.serve.config().max_scope_bytes, 256 << 10);
+        assert_eq!(cli.serve.config().state_cache_bytes, 64 << 20);
         let cli = Cli::try_parse_from(["turnstile", "--max-scope-bytes", "1000"])
             .expect("valid arguments");
         assert_eq!(cli.serve.config().max_scope_bytes, 1000);

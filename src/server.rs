@@ -207,7 +207,10 @@ pub async fn serve(
     };
     let pruner = tokio::spawn(prune_receipts(Arc::clone(&store), config.receipt_retention));
     let engine = Engine::new(store, bots, config.retry)
-        .with_state_cache(config.state_cache_entries)
+        .with_state_cache(crate::store::CacheSize {
+            entries: config.state_cache_entries,
+            bytes: config.state_cache_bytes,
+        })
         .with_max_scope_bytes(config.max_scope_bytes);
     let max_message = config
         .limits

@@ -53,8 +53,9 @@ use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
 use crate::store::cached::CachedStore;
 use crate::store::timed::TimedStore;
 use crate::store::{
-    Commit, CommitOutcome, Consistency, ConversationLease, ConversationLock, Handed, KeyChange,
-    Lease, LockedTurn, NOTHING_HANDED, Others, Pending, Snapshot, Store, StoreError, Version,
+    CacheSize, Commit, CommitOutcome, Consistency, ConversationLease, ConversationLock, Handed,
+    KeyChange, Lease, LockedTurn, NOTHING_HANDED, Others, Pending, Snapshot, Store, StoreError,
+    Version,
 };
 use crate::telemetry::metrics::{
     CONFLICTS, LOCK_WAITS, REDELIVERIES, STATE_BYTES, TURN_ATTEMPTS, TURN_DURATION, TURNS,
@@ -232,7 +233,7 @@ impl Engine {
     /// An engine running `bots` over `store`.
     pub fn new(store: Arc<dyn Store>, bots: BotRegistry, retry: RetryPolicy) -> Self {
         Self {
-            store: Arc::new(CachedStore::new(TimedStore::new(store), 0)),
+            store: Arc::new(CachedStore::new(TimedStore::new(store), CacheSize::NONE)),
             bots,
             retry,
             queue: Arc::new(queue::KeyQueue::new()),
@@ -245,12 +246,12 @@ impl Engine {
         }
     }
 
-    /// The same engine, remembering the last committed state of about `entries` keys so that a
-    /// conversation's next turn on this replica skips the load (see `store::cached`); 0 turns it
-    /// off.
+    /// The same engine, remembering the last committed state of keys, within `size`, so that a
+    /// conversation's next turn on this replica skips the load (see `store::cached`); a size of
+    /// 0 turns it off.
     #[must_use]
-    pub fn with_state_cache(mut self, entries: usize) -> Self {
-        self.store = Arc::new(CachedStore::new(self.store.inner().clone(), entries));
+    pub fn with_state_cache(mut self, size: CacheSize) -> Self {
+        self.store = Arc::new(CachedStore::new(self.store.inner().clone(), size));
         self
     }
 
@@ -1959,7 +1960,10 @@ mod tests {
         };
         // Two replicas over one store, the first with a cache.
         let cached = Engine::new(Arc::clone(&store), counter(), RetryPolicy::default())
-            .with_state_cache(100);
+            .with_state_cache(CacheSize {
+                entries: 100,
+                bytes: 1 << 20,
+            });
         let other = Engine::new(Arc::clone(&store), counter(), RetryPolicy::default());
         let text = |o: &TurnOutcome| o.activities[0].text.clone().unwrap_or_default();
 

@@ -33,6 +33,7 @@ use async_trait::async_trait;
 use crate::activity::JsonMap;
 use crate::state::StateKey;
 
+pub use cached::CacheSize;
 pub use receipt::Receipt;
 
 /// The hasher of every map keyed by [`StateKey`]s: the state cache, the conversation queue, the
