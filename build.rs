@@ -8,7 +8,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // `refinery::embed_migrations!` reads `migrations/` when the crate compiles but does not tell
     // Cargo so: without this, a new migration file left the build as it was.
     println!("cargo:rerun-if-changed=migrations");
-    let fds = protox::compile(["turnstile/v1/turn.proto"], ["proto"])?;
+    let fds = protox::compile(
+        ["turnstile/v1/turn.proto", "turnstile/v1/admin.proto"],
+        ["proto"],
+    )?;
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     std::fs::write(
         out_dir.join("turnstile_descriptor.bin"),
@@ -17,7 +20,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The bot worker contract is generated with the rest (the same package), but left out of
     // the reflection descriptors: Turnstile calls `BotWorker`, it does not serve it.
     let fds = protox::compile(
-        ["turnstile/v1/turn.proto", "turnstile/v1/worker.proto"],
+        [
+            "turnstile/v1/turn.proto",
+            "turnstile/v1/worker.proto",
+            "turnstile/v1/admin.proto",
+        ],
         ["proto"],
     )?;
     // Undecodable requests are the caller's mistake: see src/grpc/codec.rs.

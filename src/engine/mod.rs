@@ -1630,6 +1630,24 @@ mod tests {
         ) -> Result<(), StoreError> {
             self.inner.add_pending(conversation, pending).await
         }
+
+        async fn inspect(
+            &self,
+            keys: &[StateKey],
+            receipts_under: &str,
+            receipts: usize,
+        ) -> Result<crate::store::Inspected, StoreError> {
+            self.inner.inspect(keys, receipts_under, receipts).await
+        }
+
+        async fn list_conversations(
+            &self,
+            prefix: &str,
+            after: Option<&str>,
+            limit: usize,
+        ) -> Result<Vec<crate::store::InspectedRow>, StoreError> {
+            self.inner.list_conversations(prefix, after, limit).await
+        }
     }
 
     /// Counts its runs, writes conversation state and replies.

@@ -168,6 +168,21 @@ impl StateKey {
         Self::from_text(format!("{}/%hold", conversation.as_str()).into())
     }
 
+    /// Whether this is a conversation scope's key, `{bot}/{channelId}/conversations/{id}`.
+    pub fn is_conversation(&self) -> bool {
+        let mut parts = self.as_str().split('/');
+        matches!(
+            (
+                parts.next(),
+                parts.next(),
+                parts.next(),
+                parts.next(),
+                parts.next()
+            ),
+            (Some(_), Some(_), Some("conversations"), Some(_), None)
+        )
+    }
+
     /// Whether this is a conversation's hold key ([`StateKey::hold`]).
     pub fn is_hold(&self) -> bool {
         self.text.ends_with("/%hold")

@@ -389,6 +389,24 @@ impl<S: Store> Store for CachedStore<S> {
         self.inner.add_pending(conversation, pending).await
     }
 
+    async fn inspect(
+        &self,
+        keys: &[StateKey],
+        receipts_under: &str,
+        receipts: usize,
+    ) -> Result<crate::store::Inspected, StoreError> {
+        self.inner.inspect(keys, receipts_under, receipts).await
+    }
+
+    async fn list_conversations(
+        &self,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<crate::store::InspectedRow>, StoreError> {
+        self.inner.list_conversations(prefix, after, limit).await
+    }
+
     /// Remembers the load under the lease, and the commit of the lease's last turn, as
     /// [`CachedStore::lock_conversation`] does.
     async fn lease_conversation(

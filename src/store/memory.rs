@@ -7,13 +7,14 @@
 //! a suspension point.
 
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 
 use super::{
-    Commit, CommitOutcome, ConversationLock, Expected, Handed, KeyMap, LockedTurn, Others, Pending,
-    Receipt, Snapshot, Store, StoreError, Versioned, Versions,
+    Commit, CommitOutcome, ConversationLock, Expected, Handed, Inspected, InspectedReceipt,
+    InspectedRow, KeyMap, LockedTurn, Others, Pending, Receipt, Snapshot, Store, StoreError,
+    Versioned, Versions,
 };
 use crate::state::StateKey;
 
@@ -46,7 +47,11 @@ impl Hold {
 #[derive(Debug, Default)]
 struct Tables {
     rows: KeyMap<Versioned>,
+    /// When each row was last written, for operators.
+    written: KeyMap<SystemTime>,
     receipts: KeyMap<(Receipt, Instant)>,
+    /// When each receipt was written, for operators.
+    receipted: KeyMap<SystemTime>,
     /// What each conversation's turns hand on to the next (double texting), by conversation.
     handed: KeyMap<Handed>,
 }
@@ -74,7 +79,13 @@ fn lock(tables: &Mutex<Tables>) -> MutexGuard<'_, Tables> {
 impl Tables {
     /// [`Store::commit`] on these tables.
     fn commit(&mut self, commit: &Commit) -> CommitOutcome {
-        let Self { rows, receipts, .. } = self;
+        let Self {
+            rows,
+            written,
+            receipts,
+            receipted,
+            ..
+        } = self;
         if let Some((key, _)) = commit.receipt() {
             if receipts.contains_key(key) {
                 return CommitOutcome::Conflict { key: key.clone() };
@@ -96,6 +107,7 @@ impl Tables {
         for change in commit.changes() {
             let version = match (&change.write, change.version_after()) {
                 (Some(state), Some(version)) => {
+                    written.insert(change.key.clone(), SystemTime::now());
                     rows.insert(
                         change.key.clone(),
                         Versioned {
@@ -115,9 +127,10 @@ impl Tables {
         }
         let now = Instant::now();
         for (key, payload) in commit.receipt().into_iter().chain(commit.receipts_also()) {
-            receipts
-                .entry(key.clone())
-                .or_insert_with(|| (payload.clone(), now));
+            receipts.entry(key.clone()).or_insert_with(|| {
+                receipted.insert(key.clone(), SystemTime::now());
+                (payload.clone(), now)
+            });
         }
         CommitOutcome::Committed(versions)
     }
@@ -209,6 +222,67 @@ impl Store for MemoryStore {
         })
     }
 
+    async fn inspect(
+        &self,
+        keys: &[StateKey],
+        receipts_under: &str,
+        receipts: usize,
+    ) -> Result<Inspected, StoreError> {
+        let tables = self.tables();
+        let rows = keys
+            .iter()
+            .filter_map(|key| {
+                Some(InspectedRow {
+                    key: key.clone(),
+                    row: tables.rows.get(key)?.clone(),
+                    updated_at: tables.written.get(key).copied(),
+                })
+            })
+            .collect();
+        let mut found: Vec<InspectedReceipt> = tables
+            .receipts
+            .iter()
+            .filter(|(key, _)| key.as_str().starts_with(receipts_under))
+            .map(|(key, (payload, _))| InspectedReceipt {
+                key: key.clone(),
+                payload: payload.clone(),
+                created_at: tables.receipted.get(key).copied(),
+            })
+            .collect();
+        found.sort_by(|a, b| b.created_at.cmp(&a.created_at));
+        found.truncate(receipts);
+        Ok(Inspected {
+            rows,
+            receipts: found,
+        })
+    }
+
+    async fn list_conversations(
+        &self,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<InspectedRow>, StoreError> {
+        let tables = self.tables();
+        let mut found: Vec<InspectedRow> = tables
+            .rows
+            .iter()
+            .filter(|(key, _)| {
+                key.as_str().starts_with(prefix)
+                    && after.is_none_or(|after| key.as_str() > after)
+                    && key.is_conversation()
+            })
+            .map(|(key, row)| InspectedRow {
+                key: key.clone(),
+                row: row.clone(),
+                updated_at: tables.written.get(key).copied(),
+            })
+            .collect();
+        found.sort_by(|a, b| a.key.as_str().cmp(b.key.as_str()));
+        found.truncate(limit);
+        Ok(found)
+    }
+
     async fn add_pending(
         &self,
         conversation: &StateKey,
@@ -230,10 +304,19 @@ impl Store for MemoryStore {
         let mut tables = self.tables();
         let before = tables.receipts.len();
         let now = Instant::now();
-        tables
-            .receipts
-            .retain(|_, (_, created)| now.duration_since(*created) < age);
-        Ok((before - tables.receipts.len()) as u64)
+        let Tables {
+            receipts,
+            receipted,
+            ..
+        } = &mut *tables;
+        receipts.retain(|key, (_, created)| {
+            let kept = now.duration_since(*created) < age;
+            if !kept {
+                receipted.remove(key);
+            }
+            kept
+        });
+        Ok((before - receipts.len()) as u64)
     }
 }
 

@@ -433,6 +433,31 @@ pub trait Store: Send + Sync + 'static {
         others: Others,
     ) -> Result<ConversationLock, StoreError>;
 
+    /// The rows of `keys` that exist, as stored, with when each was last written; and the
+    /// receipts whose keys start with `receipts_under`, newest first, at most `receipts` of them.
+    /// For operators (the admin service), not turns: it reads what a turn never needs.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot answer.
+    async fn inspect(
+        &self,
+        keys: &[StateKey],
+        receipts_under: &str,
+        receipts: usize,
+    ) -> Result<Inspected, StoreError>;
+
+    /// The conversation scopes' rows whose keys start with `prefix`, in key order, after the key
+    /// `after` (from the start when `None`), at most `limit` of them. For operators.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot answer.
+    async fn list_conversations(
+        &self,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<InspectedRow>, StoreError>;
+
     /// Adds `pending` to the activities of `conversation` waiting to be answered together by
     /// one run (the double-text policy `coalesce`), after the ones there, unless it is there
     /// already. The next turn to take the conversation's hold ([`Store::hold_conversation`])
@@ -544,6 +569,37 @@ pub struct Handed {
     /// The activities waiting to be answered by one run ([`Store::add_pending`]), in arrival
     /// order, without the ones answered already.
     pub pending: Vec<Pending>,
+}
+
+/// What [`Store::inspect`] found.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Inspected {
+    /// The rows that exist.
+    pub rows: Vec<InspectedRow>,
+    /// The receipts, newest first.
+    pub receipts: Vec<InspectedReceipt>,
+}
+
+/// A row as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InspectedRow {
+    /// Its key.
+    pub key: StateKey,
+    /// Its state and version.
+    pub row: Versioned,
+    /// When it was last written, if the store records it.
+    pub updated_at: Option<std::time::SystemTime>,
+}
+
+/// A receipt as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InspectedReceipt {
+    /// Its key.
+    pub key: StateKey,
+    /// The stored answer.
+    pub payload: Receipt,
+    /// When its turn committed, if the store records it.
+    pub created_at: Option<std::time::SystemTime>,
 }
 
 /// The empty [`Handed`], for turns holding nothing.

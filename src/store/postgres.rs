@@ -107,6 +107,30 @@ const COMMIT_WITH_RECEIPTS: Sql = Sql {
         Type::JSONB_ARRAY,
     ],
 };
+/// The rows of keys `$1` as stored, with when each was last written (Unix seconds).
+const INSPECT: Sql = Sql {
+    text: "SELECT false, key, state, version, extract(epoch FROM updated_at)::float8 \
+             FROM turnstile_state WHERE key = ANY($1)",
+    types: &[Type::TEXT_ARRAY],
+};
+/// The newest `$2` receipts whose keys start with `$1`, with when each was written. Not indexed
+/// by prefix: a scan, for operators' occasional calls.
+const INSPECT_RECEIPTS: Sql = Sql {
+    text: "SELECT key, payload, extract(epoch FROM created_at)::float8 \
+             FROM turnstile_receipt WHERE starts_with(key, $1) \
+            ORDER BY created_at DESC, key LIMIT $2",
+    types: &[Type::TEXT, Type::INT8],
+};
+/// The conversation scopes' rows with keys starting with `$1`, after key `$2` (any when null),
+/// in key order, at most `$3` of them.
+const LIST_CONVERSATIONS: Sql = Sql {
+    text: "SELECT false, key, state, version, extract(epoch FROM updated_at)::float8 \
+             FROM turnstile_state \
+            WHERE ($2::text IS NULL OR key > $2) AND starts_with(key, $1) \
+              AND key ~ '^[^/]+/[^/]+/conversations/[^/]+$' \
+            ORDER BY key LIMIT $3",
+    types: &[Type::TEXT, Type::TEXT, Type::INT8],
+};
 /// The receipt table's primary key: violating it means the activity has committed already.
 const RECEIPT_KEY_CONSTRAINT: &str = "turnstile_receipt_pkey";
 /// Deletes one batch of old receipts. Small batches keep each delete short, and SKIP LOCKED lets
@@ -627,6 +651,73 @@ impl Store for PostgresStore {
     }
 
     #[tracing::instrument(level = "debug", skip_all)]
+    async fn inspect(
+        &self,
+        keys: &[StateKey],
+        receipts_under: &str,
+        receipts: usize,
+    ) -> Result<crate::store::Inspected, StoreError> {
+        self.schema.admit()?;
+        let client = self.client().await?;
+        let names: Vec<&str> = keys.iter().map(StateKey::as_str).collect();
+        let limit = i64::try_from(receipts).unwrap_or(i64::MAX);
+        within_call_timeout(async {
+            let rows = INSPECT
+                .query(&client, self.statements, &[&names])
+                .await
+                .map_err(classify)?;
+            let found = INSPECT_RECEIPTS
+                .query(&client, self.statements, &[&receipts_under, &limit])
+                .await
+                .map_err(classify)?;
+            let rows = rows
+                .iter()
+                .map(inspected_row)
+                .collect::<anyhow::Result<Vec<_>>>()
+                .map_err(StoreError::Unexpected)?;
+            let receipts = found
+                .iter()
+                .map(|row| {
+                    let key: String = row.try_get(0)?;
+                    let jsonb::JsonbText(payload) = row.try_get(1)?;
+                    let created: Option<f64> = row.try_get(2)?;
+                    Ok(crate::store::InspectedReceipt {
+                        key: StateKey::from_stored(key),
+                        payload: Receipt::from_text(payload)?,
+                        created_at: created.and_then(unix_time),
+                    })
+                })
+                .collect::<anyhow::Result<Vec<_>>>()
+                .map_err(StoreError::Unexpected)?;
+            Ok(crate::store::Inspected { rows, receipts })
+        })
+        .await
+    }
+
+    #[tracing::instrument(level = "debug", skip_all)]
+    async fn list_conversations(
+        &self,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<crate::store::InspectedRow>, StoreError> {
+        self.schema.admit()?;
+        let client = self.client().await?;
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        within_call_timeout(async {
+            let rows = LIST_CONVERSATIONS
+                .query(&client, self.statements, &[&prefix, &after, &limit])
+                .await
+                .map_err(classify)?;
+            rows.iter()
+                .map(inspected_row)
+                .collect::<anyhow::Result<Vec<_>>>()
+                .map_err(StoreError::Unexpected)
+        })
+        .await
+    }
+
+    #[tracing::instrument(level = "debug", skip_all)]
     async fn add_pending(
         &self,
         conversation: &StateKey,
@@ -841,6 +932,25 @@ impl PostgresStore {
             .map_err(|e| StoreError::Unexpected(e.into()))?;
         Ok(CommitOutcome::Committed(versions))
     }
+}
+
+/// A row of [`INSPECT`] or [`LIST_CONVERSATIONS`]: [`read_row`]'s columns, then when it was
+/// written.
+fn inspected_row(row: &Row) -> anyhow::Result<crate::store::InspectedRow> {
+    let (key, versioned) = read_row(row)?;
+    let updated: Option<f64> = row.try_get(4)?;
+    Ok(crate::store::InspectedRow {
+        key,
+        row: versioned,
+        updated_at: updated.and_then(unix_time),
+    })
+}
+
+/// The time `seconds` after the Unix epoch.
+fn unix_time(seconds: f64) -> Option<std::time::SystemTime> {
+    std::time::Duration::try_from_secs_f64(seconds)
+        .ok()
+        .map(|since| std::time::UNIX_EPOCH + since)
 }
 
 fn read_row(row: &Row) -> anyhow::Result<(StateKey, Versioned)> {

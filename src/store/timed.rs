@@ -125,6 +125,24 @@ impl Store for TimedStore {
         self.inner.add_pending(conversation, pending).await
     }
 
+    async fn inspect(
+        &self,
+        keys: &[StateKey],
+        receipts_under: &str,
+        receipts: usize,
+    ) -> Result<crate::store::Inspected, StoreError> {
+        self.inner.inspect(keys, receipts_under, receipts).await
+    }
+
+    async fn list_conversations(
+        &self,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<crate::store::InspectedRow>, StoreError> {
+        self.inner.list_conversations(prefix, after, limit).await
+    }
+
     /// Times the wait for the lease with the load under it, as a lock; the lease's last turn's
     /// commit is not timed.
     async fn lease_conversation(

@@ -483,6 +483,24 @@ impl Store for CountingHolds {
         self.inner.add_pending(conversation, pending).await
     }
 
+    async fn inspect(
+        &self,
+        keys: &[StateKey],
+        receipts_under: &str,
+        receipts: usize,
+    ) -> Result<turnstile::store::Inspected, StoreError> {
+        self.inner.inspect(keys, receipts_under, receipts).await
+    }
+
+    async fn list_conversations(
+        &self,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<turnstile::store::InspectedRow>, StoreError> {
+        self.inner.list_conversations(prefix, after, limit).await
+    }
+
     async fn lock_conversation(
         &self,
         conversation: &StateKey,

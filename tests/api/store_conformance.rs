@@ -496,8 +496,108 @@ async fn one_receipt_per_activity_under_concurrency(store: Arc<dyn Store>) {
     assert_eq!(applied, 1, "the losers' state was not applied");
 }
 
+/// What an operator sees: rows as stored with when they were written, a conversation's
+/// receipts newest first, and the conversations under a prefix a page at a time — and neither
+/// holds nor other scopes among them.
+async fn inspection(store: Arc<dyn Store>) {
+    let store = store.as_ref();
+    let before = std::time::SystemTime::now() - std::time::Duration::from_secs(5);
+    for id in ["c1", "c2", "c3", "d1"] {
+        committed(
+            commit(
+                store,
+                vec![write(&conversation(id), Expected::Absent, json!({"n": id}))],
+            )
+            .await,
+        );
+    }
+    committed(
+        commit(
+            store,
+            vec![write(
+                &user("ada"),
+                Expected::Absent,
+                json!({"name": "Ada"}),
+            )],
+        )
+        .await,
+    );
+    for id in ["act-1", "act-2"] {
+        let payload = Receipt::from(json!({"activities": [], "id": id}));
+        let change = write(
+            &conversation(&format!("r-{id}")),
+            Expected::Absent,
+            json!({}),
+        );
+        let outcome = store
+            .commit(Commit::new(vec![change]).with_receipt(receipt(id), payload))
+            .await
+            .unwrap();
+        committed(outcome);
+        // Distinct times, for the order.
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+
+    let seen = store
+        .inspect(
+            &[conversation("c1"), user("ada"), conversation("nobody")],
+            &format!("{}/activities/", conversation("r").as_str()),
+            10,
+        )
+        .await
+        .unwrap();
+    let keys: Vec<&str> = seen.rows.iter().map(|r| r.key.as_str()).collect();
+    assert_eq!(keys, [conversation("c1").as_str(), user("ada").as_str()]);
+    assert_eq!(seen.rows[0].row.state.get("n"), Some(&json!("c1")));
+    assert!(
+        seen.rows
+            .iter()
+            .all(|r| r.updated_at.is_some_and(|t| t > before))
+    );
+    let receipts: Vec<&str> = seen.receipts.iter().map(|r| r.key.as_str()).collect();
+    assert_eq!(
+        receipts,
+        [receipt("act-2").as_str(), receipt("act-1").as_str()]
+    );
+    let one = store
+        .inspect(
+            &[],
+            &format!("{}/activities/", conversation("r").as_str()),
+            1,
+        )
+        .await
+        .unwrap();
+    assert_eq!(one.receipts.len(), 1);
+
+    // Conversations of the bot on the channel starting with `c`, two to a page.
+    let prefix = conversation("c").as_str().to_owned();
+    let first = store.list_conversations(&prefix, None, 2).await.unwrap();
+    let listed: Vec<&str> = first.iter().map(|r| r.key.as_str()).collect();
+    assert_eq!(
+        listed,
+        [conversation("c1").as_str(), conversation("c2").as_str()]
+    );
+    let next = store
+        .list_conversations(&prefix, Some(listed[1]), 2)
+        .await
+        .unwrap();
+    let listed: Vec<&str> = next.iter().map(|r| r.key.as_str()).collect();
+    assert_eq!(listed, [conversation("c3").as_str()]);
+    let all = store
+        .list_conversations("bot/test/conversations/", None, 100)
+        .await
+        .unwrap();
+    assert!(all.iter().all(|r| r.key.is_conversation()), "{all:?}");
+    assert_eq!(
+        all.len(),
+        6,
+        "c1-3, d1 and the two receipts' conversations: {all:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_store_keeps_the_contract() {
+    inspection(Arc::new(MemoryStore::new())).await;
     conformance(Arc::new(MemoryStore::new())).await;
     exactly_one_concurrent_writer_wins(Arc::new(MemoryStore::new())).await;
     crossing_commits_do_not_deadlock(Arc::new(MemoryStore::new())).await;
@@ -513,6 +613,7 @@ async fn postgres_store() -> Arc<dyn Store> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_store_keeps_the_contract() {
+    inspection(postgres_store().await).await;
     conformance(postgres_store().await).await;
     exactly_one_concurrent_writer_wins(postgres_store().await).await;
     crossing_commits_do_not_deadlock(postgres_store().await).await;
@@ -529,6 +630,7 @@ async fn unprepared_postgres_store() -> Arc<dyn Store> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_store_without_prepared_statements_keeps_the_contract() {
+    inspection(unprepared_postgres_store().await).await;
     conformance(unprepared_postgres_store().await).await;
     exactly_one_concurrent_writer_wins(unprepared_postgres_store().await).await;
     crossing_commits_do_not_deadlock(unprepared_postgres_store().await).await;

@@ -115,7 +115,13 @@ const TAKE: Sql = Sql {
            UNION ALL \
            SELECT NULL::bigint, state->>'activity', NULL::jsonb, NULL::jsonb FROM turnstile_state \
             WHERE key = $1 AND NOT EXISTS (SELECT 1 FROM taken)",
-    types: &[Type::TEXT, Type::TEXT, Type::FLOAT8, Type::TEXT, Type::FLOAT8],
+    types: &[
+        Type::TEXT,
+        Type::TEXT,
+        Type::FLOAT8,
+        Type::TEXT,
+        Type::FLOAT8,
+    ],
 };
 /// Puts waiter `$2` (its ticket) in the line for hold `$1`, at the end, or, when it is in the
 /// line, marks it still waiting; drops the waiters who stopped asking ([`STILL_WAITING`]).
