@@ -249,7 +249,7 @@ impl Store for MemoryStore {
                 created_at: tables.receipted.get(key).copied(),
             })
             .collect();
-        found.sort_by(|a, b| b.created_at.cmp(&a.created_at));
+        found.sort_by_key(|r| std::cmp::Reverse(r.created_at));
         found.truncate(receipts);
         Ok(Inspected {
             rows,
