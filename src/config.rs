@@ -78,6 +78,11 @@ pub struct Config {
     pub auth_tokens: Vec<Token>,
     /// A file of further tokens, one per line, read when the server starts.
     pub auth_tokens_file: Option<PathBuf>,
+    /// Bearer tokens an `AdminService` caller must present; with none here nor in
+    /// `admin_tokens_file`, the admin service is off.
+    pub admin_tokens: Vec<Token>,
+    /// A file of further admin tokens, one per line, read when the server starts.
+    pub admin_tokens_file: Option<PathBuf>,
     /// TLS on the gRPC port; plaintext when `None`.
     pub tls: Option<TlsFiles>,
     /// The most turns in flight before new ones are refused with `RESOURCE_EXHAUSTED`; `None`
@@ -193,6 +198,8 @@ impl Default for Config {
             max_scope_bytes: crate::engine::DEFAULT_MAX_SCOPE_BYTES,
             auth_tokens: Vec::new(),
             auth_tokens_file: None,
+            admin_tokens: Vec::new(),
+            admin_tokens_file: None,
             tls: None,
             max_in_flight: None,
             connections: Connections::default(),
@@ -340,6 +347,19 @@ pub struct ServeArgs {
         hide_env_values = true
     )]
     pub auth_tokens: Option<String>,
+    /// File of admin bearer tokens, one per line: turns the admin service on (`AdminService`:
+    /// inspect state, list conversations), for callers presenting one of them. Keep them apart
+    /// from the `TurnService` tokens.
+    #[arg(help_heading = "Security", long, env = "TURNSTILE_ADMIN_TOKENS_FILE")]
+    pub admin_tokens_file: Option<PathBuf>,
+    /// Admin bearer tokens, comma-separated; prefer the environment variable or the file.
+    #[arg(
+        help_heading = "Security",
+        long,
+        env = "TURNSTILE_ADMIN_TOKENS",
+        hide_env_values = true
+    )]
+    pub admin_tokens: Option<String>,
     /// PEM certificate chain for TLS on the gRPC port (with `--tls-key`); plaintext without.
     #[arg(
         help_heading = "Security",
@@ -603,6 +623,12 @@ impl ServeArgs {
                 .map(|t| auth::parse_tokens(t, ','))
                 .unwrap_or_default(),
             auth_tokens_file: self.auth_tokens_file.clone(),
+            admin_tokens: self
+                .admin_tokens
+                .as_deref()
+                .map(|t| auth::parse_tokens(t, ','))
+                .unwrap_or_default(),
+            admin_tokens_file: self.admin_tokens_file.clone(),
             tls: match (&self.tls_cert, &self.tls_key) {
                 (Some(cert), Some(key)) => Some(TlsFiles {
                     cert: cert.clone(),

@@ -18,10 +18,12 @@ use tower::util::{Either, MapResponse};
 use crate::bot::BotRegistry;
 use crate::config::{Config, StoreConfig, TlsFiles};
 use crate::engine::Engine;
+use crate::grpc::admin::AdminApi;
 use crate::grpc::auth::{self, Authenticate};
 use crate::grpc::connection_age::Deadlined;
 use crate::grpc::drain::Drain;
 use crate::grpc::pb;
+use crate::grpc::pb::admin_service_server::AdminServiceServer;
 use crate::grpc::pb::turn_service_server::TurnServiceServer;
 use crate::grpc::routes::Services;
 use crate::grpc::service::TurnApi;
@@ -206,6 +208,11 @@ pub async fn serve(
         None => None,
     };
     let pruner = tokio::spawn(prune_receipts(Arc::clone(&store), config.receipt_retention));
+    let admin = AdminServiceServer::new(AdminApi::new(
+        Arc::clone(&store),
+        bots.clone(),
+        admin_tokens(&config)?,
+    ));
     let engine = Engine::new(store, bots, config.retry)
         .with_state_cache(crate::store::CacheSize {
             entries: config.state_cache_entries,
@@ -339,6 +346,7 @@ pub async fn serve(
     };
     let services = Services::new(TurnServiceServer::<TurnApi>::NAME, turns)
         .with(health)
+        .with(admin)
         .with(reflection_v1)
         .with(reflection_v1alpha);
     let server = builder
@@ -392,6 +400,20 @@ fn tls_config(tls: &TlsFiles) -> Result<ServerTlsConfig, ServeError> {
     }
     tracing::info!(mutual = tls.client_ca.is_some(), "serving gRPC over TLS");
     Ok(config)
+}
+
+/// The admin tokens `config` names (inline and in its file); none: the admin service is off.
+fn admin_tokens(config: &Config) -> Result<Vec<auth::Token>, ServeError> {
+    let mut tokens = config.admin_tokens.clone();
+    if let Some(path) = &config.admin_tokens_file {
+        tokens.extend(
+            auth::read_tokens_file(path).map_err(|source| ServeError::AuthTokens {
+                path: path.clone(),
+                source,
+            })?,
+        );
+    }
+    Ok(tokens)
 }
 
 /// The `TurnService` interceptor for the tokens `config` names (inline and in its file).

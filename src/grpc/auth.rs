@@ -22,6 +22,11 @@ impl Token {
     pub fn new(token: impl Into<String>) -> Self {
         Self(token.into().into_bytes())
     }
+
+    /// The secret's bytes, for deriving keys from it; never for printing.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
 }
 
 impl std::fmt::Debug for Token {

@@ -62,6 +62,9 @@ pub enum Reason {
     MalformedRequest,
     /// `INVALID_ARGUMENT`: a `StopTurn` request lacks an id or one is malformed.
     InvalidStop,
+    /// `INVALID_ARGUMENT`: an `AdminService` request lacks an id, has a malformed one, asks for
+    /// too much, or carries a page token this service did not issue for it.
+    InvalidAdminRequest,
     /// `NOT_FOUND`: the request names a bot this server does not host.
     UnknownBot,
     /// `ABORTED`: every attempt lost a conflict with another writer.
@@ -105,6 +108,7 @@ impl Reason {
             Self::InvalidActivity => "INVALID_ACTIVITY",
             Self::MalformedRequest => "MALFORMED_REQUEST",
             Self::InvalidStop => "INVALID_STOP",
+            Self::InvalidAdminRequest => "INVALID_ADMIN_REQUEST",
             Self::UnknownBot => "UNKNOWN_BOT",
             Self::ConflictRetriesExhausted => "CONFLICT_RETRIES_EXHAUSTED",
             Self::ConversationBusy => "CONVERSATION_BUSY",
@@ -230,6 +234,40 @@ impl From<StopError> for Status {
                     .add_bad_request_violation(e.field(), e.problem());
                 Status::with_error_details(Code::InvalidArgument, e.to_string(), details)
             }
+        }
+    }
+}
+
+/// Why an `AdminService` call was refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    /// The request names a bot this server does not host.
+    #[error(transparent)]
+    UnknownBot(#[from] UnknownBot),
+    /// A field of the request is missing or malformed (named as in the request).
+    #[error("invalid request: `{}` {}", .0.field(), .0.problem())]
+    Invalid(#[from] InvalidActivity),
+    /// The store could not answer.
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+}
+
+impl From<AdminError> for Status {
+    fn from(e: AdminError) -> Self {
+        match e {
+            AdminError::UnknownBot(e) => unknown_bot(&e),
+            AdminError::Invalid(e) => {
+                let mut details = ErrorDetails::new();
+                details
+                    .set_error_info(
+                        Reason::InvalidAdminRequest.as_str(),
+                        ERROR_DOMAIN,
+                        HashMap::from([("field".to_owned(), e.field().to_owned())]),
+                    )
+                    .add_bad_request_violation(e.field(), e.problem());
+                Status::with_error_details(Code::InvalidArgument, e.to_string(), details)
+            }
+            AdminError::Store(e) => TurnError::Store(e).into(),
         }
     }
 }

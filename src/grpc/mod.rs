@@ -11,6 +11,7 @@ pub mod pb {
         tonic::include_file_descriptor_set!("turnstile_descriptor");
 }
 
+pub mod admin;
 pub mod affinity;
 pub mod auth;
 pub mod client;

@@ -17,6 +17,7 @@ mod support;
 
 mod activity_props;
 mod activity_roundtrip;
+mod admin;
 mod auth;
 mod bad_input;
 mod binary;
