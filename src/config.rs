@@ -235,6 +235,8 @@ pub enum Command {
     HealthCheck(HealthCheckArgs),
     /// Serve the Bot Framework endpoint (`POST /api/messages`) in front of a Turnstile server.
     Gateway(crate::gateway::GatewayArgs),
+    /// Inspect the state a running server keeps, through its admin service (`get`, `ls`).
+    State(crate::admin_cli::StateArgs),
 }
 
 /// `turnstile serve`.

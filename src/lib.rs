@@ -17,14 +17,17 @@
 //! - [`gateway`] — `turnstile gateway`: the Bot Framework channel protocol (`/api/messages`,
 //!   channel JWTs, delivery to the Connector, Teams' streaming), Direct Line 3.0 (with Web
 //!   Chat's livestreams) and the chat page, purely a gRPC client of `TurnService`.
-//! - [`grpc`] — generated code, wire conversions, status mapping, the `TurnService` handler.
+//! - [`grpc`] — generated code, wire conversions, status mapping, the `TurnService` handler, and
+//!   the `AdminService` an operator inspects state with.
 //! - [`config`] — command-line flags and the configuration `serve` takes.
 //! - [`server`] — [`server::serve`], the one way to start the service.
 //! - [`probe`] — the gRPC health check `turnstile health-check` runs.
+//! - [`admin_cli`] — `turnstile state get|ls`, the admin service from a shell.
 //! - [`telemetry`] — Prometheus metrics on their own port, OTLP traces, and the RPC layer that
 //!   traces and times every gRPC call.
 
 pub mod activity;
+pub mod admin_cli;
 pub mod allocator;
 pub mod bot;
 pub mod bots;

@@ -58,6 +58,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Command::Serve(args)) => serve(args).await,
         Some(Command::HealthCheck(args)) => health_check(&args).await,
         Some(Command::Gateway(args)) => gateway(args).await,
+        Some(Command::State(args)) => turnstile::admin_cli::run(&args).await,
         None => serve(cli.serve).await,
     }
 }

@@ -308,3 +308,86 @@ async fn bad_admin_requests_are_refused_naming_the_field() {
         .unwrap_err();
     assert_eq!(status.code(), Code::NotFound, "{status:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_state_cli_reads_a_running_server() {
+    let server = server(true).await;
+    for conversation in ["x1", "x2", "x3"] {
+        turn(&server, conversation, "ada").await;
+    }
+    turn(&server, "x1", "ada").await;
+    let got = tokio::task::spawn_blocking({
+        let server_addr = server.addr;
+        move || {
+            let server = ServerAddr(server_addr);
+            (
+                cli_at(
+                    &server,
+                    ADMIN,
+                    &[
+                        "get",
+                        "--channel",
+                        "test",
+                        "--conversation",
+                        "x1",
+                        "--user",
+                        "ada",
+                    ],
+                ),
+                cli_at(
+                    &server,
+                    ADMIN,
+                    &["ls", "--channel", "test", "--prefix", "x"],
+                ),
+                cli_at(&server, "wrong", &["ls", "--channel", "test"]),
+                cli_at(
+                    &server,
+                    ADMIN,
+                    &["get", "--channel", "test", "--conversation", ""],
+                ),
+            )
+        }
+    })
+    .await
+    .unwrap();
+    let state: serde_json::Value = serde_json::from_str(&got.0.unwrap()).unwrap();
+    assert_eq!(state["scopes"][0]["state"]["count"], 2, "{state}");
+    assert_eq!(state["scopes"][1]["state"]["name"], "ada", "{state}");
+    assert_eq!(
+        state["receipts"][0]["answer"]["activities"][0]["text"], "2",
+        "{state}"
+    );
+    let listed: Vec<serde_json::Value> = got
+        .1
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    let ids: Vec<&str> = listed
+        .iter()
+        .map(|c| c["conversationId"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["x1", "x2", "x3"]);
+    assert_eq!(listed[0]["version"], 2);
+    assert!(got.2.unwrap_err().contains("Unauthenticated"));
+    assert!(got.3.unwrap_err().contains("conversation_id"));
+}
+
+/// A server's address, for the CLI run on a blocking thread.
+struct ServerAddr(std::net::SocketAddr);
+
+/// `turnstile state …` against `server`, with `token`: its stdout, or its stderr when it failed.
+fn cli_at(server: &ServerAddr, token: &str, args: &[&str]) -> Result<String, String> {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .arg("state")
+        .args(args)
+        .args(["--address", &format!("http://{}", server.0)])
+        .env("TURNSTILE_ADMIN_TOKEN", token)
+        .output()
+        .unwrap();
+    if output.status.success() {
+        Ok(String::from_utf8(output.stdout).unwrap())
+    } else {
+        Err(String::from_utf8(output.stderr).unwrap())
+    }
+}
