@@ -343,7 +343,10 @@ async fn enqueue_serves_the_waiting_turns_of_every_replica_in_arrival_order() {
     let b = TestServer::start(postgres_config(&url), bots()).await;
     // Both replicas connected and ready, so that a message reaches the database when it is sent.
     for server in [&a, &b] {
-        send(server, &message("warm", "ada", "hello")).await.unwrap().unwrap();
+        send(server, &message("warm", "ada", "hello"))
+            .await
+            .unwrap()
+            .unwrap();
     }
     let running = send(&a, &message("line", "ada", "wait"));
     until_running(&runs, 3).await;
@@ -358,7 +361,10 @@ async fn enqueue_serves_the_waiting_turns_of_every_replica_in_arrival_order() {
     }
     assert!(waiting.iter().all(|call| !call.is_finished()), "they wait");
     gate.add_permits(1);
-    assert_eq!(texts(&running.await.unwrap().unwrap()), ["wait | superseded: "]);
+    assert_eq!(
+        texts(&running.await.unwrap().unwrap()),
+        ["wait | superseded: "]
+    );
     let mut last = Vec::new();
     for call in waiting {
         last = texts(&call.await.unwrap().unwrap());
@@ -394,6 +400,9 @@ async fn an_interrupted_streamed_turn_resets_its_drafts_and_ends_superseded() {
         ["draft 1 looking at the menu", "reset 1", "outcome 1"]
     );
     let outcome = streams::outcome(&events);
-    assert!(outcome.superseded && outcome.activities.is_empty(), "{outcome:?}");
+    assert!(
+        outcome.superseded && outcome.activities.is_empty(),
+        "{outcome:?}"
+    );
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
