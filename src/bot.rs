@@ -429,7 +429,7 @@ pub struct BotRegistry {
     default: String,
     /// The bots whose turns hold the conversation from their first attempt.
     serialized: BTreeSet<String>,
-    /// The bots whose double-text policy is not [`DoubleText::Enqueue`].
+    /// The bots given a double-text policy.
     double_text: BTreeMap<String, DoubleText>,
 }
 
@@ -554,20 +554,24 @@ impl BotRegistry {
     }
 
     /// Sets what happens to a message of bot `name`'s conversations that arrives while a turn of
-    /// the conversation runs (every bot starts [`DoubleText::Enqueue`]). A policy other than
-    /// `Enqueue` holds the bot's conversations from each turn's first attempt, as
-    /// [`ConcurrencyPolicy::Serialized`] does, so that every replica sees the running turn.
+    /// the conversation runs (every bot starts [`DoubleText::Enqueue`], unnamed). A bot given a
+    /// policy — `Enqueue` too — holds its conversations from each turn's first attempt, as
+    /// [`ConcurrencyPolicy::Serialized`] does, so that every replica sees the running turn and the
+    /// waiting ones line up, first in, first out.
     ///
     /// # Errors
     /// When no bot of that name is registered.
     pub fn with_double_text(mut self, name: &str, policy: DoubleText) -> Result<Self, UnknownBot> {
         let (name, _) = self.get(Some(name))?;
         let name = name.to_owned();
-        match policy {
-            DoubleText::Enqueue => self.double_text.remove(&name),
-            other => self.double_text.insert(name, other),
-        };
+        self.double_text.insert(name, policy);
         Ok(self)
+    }
+
+    /// Whether the turns of the bot named `name` hold their conversation from the first attempt:
+    /// it is serialized, or was given a double-text policy.
+    pub fn holds(&self, name: &str) -> bool {
+        self.serialized.contains(name) || self.double_text.contains_key(name)
     }
 
     /// The double-text policy of the bot named `name` (as returned by [`BotRegistry::get`]).

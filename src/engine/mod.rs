@@ -45,8 +45,7 @@ use crate::activity::incoming::{
 };
 use crate::activity::{Activity, JsonMap};
 use crate::bot::{
-    Bot, BotError, BotErrorKind, BotRegistry, ConcurrencyPolicy, DoubleText, TurnContext,
-    TurnScopes, UnknownBot,
+    Bot, BotError, BotErrorKind, BotRegistry, DoubleText, TurnContext, TurnScopes, UnknownBot,
 };
 use crate::drafts::{Drafts, Stop};
 use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
@@ -440,10 +439,7 @@ impl Engine {
             .as_ref()
             .zip(drafts)
             .and_then(|(key, drafts)| self.stoppable.enter(key, drafts));
-        if self.bots.policy(bot_name) == ConcurrencyPolicy::Serialized
-            || double_text != DoubleText::Enqueue
-            || (plan.drafts.is_some() && plan.receipt.is_some())
-        {
+        if self.bots.holds(bot_name) || (plan.drafts.is_some() && plan.receipt.is_some()) {
             // Held turns wait for each other at the hold, not in this replica's queue: there
             // the turns of every replica line up together, first come, first served.
             return self
@@ -1280,7 +1276,11 @@ impl<'a> TurnPlan<'a> {
             redelivered: false,
             stopped,
             superseded: false,
-            coalesced: batch.map(Batch::ids).unwrap_or_default(),
+            // A batch of one answered one message: nothing coalesced.
+            coalesced: batch
+                .filter(|b| b.members.len() > 1)
+                .map(Batch::ids)
+                .unwrap_or_default(),
         };
         if let Some(key) = &self.receipt {
             commit = commit.with_receipt(key.clone(), receipt::encode(&outcome));
@@ -2027,7 +2027,7 @@ mod tests {
             bots: engine
                 .bots
                 .clone()
-                .with_policy("counter", ConcurrencyPolicy::Serialized)
+                .with_policy("counter", crate::bot::ConcurrencyPolicy::Serialized)
                 .expect("hosted"),
             ..engine
         };
@@ -2052,7 +2052,7 @@ mod tests {
             bots: engine
                 .bots
                 .clone()
-                .with_policy("counter", ConcurrencyPolicy::Serialized)
+                .with_policy("counter", crate::bot::ConcurrencyPolicy::Serialized)
                 .expect("hosted"),
             ..engine
         };

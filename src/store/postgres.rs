@@ -165,7 +165,7 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// the server gives up first and says so. Sent as a startup parameter (`options`), except with
 /// [`Statements::Unprepared`]: PgBouncer refuses a connection that carries `options`, so behind
 /// it the limit is the role's (`ALTER ROLE … SET statement_timeout`, see the README).
-const STATEMENT_TIMEOUT: Duration = Duration::from_secs(8);
+pub(super) const STATEMENT_TIMEOUT: Duration = Duration::from_secs(8);
 
 /// How long a session outside the pool (`migrate`'s) waits for its connection (every host of the URL, TLS included) before it
 /// gives up: a server that accepts the TCP connection and then says nothing must not hang a

@@ -268,7 +268,7 @@ async fn coalesce_answers_the_waiting_messages_in_one_run(embedded: bool) {
 
     let alone = running.await.unwrap().unwrap();
     assert_eq!(texts(&alone), ["wait | superseded: "]);
-    assert_eq!(alone.coalesced, [first.id.clone().unwrap()]);
+    assert!(alone.coalesced.is_empty(), "a batch of one: {alone:?}");
     let ids: Vec<String> = later.iter().map(|(id, _, _)| id.clone()).collect();
     let mut answered = Vec::new();
     let mut activities = Vec::new();

@@ -27,8 +27,8 @@ use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
 use turnstile::state::StateKey;
 use turnstile::store::postgres::{self, DatabaseUrl, PostgresStore, Statements};
 use turnstile::store::{
-    Commit, CommitOutcome, ConversationLease, ConversationLock, Expected, KeyChange, Snapshot,
-    Store, StoreError, Version,
+    Commit, CommitOutcome, ConversationLease, ConversationLock, Expected, KeyChange, Others,
+    Snapshot, Store, StoreError, Version,
 };
 use turnstile::{Bot, BotError, BotRegistry, ConcurrencyPolicy, TurnContext};
 
@@ -833,4 +833,108 @@ async fn a_replica_killed_while_holding_a_conversation_stalls_it_only_until_its_
     for (status, log) in fleet.stop() {
         assert!(status.success(), "{status}: {log}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lock_wait_lasts_as_long_as_the_turn_allows_past_the_statement_timeout() {
+    // A slow bot's turn holds the lock for longer than one statement may take (8 s): another
+    // replica's turn, allowed to wait longer, gets the lock when it is let go, not a refusal at
+    // the statement timeout that would read as its deadline.
+    let url = support::pg::fresh_database().await;
+    let db_url = DatabaseUrl::new(url.clone());
+    postgres::migrate(&db_url).await.unwrap();
+    let holder = PostgresStore::connect(&db_url, 2).unwrap();
+    let other = Arc::new(PostgresStore::connect(&db_url, 2).unwrap());
+    let key = StateKey::conversation(
+        "slow",
+        &ChannelId::parse("test", "channelId").unwrap(),
+        &ConversationId::parse("long", "conversation.id").unwrap(),
+    );
+    let keys = [key.clone()];
+    let ConversationLock::Held { turn, .. } = holder
+        .lock_conversation(&key, &keys, None, Duration::from_secs(1))
+        .await
+        .unwrap()
+    else {
+        panic!("the first lock");
+    };
+    let waiting = tokio::spawn({
+        let (other, keys) = (Arc::clone(&other), keys.clone());
+        async move {
+            other
+                .lock_conversation(&keys[0], &keys, None, Duration::from_secs(20))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    assert!(
+        !waiting.is_finished(),
+        "the wait ended at the statement timeout"
+    );
+    turn.release().await;
+    let granted = waiting.await.unwrap().unwrap();
+    assert!(
+        matches!(granted, ConversationLock::Held { .. }),
+        "{granted:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redelivery_takes_up_the_place_its_first_delivery_had_in_the_line() {
+    // Turns waiting for a conversation's hold line up in the order they asked. A waiting turn
+    // whose call went away (its replica died) stops asking; its redelivery, coming back at once,
+    // takes up the first delivery's place instead of lining up behind the turns that came later.
+    let url = support::pg::fresh_database().await;
+    let db_url = DatabaseUrl::new(url.clone());
+    postgres::migrate(&db_url).await.unwrap();
+    let store = Arc::new(PostgresStore::connect(&db_url, 8).unwrap());
+    let channel = ChannelId::parse("test", "channelId").unwrap();
+    let conversation_id = ConversationId::parse("line", "conversation.id").unwrap();
+    let key = StateKey::conversation("slow", &channel, &conversation_id);
+    let receipt = |id: &str| {
+        StateKey::receipt(
+            "slow",
+            &channel,
+            &conversation_id,
+            &turnstile::activity::incoming::ActivityId::parse(id, "id").unwrap(),
+        )
+    };
+    let keys = [key.clone()];
+    let wait = Duration::from_secs(10);
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let hold = |id: &'static str| {
+        let (store, keys, receipt) = (Arc::clone(&store), keys.clone(), receipt(id));
+        let order = Arc::clone(&order);
+        tokio::spawn(async move {
+            let held = store
+                .hold_conversation(&keys[0], &keys, Some(&receipt), wait, Others::Wait)
+                .await
+                .unwrap();
+            let ConversationLock::Held { turn, .. } = held else {
+                panic!("{id}: {held:?}");
+            };
+            order.lock().unwrap().push(id);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            turn.release().await;
+        })
+    };
+    let held = store
+        .hold_conversation(&key, &keys, Some(&receipt("running")), wait, Others::Wait)
+        .await
+        .unwrap();
+    let ConversationLock::Held { turn: running, .. } = held else {
+        panic!("the running turn's hold: {held:?}");
+    };
+    let lost = hold("first");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = hold("second");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    lost.abort();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let again = hold("first");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    running.release().await;
+    again.await.unwrap();
+    second.await.unwrap();
+    assert_eq!(*order.lock().unwrap(), ["first", "second"]);
 }

@@ -75,9 +75,9 @@ const MAX_PAUSE: Duration = Duration::from_millis(250);
 /// Takes the hold `$1` for `$2` (who holds it), running activity `$4` (its receipt key), until
 /// `$3` seconds from now, if it is free (absent, released or run out): the fence, and what the
 /// turns before left to the next ([`Handed`]: kept across holders until a commit consumes it;
-/// pending activities answered already are left out); or, when someone has it — or `$2` is not
-/// first in the line of the turns waiting for it ([`QUEUE`]) that asked within `$5` seconds — no
-/// fence and the activity its holder runs.
+/// pending activities answered already are left out); or, when someone has it — or ticket `$6`
+/// is not first in the line of the turns waiting for it ([`QUEUE`]) that asked within `$5`
+/// seconds — no fence and the activity its holder runs.
 const TAKE: Sql = Sql {
     text: "WITH taken AS ( \
              INSERT INTO turnstile_state AS s (key, state, version) \
@@ -90,7 +90,7 @@ const TAKE: Sql = Sql {
                       'queue', coalesce((SELECT jsonb_agg(q.e ORDER BY q.n) \
                          FROM jsonb_array_elements(coalesce(s.state->'queue', '[]')) \
                               WITH ORDINALITY AS q(e, n) \
-                        WHERE q.e->>'ticket' <> $2 \
+                        WHERE q.e->>'ticket' <> $6 \
                           AND (q.e->>'seen')::float8 \
                               > extract(epoch FROM clock_timestamp()) - $5::float8), '[]')), \
                     version = s.version + 1, updated_at = now() \
@@ -98,12 +98,12 @@ const TAKE: Sql = Sql {
                 AND NOT EXISTS ( \
                     SELECT 1 FROM jsonb_array_elements(coalesce(s.state->'queue', '[]')) \
                                   WITH ORDINALITY AS q(e, n) \
-                     WHERE q.e->>'ticket' <> $2 \
+                     WHERE q.e->>'ticket' <> $6 \
                        AND (q.e->>'seen')::float8 > extract(epoch FROM clock_timestamp()) - $5::float8 \
                        AND q.n < coalesce(( \
                            SELECT m.n FROM jsonb_array_elements(coalesce(s.state->'queue', '[]')) \
                                            WITH ORDINALITY AS m(e, n) \
-                            WHERE m.e->>'ticket' = $2 LIMIT 1), 9223372036854775807)) \
+                            WHERE m.e->>'ticket' = $6 LIMIT 1), 9223372036854775807)) \
              RETURNING version, state) \
            SELECT version, NULL::text, state->'superseded', \
                   (SELECT jsonb_agg(p.entry ORDER BY p.n) \
@@ -121,10 +121,13 @@ const TAKE: Sql = Sql {
         Type::FLOAT8,
         Type::TEXT,
         Type::FLOAT8,
+        Type::TEXT,
     ],
 };
 /// Puts waiter `$2` (its ticket) in the line for hold `$1`, at the end, or, when it is in the
-/// line, marks it still waiting; drops the waiters who stopped asking ([`STILL_WAITING`]).
+/// line, marks it still waiting; drops the waiters who stopped asking ([`STILL_WAITING`]). A
+/// turn's ticket is its activity's receipt key, so that a redelivery (its replica died while it
+/// waited) takes up the place the first delivery had, if it comes back within that time.
 const QUEUE: Sql = Sql {
     text: "UPDATE turnstile_state SET state = jsonb_set(state, '{queue}', coalesce(( \
              SELECT jsonb_agg(w.e ORDER BY w.n) FROM ( \
@@ -231,13 +234,14 @@ pub(super) async fn hold_conversation(
     let until = tokio::time::Instant::now() + wait;
     let key = StateKey::hold(conversation);
     let holder = holder();
+    let ticket = receipt.map_or(holder.as_str(), StateKey::as_str);
     let mut pause = FIRST_PAUSE;
     // Listening from before the first ask, so that a release between it and the wait is heard,
     // and, for a turn that may be interrupted, an interruption between its take and its run.
     let mut released = store.waker.subscribe();
     let mut interrupted: Option<String> = None;
     loop {
-        match take(store, &key, &holder, keys, receipt).await? {
+        match take(store, &key, &holder, ticket, keys, receipt).await? {
             Taken::Held(fence, snapshot, handed) => {
                 let interruptible = (others == Others::Interrupt).then(|| store.waker.subscribe());
                 let turn = HeldTurn::new(store.clone(), key, fence, handed, interruptible);
@@ -266,7 +270,7 @@ pub(super) async fn hold_conversation(
         // In line (or still in line) for it, so that the turns waiting for it get it in the
         // order they first asked, whichever replica they are on.
         let still = STILL_WAITING.as_secs_f64();
-        query(store, &QUEUE, &[&key.as_str(), &holder.as_str(), &still]).await?;
+        query(store, &QUEUE, &[&key.as_str(), &ticket, &still]).await?;
         let now = tokio::time::Instant::now();
         if now + pause >= until {
             return Ok(ConversationLock::NotGranted);
@@ -308,6 +312,7 @@ async fn take(
     store: &PostgresStore,
     key: &StateKey,
     holder: &str,
+    ticket: &str,
     keys: &[StateKey],
     receipt: Option<&StateKey>,
 ) -> Result<Taken, StoreError> {
@@ -324,8 +329,8 @@ async fn take(
         let key = key.as_str();
         let activity = receipt.map(StateKey::as_str);
         let still = STILL_WAITING.as_secs_f64();
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-            [&key, &holder, &seconds, &activity, &still];
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
+            [&key, &holder, &seconds, &activity, &still, &ticket];
         let (taken, loaded) = futures::join!(
             TAKE.query(&client, statements, &params),
             PostgresStore::load_on(&client, statements, keys, receipt, None),

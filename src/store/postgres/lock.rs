@@ -51,8 +51,9 @@
 //! turn rolls back. Only with prepared statements: behind a transaction-mode pooler the store
 //! offers none (not measured there yet), and turns lock one by one.
 //!
-//! The wait is bounded by the turn's deadline (`lock_timeout`); a lock not granted in time
-//! (SQLSTATE 55P03, or 57014 when the statement timeout ends the wait first) is an ordinary
+//! The wait is bounded by the turn's deadline (`lock_timeout`; the transaction's statement
+//! timeout is raised past it, or a slow bot's lock would end every wait at 8 s); a lock not
+//! granted in time (SQLSTATE 55P03, or 57014 from a role's own statement timeout) is an ordinary
 //! outcome, [`ConversationLock::NotGranted`]. A replica alive but stuck while holding the lock
 //! is cut off by `idle_in_transaction_session_timeout`, during a turn and between a lease's.
 
@@ -233,6 +234,11 @@ async fn hold(
     // Whole milliseconds, at least one: 0 would mean "wait forever".
     let wait_ms = wait.as_millis().clamp(1, u128::from(u32::MAX));
     let hold_ms = (wait + HOLD_GRACE).as_millis().min(u128::from(u32::MAX));
+    // The statement timeout must not end the wait first (it would end a wait the deadline allows
+    // at 8 s): within this transaction it is the wait plus the usual limit.
+    let statement_ms = (wait + super::STATEMENT_TIMEOUT)
+        .as_millis()
+        .min(u128::from(u32::MAX));
     // Numbers and the table's name only in these texts, so that each can go as one simple query,
     // which a transaction-mode pooler passes through like any other. The lock's last statement
     // says whether the lock took more than a moment to come. The idle limit comes after the
@@ -240,7 +246,8 @@ async fn hold(
     // and with it the pruning of every row version newer than the snapshot — until the
     // session's next statement, goes with it, so that a lease sits idle holding nothing back.
     let lock = format!(
-        "BEGIN; SET LOCAL lock_timeout = {wait_ms}; LOCK TABLE {} IN EXCLUSIVE MODE; \
+        "BEGIN; SET LOCAL lock_timeout = {wait_ms}; \
+         SET LOCAL statement_timeout = {statement_ms}; LOCK TABLE {} IN EXCLUSIVE MODE; \
          SELECT clock_timestamp() - transaction_timestamp() > {WAITED}",
         lock_table(conversation)
     );
