@@ -57,8 +57,10 @@ KILL_TURNS=${KILL_TURNS:-8}
 REDELIVER_TURNS=${REDELIVER_TURNS:-8}
 REDELIVER_AT_MS=${REDELIVER_AT_MS:-$((TURN_MS * 3 / 4))}
 # The llm bot's answer to "count", the first of a conversation, is 34 words (src/bots/llm.rs),
-# each drafted after one delay; the counting worker writes as many.
+# each drafted after one delay, after a tool call of 6 delays: 40 delays a run. The counting
+# worker writes the 34 words, one delay each.
 WORDS=34
+DELAYS=40
 SECRET=bench-direct-line-secret
 
 [ -n "${NO_BUILD:-}" ] || cargo build --release --bins -q
@@ -167,7 +169,7 @@ llm_stack() { # TURN_MS NAME
     grpc=$(free_port)
     gw=$(free_port)
     env -u RUST_LOG "$BIN/turnstile" serve --listen "127.0.0.1:$grpc" --gateway-listen off \
-        --database-url "$DB" --llm-token-delay-ms $(($1 / WORDS)) >"$WORK/$2-server.log" 2>&1 &
+        --database-url "$DB" --llm-token-delay-ms $(($1 / DELAYS)) >"$WORK/$2-server.log" 2>&1 &
     PIDS+=($!)
     wait_port "$grpc" $! "$WORK/$2-server.log"
     # shellcheck disable=SC2086 # GATEWAY_FLAGS is a list of flags

@@ -27,9 +27,10 @@ TURNS=${TURNS:-96}
 CONCURRENCY=${CONCURRENCY:-32}
 TURN_MS=${TURN_MS:-20000}
 # The llm bot's answer to "count", the first of a conversation, is 34 words (`answer` in
-# src/bots/llm.rs), each drafted after one delay: 34 × 588 ms ≈ 20 s.
-WORDS=34
-TOKEN_DELAY_MS=$((TURN_MS / WORDS))
+# src/bots/llm.rs), each drafted after one delay, after a tool call of 6 delays: 40 × 500 ms =
+# 20 s.
+DELAYS=40
+TOKEN_DELAY_MS=$((TURN_MS / DELAYS))
 
 # NO_BUILD=1 measures the binaries as they are, without building them first.
 [ -n "${NO_BUILD:-}" ] || cargo build --release --bins -q
