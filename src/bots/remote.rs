@@ -771,10 +771,10 @@ mod tests {
         let batch_sent = expected(&[("m1", "one"), ("m2", "two"), ("m3", "three")]);
         assert_eq!(sent(&request.batch_json), batch_sent);
         assert!(request.superseded_json.is_empty());
-        // Each is the whole activity, as `activity_json` is.
+        // Each is the whole activity, written as `activity_json` is.
         assert_eq!(
             request.batch_json[2], request.activity_json,
-            "the batch's last is the turn's activity"
+            "the same activity, the same JSON"
         );
 
         // A streamed attempt's request carries them too.

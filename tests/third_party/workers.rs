@@ -2,6 +2,10 @@
 //! in-process bot has — the pizza race over three replicas on PostgreSQL, redelivery answered
 //! from the receipt without calling the worker, a replica SIGKILLed under load with every count
 //! exact — and each way a worker can fail gives its documented status with nothing committed.
+//! The double-text policies reach a worker too: under `coalesce` the messages that arrived while
+//! a turn ran are one run of a Python bot, which sees them all in `turn.batch`; under
+//! `interrupt` a second message cancels the running turn, and the next run sees the first in
+//! `turn.superseded`.
 //!
 //! The SDKs are tested as their users get them, never from the tree: each SDK's folder is copied
 //! alone to a scratch directory (so that anything it reaches outside itself is missing), the
@@ -32,6 +36,7 @@ use tokio::time::{Instant, sleep};
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 use tonic_types::StatusExt as _;
+use turnstile::DoubleText;
 use turnstile::bots::remote::RemoteBots;
 use turnstile::config::Config;
 use turnstile::grpc::pb;
@@ -203,7 +208,8 @@ fn wheelhouse() -> PathBuf {
 struct PythonSdk {
     /// The copy of `sdk/python` it was built from.
     sdk: PathBuf,
-    /// The bot's project, `~/greeter-bot`: the README's `greeter.py` and this file's `moody.py`.
+    /// The bot's project, `~/greeter-bot`: the README's `greeter.py` and this file's `moody.py`
+    /// and `doubles.py`.
     project: PathBuf,
     /// The fresh environment's interpreter.
     python: PathBuf,
@@ -267,7 +273,7 @@ fn python_sdk() -> &'static PythonSdk {
         for file in [
             "turnstile_worker/__init__.py",
             "turnstile_worker/protos/turnstile/v1/worker.proto",
-            "turnstile_worker-0.1.0.dist-info/licenses/LICENSE",
+            "turnstile_worker-0.2.0.dist-info/licenses/LICENSE",
         ] {
             assert!(
                 listing.lines().any(|l| l == file),
@@ -304,6 +310,7 @@ fn python_sdk() -> &'static PythonSdk {
         )
         .unwrap();
         std::fs::write(project.join("moody.py"), MOODY).unwrap();
+        std::fs::write(project.join("doubles.py"), DOUBLES).unwrap();
         eprintln!(
             "the Python SDK built and installed in {:.1?}",
             started.elapsed()
@@ -361,7 +368,7 @@ fn node_sdk() -> &'static NodeSdk {
         let project = home.join("counter-bot");
 
         // The tarball carries the build, the contract and the licence.
-        let tarball = sdk.join("turnstile-worker-0.1.0.tgz");
+        let tarball = sdk.join("turnstile-worker-0.2.0.tgz");
         let listing = run(
             Command::new("tar").arg("tzf").arg(&tarball),
             "listing the tarball",
@@ -1901,5 +1908,320 @@ async fn a_conflict_calls_the_worker_again_with_the_fresh_state() {
         texts(&peeked),
         ["count: 4"],
         "it answered from the fresh state"
+    );
+}
+
+// --- double texting: coalesce and interrupt, with the Python SDK ----------------------------
+
+/// `doubles.py`, a Python worker serving one bot as `coalescing` and as `interrupting`. Each run
+/// it starts is appended to the file `argv[1]`, one JSON line (the activity's id and the ids of
+/// `turn.batch` and of `turn.superseded`), and to the conversation's `runs`; a
+/// message `wait` then waits until the file `argv[2]` exists (15 s at most). It answers every
+/// message it was given, in order. `peek` answers the activity ids of the runs the conversation
+/// holds, and records nothing.
+const DOUBLES: &str = r#"import asyncio
+import json
+import os
+import sys
+
+from turnstile_worker import Worker
+
+RUNS, GATE = sys.argv[1], sys.argv[2]
+
+worker = Worker()
+
+
+def ids(activities):
+    return [a.get("id") for a in activities]
+
+
+@worker.bot("coalescing")
+@worker.bot("interrupting")
+async def doubles(turn):
+    if turn.text == "peek":
+        turn.send(json.dumps([run["activity"] for run in turn.conversation.get("runs", [])]))
+        return
+    run = {
+        "activity": turn.activity.get("id"),
+        "batch": ids(turn.batch),
+        "superseded": ids(turn.superseded),
+    }
+    with open(RUNS, "a") as runs:
+        runs.write(json.dumps(run) + "\n")
+    turn.conversation["runs"] = turn.conversation.get("runs", []) + [run]
+    if turn.text == "wait":
+        for _ in range(750):
+            if os.path.exists(GATE):
+                break
+            await asyncio.sleep(0.02)
+    said = turn.superseded + (turn.batch or [turn.activity])
+    turn.send("answered: " + ", ".join(a.get("text", "") for a in said))
+
+
+asyncio.run(worker.serve("127.0.0.1:0"))
+"#;
+
+/// One run `doubles.py` started, as it recorded it.
+#[derive(Debug, serde::Deserialize)]
+struct Run {
+    activity: String,
+    batch: Vec<String>,
+    superseded: Vec<String>,
+}
+
+/// A `doubles.py` worker, with its run log and its gate in a directory of their own.
+struct Doubles {
+    worker: WorkerProcess,
+    runs: PathBuf,
+    gate: PathBuf,
+}
+
+impl Doubles {
+    fn start(name: &str) -> Doubles {
+        let project = &tokio::task::block_in_place(python_sdk).project;
+        let dir = scratch().join(format!("doubles-{name}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (runs, gate) = (dir.join("runs.jsonl"), dir.join("gate"));
+        let worker = WorkerProcess::python(
+            &project.join("doubles.py"),
+            &[runs.to_str().unwrap(), gate.to_str().unwrap()],
+        );
+        Doubles { worker, runs, gate }
+    }
+
+    /// The runs the worker has started, in order (each is written before its answer is sent):
+    /// the lines written whole so far.
+    fn runs(&self) -> Vec<Run> {
+        let log = std::fs::read_to_string(&self.runs).unwrap_or_default();
+        let whole = log.rfind('\n').map_or(0, |end| end + 1);
+        log[..whole]
+            .lines()
+            .map(|line| serde_json::from_str(line).unwrap())
+            .collect()
+    }
+
+    /// [`Doubles::runs`] once there are `n`, or after 30 s.
+    async fn runs_settled(&self, n: usize) -> Vec<Run> {
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            let runs = self.runs();
+            if runs.len() >= n || Instant::now() > until {
+                return runs;
+            }
+            sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Lets a run of `wait` go on.
+    fn open_gate(&self) {
+        std::fs::write(&self.gate, "").unwrap();
+    }
+}
+
+/// Two replicas on one fresh database, hosting `bot` as `worker`'s with double-text `policy`
+/// (`--remote-bot`, `--double-text`).
+async fn double_text_replicas(
+    bot: &str,
+    worker: &WorkerProcess,
+    policy: DoubleText,
+) -> (TestServer, TestServer) {
+    let url = support::pg::fresh_database().await;
+    let config = || Config {
+        double_text: vec![(bot.to_owned(), policy)],
+        ..remote(support::postgres_config(&url), bot, &worker.url())
+    };
+    tokio::join!(
+        TestServer::start(config(), turnstile::bots::samples()),
+        TestServer::start(config(), turnstile::bots::samples()),
+    )
+}
+
+/// `request` to `server`, on a task of its own.
+async fn spawn_turn(
+    server: &TestServer,
+    request: pb::ProcessTurnRequest,
+) -> tokio::task::JoinHandle<Result<pb::ProcessTurnResponse, Status>> {
+    let mut client = server.client().await;
+    tokio::spawn(async move {
+        client
+            .process_turn(request)
+            .await
+            .map(tonic::Response::into_inner)
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn coalesce_answers_the_messages_sent_during_a_python_turn_in_one_run_that_sees_them_all() {
+    let doubles = Doubles::start("coalesce");
+    let (a, b) = double_text_replicas("coalescing", &doubles.worker, DoubleText::Coalesce).await;
+    let to = |id: &str, text: &str| to_bot("coalescing", "co", id, text);
+    let first = spawn_turn(&a, to("co-wait", "wait")).await;
+    assert_eq!(
+        doubles.runs_settled(1).await.len(),
+        1,
+        "the worker never ran the first message:\n{}",
+        doubles.worker.stderr()
+    );
+
+    // While it runs, three more messages arrive, on both replicas, in this order.
+    let batch = [
+        ("co-1", "one", &b),
+        ("co-2", "two", &a),
+        ("co-3", "three", &b),
+    ];
+    let mut calls = Vec::new();
+    for (id, text, server) in batch {
+        calls.push(spawn_turn(server, to(id, text)).await);
+        sleep(Duration::from_millis(300)).await;
+    }
+    assert!(!first.is_finished(), "the first turn still runs");
+    doubles.open_gate();
+
+    let first = first
+        .await
+        .unwrap()
+        .unwrap_or_else(|s| panic!("co-wait failed: {s:?}"));
+    assert_eq!(texts(&first), ["answered: wait"], "{first:?}");
+    assert!(
+        first.coalesced.is_empty() || first.coalesced == ["co-wait"],
+        "the first message was answered alone: {first:?}"
+    );
+    let ids = batch.map(|(id, _, _)| id);
+    let mut answers = Vec::new();
+    for (call, id) in calls.into_iter().zip(ids) {
+        let answer = call
+            .await
+            .unwrap()
+            .unwrap_or_else(|s| panic!("{id} failed: {s:?}"));
+        assert_eq!(answer.coalesced, ids, "{id}: the batch, in arrival order");
+        assert!(!answer.superseded, "{id}: {answer:?}");
+        answers.push(answer);
+    }
+    let delivered: Vec<_> = ids
+        .iter()
+        .zip(&answers)
+        .filter(|(_, answer)| !answer.activities.is_empty())
+        .collect();
+    assert_eq!(
+        delivered.len(),
+        1,
+        "one call of the batch gets its answer: {answers:?}"
+    );
+    let (ran, answer) = delivered[0];
+    assert_eq!(texts(answer), ["answered: one, two, three"]);
+
+    // The worker ran twice: the first message alone, then the three, in arrival order.
+    let runs = doubles.runs();
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    assert_eq!(runs[0].activity, "co-wait", "{runs:?}");
+    assert!(
+        runs[0].batch.is_empty() || runs[0].batch == ["co-wait"],
+        "the first ran alone: {runs:?}"
+    );
+    assert_eq!(
+        runs[1].batch, ids,
+        "the second run's turn.batch holds the three: {runs:?}"
+    );
+    assert_eq!(
+        runs[1].activity, *ran,
+        "its turn.activity is the message of the call that got the answer: {runs:?}"
+    );
+    assert!(runs.iter().all(|run| run.superseded.is_empty()), "{runs:?}");
+
+    // A redelivery of each, to the other replica, is answered from its receipt: no third run.
+    for ((id, text, server), answer) in batch.into_iter().zip(&answers) {
+        let other = if std::ptr::eq(server, &a) { &b } else { &a };
+        let again = other
+            .client()
+            .await
+            .process_turn(to(id, text))
+            .await
+            .unwrap_or_else(|s| panic!("redelivering {id} failed: {s:?}"))
+            .into_inner();
+        assert!(again.redelivered, "{id}: {again:?}");
+        assert_eq!(again.coalesced, ids, "{id}: {again:?}");
+        assert_eq!(texts(&again), texts(answer), "{id}: the same answer again");
+    }
+    sleep(Duration::from_millis(200)).await;
+    let runs = doubles.runs();
+    assert_eq!(runs.len(), 2, "a redelivery ran the bot again: {runs:?}");
+    assert_eq!(doubles.worker.all_calls(), 2, "{}", doubles.worker.stderr());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn interrupt_cancels_a_running_python_turn_and_the_next_run_sees_its_message_superseded() {
+    let doubles = Doubles::start("interrupt");
+    let (a, b) = double_text_replicas("interrupting", &doubles.worker, DoubleText::Interrupt).await;
+    let to = |id: &str, text: &str| to_bot("interrupting", "in", id, text);
+    // The first run records itself in the conversation state, then waits (on a gate this test
+    // never opens: for 15 s, unless it is cancelled).
+    let first = spawn_turn(&a, to("in-wait", "wait")).await;
+    assert_eq!(
+        doubles.runs_settled(1).await.len(),
+        1,
+        "the worker never ran the first message:\n{}",
+        doubles.worker.stderr()
+    );
+
+    // A second message, on the other replica.
+    let mut client_b = b.client().await;
+    let started = Instant::now();
+    let second = client_b
+        .process_turn(to("in-2", "second"))
+        .await
+        .unwrap_or_else(|s| panic!("in-2 failed: {s:?}"))
+        .into_inner();
+    assert_eq!(texts(&second), ["answered: wait, second"], "{second:?}");
+    assert!(!second.superseded, "{second:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the second message waited for the first turn ({:?})",
+        started.elapsed()
+    );
+    let first = first
+        .await
+        .unwrap()
+        .unwrap_or_else(|s| panic!("in-wait failed: {s:?}"));
+    assert!(first.superseded, "{first:?}");
+    assert!(first.activities.is_empty(), "{first:?}");
+
+    // Two runs: the first alone, then the second, given the first as superseded.
+    let runs = doubles.runs();
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    assert_eq!(runs[0].activity, "in-wait", "{runs:?}");
+    assert!(runs[0].superseded.is_empty(), "{runs:?}");
+    assert_eq!(runs[1].activity, "in-2", "{runs:?}");
+    assert_eq!(runs[1].superseded, ["in-wait"], "turn.superseded: {runs:?}");
+    assert!(runs.iter().all(|run| run.batch.is_empty()), "{runs:?}");
+
+    // Nothing of the first run was committed: the state holds the second run's write alone.
+    let peeked = client_b
+        .process_turn(to("in-peek", "peek"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(texts(&peeked), [r#"["in-2"]"#]);
+
+    // A redelivery of the first, to either replica, is answered superseded without running.
+    for server in [&a, &b] {
+        let again = server
+            .client()
+            .await
+            .process_turn(to("in-wait", "wait"))
+            .await
+            .unwrap_or_else(|s| panic!("redelivering in-wait failed: {s:?}"))
+            .into_inner();
+        assert!(again.superseded, "{again:?}");
+        assert!(again.redelivered, "{again:?}");
+        assert!(again.activities.is_empty(), "{again:?}");
+    }
+    sleep(Duration::from_millis(200)).await;
+    assert_eq!(doubles.runs().len(), 2, "{:?}", doubles.runs());
+    assert_eq!(
+        doubles.worker.calls("in-wait"),
+        [1],
+        "{}",
+        doubles.worker.stderr()
     );
 }

@@ -3,7 +3,8 @@ streaming can be tried anywhere — no network, no model. The fake model yields 
 word at a time, LLM_TOKEN_DELAY_MS (50) apart; the bot shows "Thinking…", then its reply as it
 grows, and sends the whole reply, which is what is delivered once the turn commits. Like a real
 agent it keeps the conversation's transcript in conversation state (`transcript`: the user's and
-its own messages, in order).
+its own messages, in order). Several messages answered at once — a batch under the double-text
+policy `coalesce`, or the messages a turn superseded under `interrupt` — are one prompt.
 
     LLM_TOKEN_DELAY_MS=50 python examples/llm.py 0.0.0.0:50063
     turnstile serve --remote-bot llm-py=http://127.0.0.1:50063
@@ -45,13 +46,22 @@ model = FakeModel(int(os.environ.get("LLM_TOKEN_DELAY_MS", "50")) / 1000)
 async def llm(turn):
     if turn.activity.get("type") != "message":
         return
-    transcript = turn.conversation.get("transcript", [])
-    await turn.inform("Thinking…")
-    reply = await turn.stream(model.tokens(turn.text, len(transcript) // 2 + 1))
-    turn.conversation["transcript"] = transcript + [
-        {"role": "user", "text": turn.text},
-        {"role": "assistant", "text": reply},
+    # What the user said that this answer is for: the messages of a batch (double-text policy
+    # `coalesce`) or the ones this turn superseded before its own (`interrupt`), else just this one.
+    said = [
+        (a.get("text") or "").strip()
+        for a in turn.superseded + (turn.batch or [turn.activity])
+        if a.get("type") == "message"
     ]
+    transcript = turn.conversation.get("transcript", [])
+    answered = sum(1 for m in transcript if m["role"] == "assistant")
+    await turn.inform("Thinking…")
+    reply = await turn.stream(model.tokens(" / ".join(said), answered + 1))
+    turn.conversation["transcript"] = (
+        transcript
+        + [{"role": "user", "text": text} for text in said]
+        + [{"role": "assistant", "text": reply}]
+    )
     turn.send(reply)
 
 

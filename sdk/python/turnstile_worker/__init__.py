@@ -33,6 +33,12 @@ handler ``send``s is delivered, after the commit. On a turn nobody streams they 
         await turn.inform("Thinking…")
         turn.send(await turn.stream(model.tokens(turn.text)))
 
+When a message arrives while a turn of its conversation still runs, the bot's double-text policy
+in Turnstile decides what happens. Under ``interrupt`` the running turn is cancelled and the new
+one gets the messages it cancelled in ``turn.superseded``; under ``coalesce`` the messages that
+arrived meanwhile are answered by one run, which gets them all in ``turn.batch``. The messages a
+turn answers are then ``turn.superseded + (turn.batch or [turn.activity])``.
+
 The gRPC stubs are generated when this package is imported, from the copy of ``worker.proto`` it
 carries, by grpcio-tools (``grpc.protos_and_services``): nothing generated is committed.
 """
@@ -202,6 +208,17 @@ class Turn:
         self.activity: dict = json.loads(request.activity_json)
         #: 1, or more when a conflict made Turnstile replay the turn on fresh state.
         self.attempt: int = request.attempt
+        #: The messages this turn supersedes, oldest first, as dicts like ``activity``: when the
+        #: bot's double-text policy is ``interrupt``, earlier messages of the conversation whose
+        #: turns this one cancelled before they committed. Nothing of those turns was kept, and
+        #: they were never answered, so this turn should take them into account. Empty otherwise.
+        self.superseded: list = [json.loads(a) for a in request.superseded_json]
+        #: The messages this run answers together, in arrival order, as dicts like ``activity``:
+        #: when the bot's double-text policy is ``coalesce``, every message that arrived while the
+        #: conversation's previous turn ran, the latest last. ``activity`` is one of them, the
+        #: one whose call runs the batch (its user's scopes are the ones given); the replies
+        #: answer them all. Empty otherwise.
+        self.batch: list = [json.loads(a) for a in request.batch_json]
         self._loaded = {}
         #: Shared by everyone in the conversation.
         self.conversation: Scope = self._scope(request, "conversation")

@@ -3,7 +3,9 @@
 // a word at a time, LLM_TOKEN_DELAY_MS (50) apart; the bot shows "Thinking…", then its reply as
 // it grows, and sends the whole reply, which is what is delivered once the turn commits. Like a
 // real agent it keeps the conversation's transcript in conversation state (`transcript`: the
-// user's and its own messages, in order).
+// user's and its own messages, in order). Several messages answered at once — a batch under the
+// double-text policy `coalesce`, or the messages a turn superseded under `interrupt` — are one
+// prompt.
 //
 // In a project set up as the README says (with this file as llm.ts):
 //   npx tsc && LLM_TOKEN_DELAY_MS=50 node --enable-source-maps dist/llm.js 0.0.0.0:50064
@@ -37,15 +39,20 @@ const model = new FakeModel(Number(process.env.LLM_TOKEN_DELAY_MS ?? 50));
 
 export async function llm(turn: Turn): Promise<void> {
   if (turn.activity.type !== 'message') return;
+  // What the user said that this answer is for: the messages of a batch (double-text policy
+  // `coalesce`) or the ones this turn superseded before its own (`interrupt`), else just this one.
+  const said = [...turn.superseded, ...(turn.batch.length ? turn.batch : [turn.activity])]
+    .filter((a) => a.type === 'message')
+    .map((a) => (a.text ?? '').trim());
   const transcript = (turn.conversation.transcript ?? []) as Message[];
   await turn.inform('Thinking…');
-  const n = Math.floor(transcript.length / 2) + 1;
-  const reply = await turn.stream(model.tokens(turn.text, n, turn.signal));
-  const said: Message[] = [
-    { role: 'user', text: turn.text },
+  const n = transcript.filter((m) => m.role === 'assistant').length + 1;
+  const reply = await turn.stream(model.tokens(said.join(' / '), n, turn.signal));
+  const messages: Message[] = [
+    ...said.map((text): Message => ({ role: 'user', text })),
     { role: 'assistant', text: reply },
   ];
-  turn.conversation.transcript = [...transcript, ...said];
+  turn.conversation.transcript = [...transcript, ...messages];
   turn.send(reply);
 }
 

@@ -13,6 +13,12 @@
 // of model tokens and returns the whole of it. Drafts are provisional; only what the handler
 // `send`s is delivered, after the commit. On a turn nobody streams they do nothing.
 //
+// When a message arrives while a turn of its conversation still runs, the bot's double-text
+// policy in Turnstile decides what happens. Under `interrupt` the running turn is cancelled and the
+// new one gets the messages it cancelled in `turn.superseded`; under `coalesce` the messages that
+// arrived meanwhile are answered by one run, which gets them all in `turn.batch`. The messages a
+// turn answers are then `[...turn.superseded, ...(turn.batch.length ? turn.batch : [turn.activity])]`.
+//
 // The contract (`proto/turnstile/v1/worker.proto`, a copy the package carries) is loaded at run
 // time by @grpc/proto-loader: there is no generated code.
 
@@ -91,6 +97,8 @@ interface RunTurnRequest {
   conversation: ScopeState | null;
   user: ScopeState | null;
   private_conversation: ScopeState | null;
+  superseded_json: string[];
+  batch_json: string[];
 }
 
 /** What one attempt did with one scope. */
@@ -180,6 +188,20 @@ export class Turn {
   readonly activity: Activity;
   /** 1, or more when a conflict made Turnstile replay the turn on fresh state. */
   readonly attempt: number;
+  /**
+   * The messages this turn supersedes, oldest first: when the bot's double-text policy is
+   * `interrupt`, earlier messages of the conversation whose turns this one cancelled before they
+   * committed. Nothing of those turns was kept, and they were never answered, so this turn should
+   * take them into account. Empty otherwise.
+   */
+  readonly superseded: Activity[];
+  /**
+   * The messages this run answers together, in arrival order: when the bot's double-text policy
+   * is `coalesce`, every message that arrived while the conversation's previous turn ran, the
+   * latest last. `activity` is one of them, the one whose call runs the batch (its user's scopes
+   * are the ones given); the replies answer them all. Empty otherwise.
+   */
+  readonly batch: Activity[];
   /** Shared by everyone in the conversation. */
   readonly conversation: Scope;
   /** This user across conversations; null when the activity names no user. */
@@ -208,6 +230,10 @@ export class Turn {
     this.bot = request.bot;
     this.activity = JSON.parse(request.activity_json) as Activity;
     this.attempt = request.attempt;
+    const activities = (texts: string[] | undefined): Activity[] =>
+      (texts ?? []).map((text) => JSON.parse(text) as Activity);
+    this.superseded = activities(request.superseded_json);
+    this.batch = activities(request.batch_json);
     const scope = (field: ScopeField): Scope | null => {
       const state = request[field];
       if (!state) return null;
