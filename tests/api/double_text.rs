@@ -406,3 +406,51 @@ async fn an_interrupted_streamed_turn_resets_its_drafts_and_ends_superseded() {
     );
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesced_streamed_turns_are_answered_by_one_run_whose_reply_comes_once() {
+    use support::streams;
+    let (a, b, gate, runs) = recording(DoubleText::Coalesce, false).await;
+    let b = b.unwrap();
+    let running = send(&a, &message("streams", "ada", "wait"));
+    until_running(&runs, 1).await;
+    // Two more, each streamed, on either replica: they wait, drafting nothing.
+    let later: Vec<_> = [("large", &a), ("no olives", &b)]
+        .into_iter()
+        .map(|(text, server)| {
+            let (activity, addr) = (message("streams", "ada", text), server.addr);
+            tokio::spawn(async move {
+                let mut client =
+                    pb::turn_service_client::TurnServiceClient::connect(format!("http://{addr}"))
+                        .await
+                        .unwrap();
+                let stream = client
+                    .stream_turn(pb::StreamTurnRequest::typed(activity, ""))
+                    .await
+                    .unwrap()
+                    .into_inner();
+                streams::collect(stream, Vec::new()).await
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    gate.add_permits(1);
+    running.await.unwrap().unwrap();
+    let mut answered = Vec::new();
+    for call in later {
+        let (events, ended) = call.await.unwrap();
+        ended.unwrap();
+        answered.push(events);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "one run for the two");
+    // One call ran the batch and delivers its reply; the other only gets the outcome.
+    let replies: Vec<Vec<String>> = answered
+        .iter()
+        .map(|events| texts(streams::outcome(events)))
+        .filter(|t| !t.is_empty())
+        .collect();
+    assert_eq!(replies, [["wait, large+no olives | superseded: "]]);
+    for events in &answered {
+        assert_eq!(streams::outcome(events).coalesced.len(), 2, "{events:?}");
+    }
+}
