@@ -42,12 +42,19 @@ use crate::state::StateKey;
 /// A key's last known row: `None` for a key known not to exist.
 type Entry = Option<Versioned>;
 
+/// The rows' generations get all of the cache's bytes but a `RECEIPT_SHARE`th, which the receipts'
+/// keys get: a key is about a tenth of a small state, and there is one per turn.
+const RECEIPT_SHARE: usize = 8;
+/// A remembered receipt's map slot and key header, beside the key's text.
+const RECEIPT_SLOT: usize = 48;
+
 /// The last committed state of recently used keys.
 #[derive(Debug)]
 pub(crate) struct StateCache {
     /// Entries per generation.
     generation: usize,
-    /// Bytes per generation ([`entry_bytes`]).
+    /// Bytes per generation of rows ([`entry_bytes`]); the receipts' generations get a
+    /// [`RECEIPT_SHARE`]th of that besides, within the cache's bytes.
     generation_bytes: usize,
     maps: Mutex<Generations>,
 }
@@ -77,13 +84,18 @@ struct Generations {
     old: KeyMap<(Entry, usize)>,
     /// Receipts committed here, in two generations of their own.
     receipts: KeyMap<()>,
+    /// The bytes of the young receipts' keys and slots.
+    receipts_bytes: usize,
     old_receipts: KeyMap<()>,
 }
 
 impl StateCache {
     /// A cache of at most about `size`.
     pub(crate) fn new(size: CacheSize) -> Self {
-        let (generation, generation_bytes) = match (size.entries / 2, size.bytes / 2) {
+        // Rows and receipts share the bytes: the rows' two generations (RECEIPT_SHARE - 1)
+        // parts of RECEIPT_SHARE, the receipts' the last part.
+        let rows = size.bytes / RECEIPT_SHARE * (RECEIPT_SHARE - 1);
+        let (generation, generation_bytes) = match (size.entries / 2, rows / 2) {
             (0, _) | (_, 0) => (0, 0),
             halves => halves,
         };
@@ -173,8 +185,12 @@ impl StateCache {
             return;
         }
         let mut maps = self.lock();
+        maps.receipts_bytes += RECEIPT_SLOT + receipt.as_str().len();
         maps.receipts.insert(receipt, ());
-        if maps.receipts.len() >= self.generation {
+        if maps.receipts.len() >= self.generation
+            || maps.receipts_bytes >= self.generation_bytes / RECEIPT_SHARE
+        {
+            maps.receipts_bytes = 0;
             maps.old_receipts = mem::take(&mut maps.receipts);
         }
     }
