@@ -47,21 +47,11 @@ pub(super) fn encode(outcome: &TurnOutcome) -> Receipt {
     Receipt::from_written(text)
 }
 
-/// Appends `n` in decimal, the text `Display` (and serde_json) writes, without `write!`'s
-/// formatting machinery: that was about 550 instructions per turn for these two numbers
-/// (`bench/RESULTS.md`).
-fn push_decimal(out: &mut String, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    out.extend(digits[at..].iter().map(|&d| char::from(d)));
+/// Appends `n` in decimal, the text `Display` (and serde_json) writes, by `itoa` (serde_json's own
+/// integer writer) rather than `write!`'s formatting machinery, which cost about 550 instructions
+/// per turn for these two numbers (`bench/RESULTS.md`).
+fn push_decimal(out: &mut String, n: u64) {
+    out.push_str(itoa::Buffer::new().format(n));
 }
 
 /// The outcome a receipt recorded, marked as a redelivery's.
