@@ -224,18 +224,25 @@ impl From<StopError> for Status {
             StopError::UnknownBot(e) => unknown_bot(&e),
             // The fields are the request's own (`channel_id`, …), named as they are.
             StopError::Invalid(e) => {
-                let mut details = ErrorDetails::new();
-                details
-                    .set_error_info(
-                        Reason::InvalidStop.as_str(),
-                        ERROR_DOMAIN,
-                        HashMap::from([("field".to_owned(), e.field().to_owned())]),
-                    )
-                    .add_bad_request_violation(e.field(), e.problem());
-                Status::with_error_details(Code::InvalidArgument, e.to_string(), details)
+                let message = e.to_string();
+                invalid_field(Reason::InvalidStop, &e, message)
             }
         }
     }
+}
+
+/// `INVALID_ARGUMENT` with `reason`, for a request whose field (named as in the request) is
+/// missing or malformed: an `ErrorInfo` naming it and a `BadRequest` violation.
+fn invalid_field(reason: Reason, e: &InvalidActivity, message: String) -> Status {
+    let mut details = ErrorDetails::new();
+    details
+        .set_error_info(
+            reason.as_str(),
+            ERROR_DOMAIN,
+            HashMap::from([("field".to_owned(), e.field().to_owned())]),
+        )
+        .add_bad_request_violation(e.field(), e.problem());
+    Status::with_error_details(Code::InvalidArgument, message, details)
 }
 
 /// Why an `AdminService` call was refused or failed.
@@ -256,16 +263,9 @@ impl From<AdminError> for Status {
     fn from(e: AdminError) -> Self {
         match e {
             AdminError::UnknownBot(e) => unknown_bot(&e),
-            AdminError::Invalid(e) => {
-                let mut details = ErrorDetails::new();
-                details
-                    .set_error_info(
-                        Reason::InvalidAdminRequest.as_str(),
-                        ERROR_DOMAIN,
-                        HashMap::from([("field".to_owned(), e.field().to_owned())]),
-                    )
-                    .add_bad_request_violation(e.field(), e.problem());
-                Status::with_error_details(Code::InvalidArgument, e.to_string(), details)
+            AdminError::Invalid(invalid) => {
+                let message = AdminError::Invalid(invalid.clone()).to_string();
+                invalid_field(Reason::InvalidAdminRequest, &invalid, message)
             }
             AdminError::Store(e) => TurnError::Store(e).into(),
         }

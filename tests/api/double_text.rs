@@ -324,23 +324,9 @@ async fn coalesce_on_the_embedded_store_answers_the_waiting_messages_in_one_run(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enqueue_serves_the_waiting_turns_of_every_replica_in_arrival_order() {
-    // A serialized bot holds its conversations: its waiting turns line up at the hold.
-    let url = support::pg::fresh_database().await;
-    let gate = Arc::new(Semaphore::new(0));
-    let runs = Arc::new(AtomicU32::new(0));
-    let bots = || {
-        BotRegistry::new(
-            "texts",
-            DoubleTexts {
-                gate: Arc::clone(&gate),
-                runs: Arc::clone(&runs),
-            },
-        )
-        .with_policy("texts", turnstile::ConcurrencyPolicy::Serialized)
-        .unwrap()
-    };
-    let a = TestServer::start(postgres_config(&url), bots()).await;
-    let b = TestServer::start(postgres_config(&url), bots()).await;
+    // A bot named with `enqueue` holds its conversations: its waiting turns line up at the hold.
+    let (a, b, gate, runs) = recording(DoubleText::Enqueue, false).await;
+    let b = b.unwrap();
     // Both replicas connected and ready, so that a message reaches the database when it is sent.
     for server in [&a, &b] {
         send(server, &message("warm", "ada", "hello"))
