@@ -400,25 +400,25 @@ async fn coalesced_streamed_turns_are_answered_by_one_run_whose_reply_comes_once
     let b = b.unwrap();
     let running = send(&a, &message("streams", "ada", "wait"));
     until_running(&runs, 1).await;
-    // Two more, each streamed, on either replica: they wait, drafting nothing.
-    let later: Vec<_> = [("large", &a), ("no olives", &b)]
-        .into_iter()
-        .map(|(text, server)| {
-            let (activity, addr) = (message("streams", "ada", text), server.addr);
-            tokio::spawn(async move {
-                let mut client =
-                    pb::turn_service_client::TurnServiceClient::connect(format!("http://{addr}"))
-                        .await
-                        .unwrap();
-                let stream = client
-                    .stream_turn(pb::StreamTurnRequest::typed(activity, ""))
+    // Two more, each streamed, on either replica, one after the other: they wait, drafting
+    // nothing.
+    let mut later = Vec::new();
+    for (text, server) in [("large", &a), ("no olives", &b)] {
+        let (activity, addr) = (message("streams", "ada", text), server.addr);
+        later.push(tokio::spawn(async move {
+            let mut client =
+                pb::turn_service_client::TurnServiceClient::connect(format!("http://{addr}"))
                     .await
-                    .unwrap()
-                    .into_inner();
-                streams::collect(stream, Vec::new()).await
-            })
-        })
-        .collect();
+                    .unwrap();
+            let stream = client
+                .stream_turn(pb::StreamTurnRequest::typed(activity, ""))
+                .await
+                .unwrap()
+                .into_inner();
+            streams::collect(stream, Vec::new()).await
+        }));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
     tokio::time::sleep(Duration::from_millis(500)).await;
     gate.add_permits(1);
     running.await.unwrap().unwrap();
