@@ -3,7 +3,9 @@
 //! so that neither the engine nor each store implementation has to remember to time its calls.
 //!
 //! It sits behind the state cache (see `cached`), so that it times the calls that reach the store
-//! and a load the cache answered is not counted as a store call.
+//! and a load the cache answered is not counted as a store call. A commit under a lock, a hold or
+//! a lease is timed as a commit too: those are the contended conversations' commits, and a
+//! histogram without them would show only the easy ones.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,8 +13,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 
 use super::{
-    Commit, CommitOutcome, Consistency, ConversationLease, ConversationLock, PoolStatus, Snapshot,
-    Store, StoreError,
+    Commit, CommitOutcome, Consistency, ConversationLease, ConversationLock, Handed, Lease,
+    LockedTurn, PoolStatus, Snapshot, Store, StoreError,
 };
 use crate::state::StateKey;
 use crate::telemetry::metrics::STORE_DURATION;
@@ -33,6 +35,20 @@ impl std::fmt::Debug for TimedStore {
 }
 
 impl TimedStore {
+    /// `lock`, whose turn's commit is timed.
+    fn timing(&self, lock: ConversationLock) -> ConversationLock {
+        match lock {
+            ConversationLock::Held { snapshot, turn } => ConversationLock::Held {
+                snapshot,
+                turn: Box::new(TimedTurn {
+                    inner: turn,
+                    commit: self.commit.clone(),
+                }),
+            },
+            other => other,
+        }
+    }
+
     /// `inner`, timed. The histograms' handles are taken once, here, rather than looked up by
     /// name and label at every call.
     pub fn new(inner: Arc<dyn Store>) -> Self {
@@ -81,8 +97,7 @@ impl Store for TimedStore {
         self.inner.prune_receipts(age).await
     }
 
-    /// Times the wait for the lock with the load under it; the locked turn's commit is not
-    /// timed.
+    /// Times the wait for the lock with the load under it, and the locked turn's commit.
     async fn lock_conversation(
         &self,
         conversation: &StateKey,
@@ -96,10 +111,11 @@ impl Store for TimedStore {
             .lock_conversation(conversation, keys, receipt, wait)
             .await;
         self.lock.record(started.elapsed());
-        locked
+        locked.map(|locked| self.timing(locked))
     }
 
-    /// Times the wait for the hold with the load under it, as a lock.
+    /// Times the wait for the hold with the load under it, as a lock, and the held turn's
+    /// commit.
     async fn hold_conversation(
         &self,
         conversation: &StateKey,
@@ -114,7 +130,7 @@ impl Store for TimedStore {
             .hold_conversation(conversation, keys, receipt, wait, others)
             .await;
         self.lock.record(started.elapsed());
-        held
+        held.map(|held| self.timing(held))
     }
 
     async fn add_pending(
@@ -143,8 +159,8 @@ impl Store for TimedStore {
         self.inner.list_conversations(prefix, after, limit).await
     }
 
-    /// Times the wait for the lease with the load under it, as a lock; the lease's last turn's
-    /// commit is not timed.
+    /// Times the wait for the lease with the load under it, as a lock, and the commit of the
+    /// lease's last turn.
     async fn lease_conversation(
         &self,
         conversation: &StateKey,
@@ -158,10 +174,108 @@ impl Store for TimedStore {
             .lease_conversation(conversation, keys, receipt, wait)
             .await;
         self.lock.record(started.elapsed());
-        leased
+        leased.map(|leased| match leased {
+            ConversationLease::Held {
+                lease,
+                snapshot,
+                waited,
+            } => ConversationLease::Held {
+                lease: Lease::new(Box::new(TimedTurn {
+                    inner: lease.into_last_turn(),
+                    commit: self.commit.clone(),
+                })),
+                snapshot,
+                waited,
+            },
+            other => other,
+        })
     }
 
     fn pool_status(&self) -> Option<PoolStatus> {
         self.inner.pool_status()
+    }
+}
+
+/// A locked turn whose commit is timed as the store's commits are.
+struct TimedTurn {
+    inner: Box<dyn LockedTurn>,
+    commit: metrics::Histogram,
+}
+
+#[async_trait]
+impl LockedTurn for TimedTurn {
+    async fn commit(self: Box<Self>, commit: Commit) -> Result<CommitOutcome, StoreError> {
+        let started = Instant::now();
+        let committed = self.inner.commit(commit).await;
+        self.commit.record(started.elapsed());
+        committed
+    }
+
+    async fn release(self: Box<Self>) {
+        self.inner.release().await;
+    }
+
+    fn handed(&self) -> &Handed {
+        self.inner.handed()
+    }
+
+    fn interrupted(&self) -> futures::future::BoxFuture<'static, ()> {
+        self.inner.interrupted()
+    }
+
+    async fn supersede(
+        self: Box<Self>,
+        commit: Commit,
+        activity: serde_json::Value,
+    ) -> Result<CommitOutcome, StoreError> {
+        let started = Instant::now();
+        let committed = self.inner.supersede(commit, activity).await;
+        self.commit.record(started.elapsed());
+        committed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use metrics_exporter_prometheus::PrometheusBuilder;
+
+    use super::*;
+    use crate::activity::JsonMap;
+    use crate::activity::incoming::{ChannelId, ConversationId};
+    use crate::store::memory::MemoryStore;
+    use crate::store::{Expected, KeyChange, Others};
+
+    #[tokio::test]
+    async fn a_held_turns_commit_is_timed_as_a_commit() {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let store = metrics::with_local_recorder(&recorder, || {
+            TimedStore::new(Arc::new(MemoryStore::new()))
+        });
+        let key = StateKey::conversation(
+            "bot",
+            &ChannelId::parse("test", "channel_id").expect("valid"),
+            &ConversationId::parse("held", "conversation.id").expect("valid"),
+        );
+        let keys = [key.clone()];
+        let held = store
+            .hold_conversation(&key, &keys, None, Duration::from_secs(1), Others::Wait)
+            .await
+            .expect("held");
+        let ConversationLock::Held { turn, .. } = held else {
+            panic!("not held: {held:?}");
+        };
+        let commit = Commit::new(vec![KeyChange {
+            key,
+            expected: Expected::Absent,
+            write: Some(Arc::new(JsonMap::new())),
+        }]);
+        let committed = turn.commit(commit).await.expect("committed");
+        assert!(matches!(committed, CommitOutcome::Committed(_)));
+        let text = handle.render();
+        assert!(
+            text.contains(r#"turnstile_store_duration_seconds_count{op="commit"} 1"#),
+            "{text}"
+        );
     }
 }
