@@ -33,30 +33,34 @@ struct TlsCluster {
 impl TlsCluster {
     fn start() -> TlsCluster {
         let ca = new_ca("Turnstile test PostgreSQL CA");
-        let wrong = new_ca("Somebody else's CA");
         let server = leaf(&ca, &["localhost", "127.0.0.1"]);
+        Self::serving(&server.cert, &server.key, &ca.pem(), &[])
+    }
 
-        let cluster = Cluster::start_with(
-            &[
-                "ssl=on",
-                "ssl_cert_file=server.crt",
-                "ssl_key_file=server.key",
-            ],
-            |cluster| {
-                let data = cluster.data_dir();
-                cluster.write_private(&data.join("server.crt"), server.cert.as_bytes());
-                cluster.write_private(&data.join("server.key"), server.key.as_bytes());
-                // TCP only with TLS; the Unix socket (the tests' own door) without.
-                cluster.write_private(
-                    &data.join("pg_hba.conf"),
-                    b"local all all trust\nhostssl all all 127.0.0.1/32 trust\n",
-                );
-            },
-        );
+    /// A cluster serving `cert` (PEM) with `key`, whose CA is `ca` (PEM), with `settings` too.
+    fn serving(cert: &str, key: &str, ca: &str, settings: &[&str]) -> TlsCluster {
+        let wrong = new_ca("Somebody else's CA");
+        let (cert, key) = (cert.to_owned(), key.to_owned());
+        let mut all = vec![
+            "ssl=on",
+            "ssl_cert_file=server.crt",
+            "ssl_key_file=server.key",
+        ];
+        all.extend_from_slice(settings);
+        let cluster = Cluster::start_with(&all, |cluster| {
+            let data = cluster.data_dir();
+            cluster.write_private(&data.join("server.crt"), cert.as_bytes());
+            cluster.write_private(&data.join("server.key"), key.as_bytes());
+            // TCP only with TLS; the Unix socket (the tests' own door) without.
+            cluster.write_private(
+                &data.join("pg_hba.conf"),
+                b"local all all trust\nhostssl all all 127.0.0.1/32 trust\n",
+            );
+        });
         let dir = tempfile::tempdir().unwrap();
         let ca_path = dir.path().join("ca.pem");
         let wrong_path = dir.path().join("wrong-ca.pem");
-        std::fs::write(&ca_path, ca.pem()).unwrap();
+        std::fs::write(&ca_path, ca).unwrap();
         std::fs::write(&wrong_path, wrong.pem()).unwrap();
         TlsCluster {
             cluster,
@@ -323,4 +327,71 @@ async fn the_binary_migrates_with_pgsslmode_and_pgsslrootcert_from_the_environme
         .unwrap()
         .get(0);
     assert_eq!(tables, 1, "the migration did not run");
+}
+
+/// A self-signed X.509 version 1 certificate for `localhost` and its key, PEM, made by the
+/// `openssl` command as Citus makes its nodes' (rcgen makes version 3 only).
+fn version_1_certificate() -> (String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir.path())
+            .output()
+            .expect("the `openssl` command (Debian: openssl) makes the version 1 certificate");
+        assert!(out.status.success(), "openssl {args:?}: {out:?}");
+    };
+    run(&[
+        "req",
+        "-new",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "key.pem",
+        "-subj",
+        "/CN=localhost",
+        "-out",
+        "csr.pem",
+    ]);
+    run(&[
+        "x509", "-req", "-in", "csr.pem", "-signkey", "key.pem", "-days", "2", "-out", "cert.pem",
+    ]);
+    let read = |name: &str| std::fs::read_to_string(dir.path().join(name)).unwrap();
+    let cert = read("cert.pem");
+    let text = Command::new("openssl")
+        .args(["x509", "-noout", "-text", "-in", "cert.pem"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&text.stdout).contains("Version: 1 (0x0)"),
+        "not a version 1 certificate"
+    );
+    (cert, read("key.pem"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefer_and_require_accept_a_version_1_certificate_as_libpq_does() {
+    // Citus gives its nodes self-signed X.509 v1 certificates, which webpki will not parse;
+    // `prefer` (the default) and `require` check no certificate, so they must not need to.
+    let (cert, key) = version_1_certificate();
+    // TLS 1.3 as PostgreSQL negotiates it, and TLS 1.2, whose signatures are checked otherwise.
+    for settings in [&[][..], &["ssl_max_protocol_version='TLSv1.2'"][..]] {
+        let (cert, key) = (cert.clone(), key.clone());
+        let tls =
+            tokio::task::spawn_blocking(move || TlsCluster::serving(&cert, &key, &cert, settings))
+                .await
+                .unwrap();
+        for params in ["?sslmode=require", ""] {
+            let database = tls.database().await;
+            let server = serve_turns(&tls.url("127.0.0.1", &database, params)).await;
+            let (all, encrypted) = tls.service_connections(&database).await;
+            assert!(
+                all > 0 && encrypted == all,
+                "{settings:?} {params}: {encrypted} of {all} encrypted"
+            );
+            server.stop().await.unwrap();
+        }
+    }
 }

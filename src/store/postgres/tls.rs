@@ -277,9 +277,25 @@ fn split_key_values(conn: &str) -> (String, Given) {
 
 /// `prefer` and `require`: encrypted, but any certificate is accepted — libpq's meaning, which
 /// protects against eavesdropping but not against an impostor. The handshake's signatures are
-/// still checked, so the peer holds the key of the certificate it showed.
+/// still checked, so the peer holds the key of the certificate it showed: with the key taken out
+/// of the certificate here, not by webpki, which refuses certificates libpq takes — the X.509 v1
+/// self-signed certificates that Citus gives its nodes (`UnsupportedCertVersion`).
 #[derive(Debug)]
 struct EncryptOnly(Arc<CryptoProvider>);
+
+impl EncryptOnly {
+    /// The public key of `cert`, as its DER `SubjectPublicKeyInfo`, whatever its version and
+    /// extensions.
+    fn key_of(cert: &CertificateDer<'_>) -> Result<Vec<u8>, rustls::Error> {
+        use x509_cert::der::{Decode as _, Encode as _};
+        let unreadable = |_| rustls::Error::InvalidCertificate(CertificateError::BadEncoding);
+        let cert = x509_cert::Certificate::from_der(cert.as_ref()).map_err(unreadable)?;
+        cert.tbs_certificate
+            .subject_public_key_info
+            .to_der()
+            .map_err(unreadable)
+    }
+}
 
 impl ServerCertVerifier for EncryptOnly {
     fn verify_server_cert(
@@ -293,18 +309,40 @@ impl ServerCertVerifier for EncryptOnly {
         Ok(ServerCertVerified::assertion())
     }
 
+    /// TLS 1.2 names a signature scheme that may map to several algorithms: the signature is
+    /// valid when one of them, given the certificate's key, accepts it.
     fn verify_tls12_signature(
         &self,
         message: &[u8],
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
+        use x509_cert::der::Decode as _;
+        use x509_cert::spki::SubjectPublicKeyInfoOwned;
+        let der = Self::key_of(cert)?;
+        let spki = SubjectPublicKeyInfoOwned::from_der(&der)
+            .map_err(|_| rustls::Error::InvalidCertificate(CertificateError::BadEncoding))?;
+        let key = spki.subject_public_key.raw_bytes();
+        let candidates = self
+            .0
+            .signature_verification_algorithms
+            .mapping
+            .iter()
+            .find(|(scheme, _)| *scheme == dss.scheme)
+            .map(|(_, algorithms)| *algorithms)
+            .ok_or(rustls::Error::PeerMisbehaved(
+                rustls::PeerMisbehaved::SignedHandshakeWithUnadvertisedSigScheme,
+            ))?;
+        if candidates
+            .iter()
+            .any(|alg| alg.verify_signature(key, message, dss.signature()).is_ok())
+        {
+            Ok(HandshakeSignatureValid::assertion())
+        } else {
+            Err(rustls::Error::InvalidCertificate(
+                CertificateError::BadSignature,
+            ))
+        }
     }
 
     fn verify_tls13_signature(
@@ -313,9 +351,10 @@ impl ServerCertVerifier for EncryptOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
+        let key = Self::key_of(cert)?;
+        rustls::crypto::verify_tls13_signature_with_raw_key(
             message,
-            cert,
+            &rustls::pki_types::SubjectPublicKeyInfoDer::from(key.as_slice()),
             dss,
             &self.0.signature_verification_algorithms,
         )
