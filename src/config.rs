@@ -707,6 +707,7 @@ impl ServeArgs {
             credentials: self.channel.credentials()?,
             direct_line_secrets: self.channel.direct_line_secrets(),
             busy_text: self.channel.busy_text.clone(),
+            superseded_text: self.channel.superseded_text.clone(),
             // Its background turns get the same grace as the server's turns.
             shutdown_grace: Duration::from_secs(self.shutdown_grace_secs),
             ..crate::gateway::GatewayConfig::embedded(grpc)

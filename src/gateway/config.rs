@@ -185,6 +185,11 @@ pub struct ChannelArgs {
     /// one before (a bot whose double-text policy is `reject`). Nothing is committed for it.
     #[arg(long, env = "TURNSTILE_BUSY_TEXT", default_value = BUSY_TEXT)]
     pub busy_text: String,
+    /// What ends a Teams stream whose turn a later message interrupted (a bot whose double-text
+    /// policy is `interrupt`): the stream's drafts answered the earlier message, and Teams
+    /// would show them until it times the stream out.
+    #[arg(long, env = "TURNSTILE_SUPERSEDED_TEXT", default_value = SUPERSEDED_TEXT)]
+    pub superseded_text: String,
 }
 
 /// Why the settings describe no gateway that could work.
@@ -327,7 +332,12 @@ pub struct GatewayConfig {
     pub direct_line_secrets: Vec<Secret>,
     /// The reply to a message refused because the bot is still answering the one before.
     pub busy_text: String,
+    /// The final message of a Teams stream whose turn a later message interrupted.
+    pub superseded_text: String,
 }
+
+/// The default of `--superseded-text`.
+pub const SUPERSEDED_TEXT: &str = "(Answering your newer message.)";
 
 /// The default of `--busy-text`.
 pub const BUSY_TEXT: &str =
@@ -349,6 +359,7 @@ impl GatewayConfig {
             delivery: DeliveryPolicy::default(),
             direct_line_secrets: Vec::new(),
             busy_text: BUSY_TEXT.to_owned(),
+            superseded_text: SUPERSEDED_TEXT.to_owned(),
         }
     }
 
@@ -431,6 +442,7 @@ impl GatewayArgs {
             delivery: DeliveryPolicy::default(),
             direct_line_secrets: self.channel.direct_line_secrets(),
             busy_text: self.channel.busy_text.clone(),
+            superseded_text: self.channel.superseded_text.clone(),
         })
     }
 }

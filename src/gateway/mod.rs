@@ -56,7 +56,7 @@ use tracing::Instrument;
 
 pub use config::{
     AppCredentials, AppType, BUSY_TEXT, ChannelArgs, ConfigError, DeliveryPolicy, GatewayArgs,
-    GatewayConfig, Secret,
+    GatewayConfig, SUPERSEDED_TEXT, Secret,
 };
 
 use crate::activity::{Activity, types};
@@ -117,6 +117,8 @@ struct Gateway {
     background: Arc<background::Background>,
     /// The reply to a message refused because the bot is still answering the one before.
     busy_text: String,
+    /// The final message of a Teams stream whose turn a later message interrupted.
+    superseded_text: String,
 }
 
 /// Serves `POST /api/messages` on `listeners.http` (and `/metrics` on `listeners.metrics`) until
@@ -190,6 +192,7 @@ pub async fn serve(
         auth,
         background: Arc::clone(&background),
         busy_text: config.busy_text.clone(),
+        superseded_text: config.superseded_text.clone(),
     });
     let mut app = Router::new()
         .route("/api/messages", post(messages))
@@ -402,7 +405,7 @@ impl Gateway {
         let response = match self.turns.process(&call.text, call.conversation()).await {
             Err(status) if turns::is_busy(&status) && !call.inbound.is_type(types::INVOKE) => {
                 // Refused, nothing committed: the user is told so, in the body as asked.
-                return Ok(expected_replies(&[self.busy_reply(call)]));
+                return Ok(expected_replies(&[self.note(call, &self.busy_text)]));
             }
             response => response.map_err(Refusal::Turn)?,
         };
@@ -485,7 +488,7 @@ impl Gateway {
             Err(status) if turns::is_busy(&status) => {
                 // Refused, nothing committed: the user is told so, as a reply of its own.
                 return Ok(self
-                    .deliver(&call.inbound, &[self.busy_reply(call)], None)
+                    .deliver(&call.inbound, &[self.note(call, &self.busy_text)], None)
                     .await?);
             }
             response => response.map_err(Refusal::Turn)?,
@@ -502,6 +505,19 @@ impl Gateway {
         {
             // The channel sent it again, but this gateway delivered its replies already.
             tracing::info!("a redelivered activity's replies were delivered already; not again");
+            return Ok(());
+        }
+        if response.superseded {
+            // A later message interrupted the turn: nothing of it is delivered, but a Teams
+            // stream its drafts opened is ended, saying why, or Teams would show the void drafts
+            // until it times the stream out.
+            if let Stream::Open(stream_id) = &stream {
+                let (note, plain) = self.note(call, &self.superseded_text);
+                if let Some(last) = teams::end_stream(&plain, stream_id) {
+                    self.deliver(&call.inbound, &[(note, last)], Some((0, plain)))
+                        .await?;
+                }
+            }
             return Ok(());
         }
         if response.stopped && teams::streams(&call.inbound) {
@@ -527,15 +543,16 @@ impl Gateway {
         Ok(())
     }
 
-    /// The reply that tells the user their message was refused while the bot still answers the
-    /// one before: addressed as the bot's replies are, never committed.
-    fn busy_reply(&self, call: &Call) -> (Activity, String) {
+    /// A message of the gateway's own, `text` (the user's message was refused while the bot
+    /// still answers the one before; a stream's turn was interrupted): addressed as the bot's
+    /// replies are, never committed.
+    fn note(&self, call: &Call, text: &str) -> (Activity, String) {
         let mut reply = call.template.clone();
         reply["type"] = json!("message");
-        reply["text"] = json!(self.busy_text);
+        reply["text"] = json!(text);
         let json = reply.to_string();
         let activity = Activity::from_json(reply).unwrap_or_else(|_| {
-            let mut plain = Activity::message(self.busy_text.clone());
+            let mut plain = Activity::message(text);
             plain.reply_to_id.clone_from(&call.inbound.id);
             plain
         });

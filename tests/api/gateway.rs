@@ -317,6 +317,9 @@ impl World {
                 },
             )
             .with("llm", LlmBot::new(Duration::from_millis(100)))
+            // A later message cancels the running answer (double-text `interrupt`).
+            .with_double_text("llm", turnstile::DoubleText::Interrupt)
+            .unwrap()
             .with(
                 "gated",
                 Gated {
@@ -1102,6 +1105,49 @@ async fn teams_streams_a_drafted_answer_in_a_personal_chat_at_most_every_one_and
         "delivered again: {:?}",
         world.delivered()
     );
+}
+
+#[tokio::test]
+async fn a_teams_stream_whose_turn_a_later_message_interrupted_is_ended_saying_so() {
+    let world = World::start(Mode::Development).await;
+    assert_eq!(
+        world.ask_in_teams("i1", "personal").await,
+        StatusCode::ACCEPTED
+    );
+    // Its stream is open (Teams gave it an id), showing the first answer being written.
+    eventually("a streamed draft", || {
+        world
+            .delivered()
+            .iter()
+            .any(|d| stream_info(&d.2).is_some_and(|i| i["streamType"] == "streaming"))
+    })
+    .await;
+    // The user sends another message: it interrupts the first answer.
+    assert_eq!(
+        world.ask_in_teams("i2", "personal").await,
+        StatusCode::ACCEPTED
+    );
+    eventually("both streams ended", || {
+        let finals = world
+            .delivered()
+            .iter()
+            .filter(|d| stream_info(&d.2).is_some_and(|i| i["streamType"] == "final"))
+            .count();
+        finals == 2
+    })
+    .await;
+    let finals: Vec<Value> = world
+        .delivered()
+        .into_iter()
+        .map(|(_, _, body)| body)
+        .filter(|b| stream_info(b).is_some_and(|i| i["streamType"] == "final"))
+        .collect();
+    // The first stream ends saying why; the second with the answer, to both messages.
+    assert_eq!(finals[0]["replyToId"], "i1");
+    assert_eq!(finals[0]["text"], turnstile::gateway::SUPERSEDED_TEXT);
+    assert_eq!(stream_info(&finals[0]).unwrap()["streamId"], "a-1");
+    assert_eq!(finals[1]["replyToId"], "i2");
+    assert_ne!(finals[1]["text"], turnstile::gateway::SUPERSEDED_TEXT);
 }
 
 #[tokio::test]
