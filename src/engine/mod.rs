@@ -23,9 +23,8 @@
 //! redelivery of the activity on another replica waits for that hold and is answered from the
 //! receipt it finds. The conditional commit stays the backstop.
 
-mod busy;
 mod hot;
-mod interrupts;
+mod in_flight;
 mod queue;
 mod receipt;
 mod retry;
@@ -155,8 +154,7 @@ pub struct Engine {
     queue: Arc<queue::KeyQueue<Option<HeldLease>>>,
     hot: Arc<hot::HotConversations>,
     stoppable: Arc<stoppable::Stoppable>,
-    busy: Arc<busy::Busy>,
-    interrupts: Arc<interrupts::Interrupts>,
+    in_flight: Arc<in_flight::InFlight>,
     /// The largest state a scope may be written with, as JSON text, and the sizes written.
     sizes: Arc<ScopeSizes>,
     metrics: Arc<TurnMetrics>,
@@ -238,8 +236,7 @@ impl Engine {
             queue: Arc::new(queue::KeyQueue::new()),
             hot: Arc::new(hot::HotConversations::default()),
             stoppable: Arc::default(),
-            busy: Arc::default(),
-            interrupts: Arc::default(),
+            in_flight: Arc::default(),
             sizes: Arc::new(ScopeSizes::new(DEFAULT_MAX_SCOPE_BYTES)),
             metrics: Arc::new(TurnMetrics::new()),
         }
@@ -398,14 +395,13 @@ impl Engine {
         );
         // What a double text does to the turns of its conversation in flight here, before it
         // queues behind them; across replicas, the hold tells (`attempt_held`).
-        let mut _admitted = None;
         let mut _in_flight = None;
         match double_text {
             DoubleText::Enqueue => {}
             // Refused at once while another message's turn is in flight.
             DoubleText::Reject => {
-                _admitted = Some(
-                    self.busy
+                _in_flight = Some(
+                    self.in_flight
                         .admit(&plan.keys.conversation, plan.receipt.as_ref())
                         .ok_or_else(|| TurnError::ConversationBusy {
                             bot: bot_name.to_owned(),
@@ -415,7 +411,7 @@ impl Engine {
             // Those turns are asked to stop.
             DoubleText::Interrupt => {
                 let in_flight = self
-                    .interrupts
+                    .in_flight
                     .enter(&plan.keys.conversation, plan.receipt.as_ref());
                 plan.interrupt = Some(Arc::clone(in_flight.signal()));
                 _in_flight = Some(in_flight);
@@ -1041,7 +1037,7 @@ struct TurnPlan<'a> {
     double_text: DoubleText,
     /// Set when a later message of the conversation on this replica asks this turn to stop
     /// ([`DoubleText::Interrupt`]).
-    interrupt: Option<Arc<interrupts::Signal>>,
+    interrupt: Option<Arc<in_flight::Signal>>,
     /// The limit on a scope's written state.
     sizes: &'a ScopeSizes,
 }
@@ -1054,42 +1050,53 @@ enum Ran {
     Superseded,
 }
 
-/// One run's batch of activities answered together (coalesced double texts), in arrival order.
+/// One run's batch of activities answered together (coalesced double texts), in arrival order:
+/// each one's receipt and activity, at the same index; this turn's own among them.
 struct Batch {
-    /// Each one's receipt and activity; this turn's own among them.
-    members: Vec<(StateKey, Activity)>,
+    receipts: Vec<StateKey>,
+    activities: Vec<Activity>,
 }
 
 impl Batch {
     /// The batch of this turn (receipt `own`, activity `incoming`): the activities waiting, then
     /// this turn's if it was not among them. Those the store keeps unreadably are left out.
     fn of(pending: &[Pending], own: &StateKey, incoming: &Activity) -> Self {
-        let mut members: Vec<(StateKey, Activity)> = pending
-            .iter()
-            .filter_map(|p| {
-                if &p.receipt == own {
-                    return Some((own.clone(), incoming.clone()));
-                }
+        let mut batch = Self {
+            receipts: Vec::with_capacity(pending.len() + 1),
+            activities: Vec::with_capacity(pending.len() + 1),
+        };
+        for p in pending {
+            let activity = if &p.receipt == own {
+                incoming.clone()
+            } else {
                 match Activity::from_json(p.activity.clone()) {
-                    Ok(activity) => Some((p.receipt.clone(), activity)),
+                    Ok(activity) => activity,
                     Err(e) => {
                         tracing::warn!(error = %e, "a coalesced activity is unreadable; skipped");
-                        None
+                        continue;
                     }
                 }
-            })
-            .collect();
-        if !members.iter().any(|(receipt, _)| receipt == own) {
-            members.push((own.clone(), incoming.clone()));
+            };
+            batch.receipts.push(p.receipt.clone());
+            batch.activities.push(activity);
         }
-        Self { members }
+        if !batch.receipts.contains(own) {
+            batch.receipts.push(own.clone());
+            batch.activities.push(incoming.clone());
+        }
+        batch
+    }
+
+    /// Whether it answers several messages, not one.
+    fn is_several(&self) -> bool {
+        self.receipts.len() > 1
     }
 
     /// The ids of its activities, in order.
     fn ids(&self) -> Vec<String> {
-        self.members
+        self.activities
             .iter()
-            .map(|(_, a)| a.id.clone().unwrap_or_default())
+            .map(|a| a.id.clone().unwrap_or_default())
             .collect()
     }
 }
@@ -1159,14 +1166,10 @@ impl<'a> TurnPlan<'a> {
             }
             _ => None,
         };
-        let batch_activities: Vec<Activity> = batch
-            .iter()
-            .flat_map(|b| b.members.iter().map(|(_, a)| a.clone()))
-            .collect();
         let context = || {
             self.context(attempt, snapshot)
                 .with_superseded(&superseded)
-                .with_batch(&batch_activities)
+                .with_batch(batch.as_ref().map_or(&[], |b| b.activities.as_slice()))
         };
         let interrupt = async {
             match &self.interrupt {
@@ -1278,21 +1281,21 @@ impl<'a> TurnPlan<'a> {
             superseded: false,
             // A batch of one answered one message: nothing coalesced.
             coalesced: batch
-                .filter(|b| b.members.len() > 1)
+                .filter(|b| b.is_several())
                 .map(Batch::ids)
                 .unwrap_or_default(),
         };
         if let Some(key) = &self.receipt {
             commit = commit.with_receipt(key.clone(), receipt::encode(&outcome));
         }
-        if let Some(batch) = batch.filter(|b| b.members.len() > 1) {
+        if let Some(batch) = batch.filter(|b| b.is_several()) {
             // The others' calls get the same outcome without the replies, which this call
             // delivers.
             let others = receipt::encode(&TurnOutcome {
                 activities: Vec::new(),
                 ..outcome.clone()
             });
-            for (key, _) in &batch.members {
+            for key in &batch.receipts {
                 if Some(key) != self.receipt.as_ref() {
                     commit = commit.with_receipt_also(key.clone(), others.clone());
                 }
@@ -1470,7 +1473,7 @@ impl ScopeSizes {
 
     /// `state`, to be written to `scope`, when it is within the limit; counted either way.
     fn check(&self, scope: Scope, state: JsonMap) -> Result<JsonMap, TurnError> {
-        let bytes = json_bytes(&state);
+        let bytes = crate::state::json_len(&state);
         let at = match scope {
             Scope::Conversation => 0,
             Scope::User => 1,
@@ -1487,24 +1490,6 @@ impl ScopeSizes {
         }
         Ok(state)
     }
-}
-
-/// The length of `state` as JSON text, counted as it is written, without keeping the text.
-fn json_bytes(state: &JsonMap) -> usize {
-    struct Count(usize);
-    impl std::io::Write for Count {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0 += bytes.len();
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut count = Count(0);
-    // Writing to a counter cannot fail, and a map of JSON values always serializes.
-    let _ = serde_json::to_writer(&mut count, state);
-    count.0
 }
 
 #[cfg(test)]

@@ -228,12 +228,11 @@ fn scope_name(scope: Scope) -> &'static str {
 
 /// A listed conversation in brief.
 fn summary(row: &InspectedRow) -> pb::ConversationSummary {
-    let text = serde_json::to_string(&*row.row.state).unwrap_or_default();
     pb::ConversationSummary {
         conversation_id: row.key.parts().pop().unwrap_or_default(),
         version: row.row.version.get(),
         updated_at: row.updated_at.map(timestamp),
-        state_bytes: text.len() as u64,
+        state_bytes: crate::state::json_len(&row.row.state) as u64,
     }
 }
 

@@ -202,6 +202,25 @@ impl ScopeState {
     }
 }
 
+/// The length of `state` as JSON text (what the store keeps), counted as it is written, without
+/// keeping the text: the scope size limit and the admin service's sizes.
+pub fn json_len(state: &JsonMap) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0 += bytes.len();
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // Writing to a counter cannot fail, and a map of JSON values always serializes.
+    let _ = serde_json::to_writer(&mut count, state);
+    count.0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
