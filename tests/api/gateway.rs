@@ -1172,7 +1172,9 @@ async fn a_teams_group_chat_gets_the_final_only_and_a_403_stops_the_drafts() {
         StatusCode::ACCEPTED
     );
     // The same activity, its caller waiting for the replies: once the turn has committed, its
-    // receipt answers.
+    // receipt answers. (Sent once the stream is under way: the `llm` bot holds its conversations,
+    // and a redelivery that reached the hold first would run the turn itself, unstreamed.)
+    world.delivered_at_least(2).await;
     let replies = world.ask_in_teams_waiting("p1").await;
     let delivered = world.delivered();
     assert_eq!(delivered.len(), 2, "two drafts, no reply: {delivered:#?}");
