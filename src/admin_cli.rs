@@ -1,6 +1,6 @@
 //! `turnstile state`: the admin service from a shell — what an operator types to see a
-//! conversation's or a user's state, or a bot's conversations, instead of SQL against escaped
-//! keys. It is a client of a running server's `AdminService` (so it sees what every replica
+//! conversation's or a user's state, or a bot's conversations, or to erase a user's or a
+//! conversation's data, instead of SQL against escaped keys. It is a client of a running server's `AdminService` (so it sees what every replica
 //! sees, with the server's own checks and tokens), and prints JSON: one object for `get`, one
 //! line per conversation for `ls`, ready for `jq`.
 
@@ -77,6 +77,26 @@ pub enum StateCommand {
         /// Stop after this many.
         #[arg(long)]
         limit: Option<usize>,
+    },
+    /// Erases a user of a channel, for every bot: their user scope, their private conversation
+    /// scopes and the receipts of their activities. Prints the erasure record.
+    EraseUser {
+        /// The channel.
+        #[arg(long)]
+        channel: String,
+        /// The user (`from.id`).
+        #[arg(long)]
+        user: String,
+    },
+    /// Deletes a conversation of a channel, for every bot: its scope, its private scopes, its
+    /// hold and its receipts. Prints the erasure record.
+    DeleteConversation {
+        /// The channel.
+        #[arg(long)]
+        channel: String,
+        /// The conversation.
+        #[arg(long)]
+        conversation: String,
     },
 }
 
@@ -171,8 +191,59 @@ pub async fn run(args: &StateArgs) -> anyhow::Result<()> {
                 token = page.next_page_token;
             }
         }
+        StateCommand::EraseUser { channel, user } => {
+            let record = client
+                .erase_user(pb::EraseUserRequest {
+                    channel_id: channel.clone(),
+                    user_id: user.clone(),
+                })
+                .await
+                .map_err(status)?
+                .into_inner()
+                .record;
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&record_json(record.as_ref()))?
+            );
+        }
+        StateCommand::DeleteConversation {
+            channel,
+            conversation,
+        } => {
+            let record = client
+                .delete_conversation(pb::DeleteConversationRequest {
+                    channel_id: channel.clone(),
+                    conversation_id: conversation.clone(),
+                })
+                .await
+                .map_err(status)?
+                .into_inner()
+                .record;
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&record_json(record.as_ref()))?
+            );
+        }
     }
     Ok(())
+}
+
+/// An erasure record as JSON.
+fn record_json(record: Option<&pb::ErasureRecord>) -> Value {
+    let Some(record) = record else {
+        return Value::Null;
+    };
+    json!({
+        "erasureId": record.erasure_id,
+        "erasedAt": record.erased_at.as_ref().map(ToString::to_string),
+        "scopes": record.scopes.iter().map(|scope| json!({
+            "bot": scope.bot,
+            "scope": scope.scope,
+            "key": scope.key,
+            "version": scope.version,
+        })).collect::<Vec<_>>(),
+        "receipts": record.receipts,
+    })
 }
 
 /// A refused call as an error naming its code and the server's message.

@@ -880,7 +880,7 @@ impl Engine {
         let outcome = plan.superseded_outcome(attempt, snapshot);
         let mut commit = Commit::new(Vec::new());
         if let Some(key) = &plan.receipt {
-            commit = commit.with_receipt(key.clone(), receipt::encode(&outcome));
+            commit = commit.with_receipt(key.clone(), receipt::encode(&outcome, plan.subject()));
         }
         let activity = activity_json(plan.incoming.activity());
         match locked.supersede(commit, activity).await? {
@@ -1040,6 +1040,9 @@ struct TurnPlan<'a> {
     interrupt: Option<Arc<in_flight::Signal>>,
     /// The limit on a scope's written state.
     sizes: &'a ScopeSizes,
+    /// The user whose activity this is, as its receipt names them for erasure
+    /// ([`StateKey::user_subject`]).
+    subject: Option<String>,
 }
 
 /// How a run of the bot ended, when it did not fail.
@@ -1120,12 +1123,18 @@ impl<'a> TurnPlan<'a> {
             incoming,
             key_list: keys.all().map(|(_, k)| k.clone()).collect(),
             receipt: incoming.id().map(|id| keys.receipt(id)),
+            subject: keys.user.as_ref().and_then(StateKey::user_subject),
             keys,
             deadline,
             drafts,
             interrupt: None,
             sizes,
         }
+    }
+
+    /// The user whose activity this is ([`TurnPlan::subject`]).
+    fn subject(&self) -> Option<&str> {
+        self.subject.as_deref()
     }
 
     /// The context the bot runs in on `snapshot`.
@@ -1286,18 +1295,22 @@ impl<'a> TurnPlan<'a> {
                 .unwrap_or_default(),
         };
         if let Some(key) = &self.receipt {
-            commit = commit.with_receipt(key.clone(), receipt::encode(&outcome));
+            commit = commit.with_receipt(key.clone(), receipt::encode(&outcome, self.subject()));
         }
         if let Some(batch) = batch.filter(|b| b.is_several()) {
             // The others' calls get the same outcome without the replies, which this call
-            // delivers.
-            let others = receipt::encode(&TurnOutcome {
+            // delivers; each receipt names its own activity's user.
+            let others = TurnOutcome {
                 activities: Vec::new(),
                 ..outcome.clone()
-            });
-            for key in &batch.receipts {
+            };
+            for (key, activity) in batch.receipts.iter().zip(&batch.activities) {
                 if Some(key) != self.receipt.as_ref() {
-                    commit = commit.with_receipt_also(key.clone(), others.clone());
+                    let user = activity.from_id().map(|user| {
+                        crate::state::subject(activity.channel_id.as_deref().unwrap_or(""), user)
+                    });
+                    commit = commit
+                        .with_receipt_also(key.clone(), receipt::encode(&others, user.as_deref()));
                 }
             }
         }
@@ -1606,6 +1619,13 @@ mod tests {
                         .await
                 }
             }
+        }
+
+        async fn erase(
+            &self,
+            erasure: &crate::store::Erasure,
+        ) -> Result<crate::store::Erased, StoreError> {
+            self.inner.erase(erasure).await
         }
 
         async fn add_pending(

@@ -15,8 +15,11 @@ use crate::store::{Receipt, StoreError, Version};
 
 /// The receipt of `outcome`: `{"activities":[…],"attempts":…,"version":…}`, the replies as
 /// [`Activity::write_json`] writes them (the same text as serde_json), written by hand into one
-/// string. Nothing in it can fail to be written.
-pub(super) fn encode(outcome: &TurnOutcome) -> Receipt {
+/// string, and `"user"`, whose activity it answered ([`StateKey::user_subject`]), by which an
+/// erasure finds it. Nothing in it can fail to be written.
+///
+/// [`StateKey::user_subject`]: crate::state::StateKey::user_subject
+pub(super) fn encode(outcome: &TurnOutcome, user: Option<&str>) -> Receipt {
     let mut text = String::with_capacity(64 + 512 * outcome.activities.len());
     text.push_str("{\"activities\":[");
     for (i, activity) in outcome.activities.iter().enumerate() {
@@ -37,6 +40,10 @@ pub(super) fn encode(outcome: &TurnOutcome) -> Receipt {
     }
     if outcome.superseded {
         text.push_str(",\"superseded\":true");
+    }
+    if let Some(user) = user {
+        text.push_str(",\"user\":");
+        text.push_str(&Value::from(user).to_string());
     }
     if !outcome.coalesced.is_empty() {
         text.push_str(",\"coalesced\":");
@@ -143,7 +150,7 @@ mod tests {
             superseded: false,
             coalesced: Vec::new(),
         };
-        let back = decode(&encode(&outcome)).expect("readable");
+        let back = decode(&encode(&outcome, None)).expect("readable");
         assert_eq!(
             back,
             TurnOutcome {
@@ -151,13 +158,21 @@ mod tests {
                 ..outcome.clone()
             }
         );
+        // The user it answered, for erasure to find it by; JSON-escaped, and ignored on reading.
+        let named = encode(&outcome, Some("test/a\"da"));
+        assert!(named.text().ends_with(r#","user":"test/a\"da"}"#), "{}", named.text());
+        assert_eq!(decode(&named).expect("readable"), back);
         let stopped = TurnOutcome {
             stopped: true,
             ..outcome.clone()
         };
-        assert!(encode(&stopped).text().ends_with(",\"stopped\":true}"));
+        assert!(
+            encode(&stopped, None)
+                .text()
+                .ends_with(",\"stopped\":true}")
+        );
         assert_eq!(
-            decode(&encode(&stopped)).expect("readable"),
+            decode(&encode(&stopped, None)).expect("readable"),
             TurnOutcome {
                 redelivered: true,
                 ..stopped
@@ -169,7 +184,7 @@ mod tests {
             ..outcome.clone()
         };
         assert_eq!(
-            decode(&encode(&superseded)).expect("readable"),
+            decode(&encode(&superseded, None)).expect("readable"),
             TurnOutcome {
                 redelivered: true,
                 ..superseded
@@ -180,12 +195,12 @@ mod tests {
             ..outcome
         };
         assert!(
-            encode(&coalesced)
+            encode(&coalesced, None)
                 .text()
                 .ends_with(r#","coalesced":["a\"1","b"]}"#)
         );
         assert_eq!(
-            decode(&encode(&coalesced)).expect("readable"),
+            decode(&encode(&coalesced, None)).expect("readable"),
             TurnOutcome {
                 redelivered: true,
                 ..coalesced
@@ -210,7 +225,7 @@ mod tests {
         };
         let serde = |a: &Activity| serde_json::to_string(a).expect("serializable");
         assert_eq!(
-            encode(&outcome).text(),
+            encode(&outcome, None).text(),
             format!(
                 "{{\"activities\":[{},{}],\"attempts\":1,\"version\":0}}",
                 serde(&reply),

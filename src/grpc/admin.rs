@@ -27,7 +27,7 @@ use super::pb;
 use crate::activity::incoming::{ChannelId, ConversationId, InvalidActivity, UserId};
 use crate::bot::BotRegistry;
 use crate::state::{Scope, StateKey};
-use crate::store::{InspectedRow, Store};
+use crate::store::{Erasure, InspectedRow, Store};
 
 /// Receipts `GetState` returns unless asked.
 const DEFAULT_RECEIPTS: usize = 10;
@@ -210,6 +210,86 @@ impl AdminApi {
     }
 }
 
+impl AdminApi {
+    async fn erase(
+        &self,
+        erasure: Erasure,
+        kind: &'static str,
+    ) -> Result<pb::ErasureRecord, AdminError> {
+        let erased = self.store.erase(&erasure).await?;
+        let erasure_id = format!("{:032x}", rand::random::<u128>());
+        let scopes: Vec<pb::ErasedScope> = erased
+            .rows
+            .iter()
+            .map(|(key, version)| pb::ErasedScope {
+                bot: key.parts().into_iter().next().unwrap_or_default(),
+                scope: erased_scope(key).to_owned(),
+                key: key.as_str().to_owned(),
+                version: version.get(),
+            })
+            .collect();
+        let count = |name: &str| scopes.iter().filter(|s| s.scope == name).count();
+        // The record of it, with no id of the user or the conversation: a log keeps what it is
+        // told, and this one must not keep what was erased.
+        tracing::info!(
+            event = "erasure",
+            erasure_id,
+            kind,
+            bots = scopes
+                .iter()
+                .map(|s| s.bot.as_str())
+                .collect::<std::collections::BTreeSet<_>>()
+                .len(),
+            conversation_scopes = count("conversation"),
+            user_scopes = count("user"),
+            private_conversation_scopes = count("private_conversation"),
+            holds = count("hold"),
+            receipts = erased.receipts,
+            "erased"
+        );
+        Ok(pb::ErasureRecord {
+            erasure_id,
+            erased_at: erased.at.map(timestamp),
+            scopes,
+            receipts: erased.receipts,
+        })
+    }
+
+    async fn erase_user(
+        &self,
+        request: pb::EraseUserRequest,
+    ) -> Result<pb::ErasureRecord, AdminError> {
+        let channel = ChannelId::parse(&request.channel_id, "channel_id")?;
+        let user = UserId::parse(&request.user_id, "user_id")?;
+        let subject = crate::state::subject(channel.as_str(), user.as_str());
+        self.erase(Erasure::User(subject), "user").await
+    }
+
+    async fn delete_conversation(
+        &self,
+        request: pb::DeleteConversationRequest,
+    ) -> Result<pb::ErasureRecord, AdminError> {
+        let channel = ChannelId::parse(&request.channel_id, "channel_id")?;
+        let conversation = ConversationId::parse(&request.conversation_id, "conversation_id")?;
+        let subject = crate::state::subject(channel.as_str(), conversation.as_str());
+        self.erase(Erasure::Conversation(subject), "conversation")
+            .await
+    }
+}
+
+/// The scope of a key an erasure removed, as the record names it.
+fn erased_scope(key: &StateKey) -> &'static str {
+    if key.is_hold() {
+        "hold"
+    } else if key.is_conversation() {
+        "conversation"
+    } else if key.conversation_subject().is_some() {
+        "private_conversation"
+    } else {
+        "user"
+    }
+}
+
 /// What a page token signs: the listing's prefix and the key, unambiguously joined.
 fn signed(prefix: &str, key: &str) -> Vec<u8> {
     let mut message = (prefix.len() as u64).to_be_bytes().to_vec();
@@ -260,6 +340,28 @@ impl pb::admin_service_server::AdminService for AdminApi {
         let answer = self.list_conversations(request.into_inner()).await;
         tracing::info!(ok = answer.is_ok(), "admin: conversations listed");
         Ok(Response::new(answer?))
+    }
+
+    async fn erase_user(
+        &self,
+        request: Request<pb::EraseUserRequest>,
+    ) -> Result<Response<pb::EraseUserResponse>, Status> {
+        self.admit(request.metadata())?;
+        let record = self.erase_user(request.into_inner()).await?;
+        Ok(Response::new(pb::EraseUserResponse {
+            record: Some(record),
+        }))
+    }
+
+    async fn delete_conversation(
+        &self,
+        request: Request<pb::DeleteConversationRequest>,
+    ) -> Result<Response<pb::DeleteConversationResponse>, Status> {
+        self.admit(request.metadata())?;
+        let record = self.delete_conversation(request.into_inner()).await?;
+        Ok(Response::new(pb::DeleteConversationResponse {
+            record: Some(record),
+        }))
     }
 }
 

@@ -183,6 +183,29 @@ impl StateKey {
         )
     }
 
+    /// The user whose data this key holds, as erasure finds it: `{channelId}/{userId}`, escaped,
+    /// for a user scope's or a private conversation scope's key; `None` for any other. The same
+    /// as the database's `turnstile_key_user` (`migrations/V4__erasure.sql`).
+    pub fn user_subject(&self) -> Option<String> {
+        let parts: Vec<&str> = self.text.split('/').collect();
+        match parts.as_slice() {
+            [_, channel, "users", user] | [_, channel, "conversations", _, "users", user] => {
+                Some(format!("{channel}/{user}"))
+            }
+            _ => None,
+        }
+    }
+
+    /// The conversation whose data this key holds: `{channelId}/{conversationId}`, escaped, for a
+    /// key under a conversation (its scope, private scopes, hold and receipts); `None` for a user
+    /// scope. The same as the database's `turnstile_key_conversation`.
+    pub fn conversation_subject(&self) -> Option<String> {
+        let mut parts = self.text.split('/');
+        let (_, channel, kind, conversation) =
+            (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+        (kind == "conversations").then(|| format!("{channel}/{conversation}"))
+    }
+
     /// Whether this is a conversation's hold key ([`StateKey::hold`]).
     pub fn is_hold(&self) -> bool {
         self.text.ends_with("/%hold")
@@ -293,6 +316,16 @@ impl TurnKeys {
                     .map(|k| (Scope::PrivateConversation, k)),
             )
     }
+}
+
+/// `{channelId}/{id}`, escaped: how erasure names a user or a conversation of a channel
+/// ([`StateKey::user_subject`], [`StateKey::conversation_subject`]).
+pub fn subject(channel: &str, id: &str) -> String {
+    let mut text = String::with_capacity(channel.len() + id.len() + 1);
+    escape_into(channel, &mut text);
+    text.push('/');
+    escape_into(id, &mut text);
+    text
 }
 
 fn join(parts: &[&str]) -> String {

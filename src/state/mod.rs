@@ -7,7 +7,7 @@
 
 mod key;
 
-pub use key::{Scope, StateKey, TurnKeys};
+pub use key::{Scope, StateKey, TurnKeys, subject};
 
 use std::cell::Cell;
 use std::sync::Arc;

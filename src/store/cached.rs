@@ -47,6 +47,19 @@ type Entry = Option<Versioned>;
 const RECEIPT_SHARE: usize = 8;
 /// A remembered receipt's map slot and key header, beside the key's text.
 const RECEIPT_SLOT: usize = 48;
+/// The oldest entry given as a guess. A deleted row's versions are kept from coming back by its
+/// tombstone, kept a day (`migrations/V4__erasure.sql`); an entry older than that could name a
+/// version the key reaches again once its tombstone is gone. An hour is far inside the day, and
+/// an entry unused for an hour saves little.
+const MAX_GUESS_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// A cached entry: the row, the bytes it holds, and when it was remembered.
+#[derive(Debug)]
+struct Cached {
+    entry: Entry,
+    bytes: usize,
+    at: std::time::Instant,
+}
 
 /// The last committed state of recently used keys.
 #[derive(Debug)]
@@ -78,10 +91,10 @@ impl CacheSize {
 
 #[derive(Debug, Default)]
 struct Generations {
-    young: KeyMap<(Entry, usize)>,
+    young: KeyMap<Cached>,
     /// The bytes of the young map's entries.
     young_bytes: usize,
-    old: KeyMap<(Entry, usize)>,
+    old: KeyMap<Cached>,
     /// Receipts committed here, in two generations of their own.
     receipts: KeyMap<()>,
     /// The bytes of the young receipts' keys and slots.
@@ -125,11 +138,16 @@ impl StateCache {
         let mut rows = KeyMap::with_capacity_and_hasher(keys.len(), KeyHasher::default());
         for key in keys {
             let entry = match maps.young.get(key) {
-                Some((entry, _)) => entry.clone(),
+                Some(cached) if cached.at.elapsed() < MAX_GUESS_AGE => cached.entry.clone(),
+                Some(_) => return None,
                 None => {
-                    let (entry, bytes) = maps.old.remove(key)?;
-                    maps.young_bytes += bytes;
-                    maps.young.insert(key.clone(), (entry.clone(), bytes));
+                    let cached = maps.old.remove(key)?;
+                    if cached.at.elapsed() >= MAX_GUESS_AGE {
+                        return None;
+                    }
+                    let entry = cached.entry.clone();
+                    maps.young_bytes += cached.bytes;
+                    maps.young.insert(key.clone(), cached);
                     entry
                 }
             };
@@ -152,10 +170,11 @@ impl StateCache {
         // A key is in one generation at most (a hit in the old one moves it to the young one):
         // one found young is updated where it is, without looking in the old map or hashing
         // the key again to insert it, when the young map has room for what it grew by.
+        let at = std::time::Instant::now();
         if let Some(young) = maps.young.get_mut(&key) {
-            let was = young.1;
+            let was = young.bytes;
             if maps.young_bytes - was + bytes <= self.generation_bytes {
-                *young = (entry, bytes);
+                *young = Cached { entry, bytes, at };
                 maps.young_bytes = maps.young_bytes - was + bytes;
                 return;
             }
@@ -175,7 +194,7 @@ impl StateCache {
             maps.old = mem::take(&mut maps.young);
             maps.young_bytes = 0;
         }
-        maps.young.insert(key, (entry, bytes));
+        maps.young.insert(key, Cached { entry, bytes, at });
         maps.young_bytes += bytes;
     }
 
@@ -202,8 +221,8 @@ impl StateCache {
         }
         let mut maps = self.lock();
         for key in keys {
-            if let Some((_, bytes)) = maps.young.remove(key) {
-                maps.young_bytes -= bytes;
+            if let Some(cached) = maps.young.remove(key) {
+                maps.young_bytes -= cached.bytes;
             }
             maps.old.remove(key);
         }
@@ -213,7 +232,7 @@ impl StateCache {
     #[cfg(test)]
     pub(crate) fn bytes(&self) -> usize {
         let maps = self.lock();
-        maps.young_bytes + maps.old.values().map(|(_, bytes)| bytes).sum::<usize>()
+        maps.young_bytes + maps.old.values().map(|cached| cached.bytes).sum::<usize>()
     }
 
     /// How many keys are cached.
@@ -395,6 +414,16 @@ impl<S: Store> Store for CachedStore<S> {
                 other => other,
             },
         )
+    }
+
+    /// Erases in the store, and forgets what this replica cached of it.
+    async fn erase(
+        &self,
+        erasure: &crate::store::Erasure,
+    ) -> Result<crate::store::Erased, StoreError> {
+        let erased = self.inner.erase(erasure).await?;
+        self.cache.forget(erased.rows.iter().map(|(key, _)| key));
+        Ok(erased)
     }
 
     async fn add_pending(

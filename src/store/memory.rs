@@ -12,9 +12,9 @@ use std::time::{Duration, Instant, SystemTime};
 use async_trait::async_trait;
 
 use super::{
-    Commit, CommitOutcome, ConversationLock, Expected, Handed, Inspected, InspectedReceipt,
-    InspectedRow, KeyMap, LockedTurn, Others, Pending, Receipt, Snapshot, Store, StoreError,
-    Versioned, Versions,
+    Commit, CommitOutcome, ConversationLock, Erased, Erasure, Expected, Handed, Inspected,
+    InspectedReceipt, InspectedRow, KeyMap, LockedTurn, Others, Pending, Receipt, Snapshot, Store,
+    StoreError, Version, Versioned, Versions,
 };
 use crate::state::StateKey;
 
@@ -54,6 +54,9 @@ struct Tables {
     receipted: KeyMap<SystemTime>,
     /// What each conversation's turns hand on to the next (double texting), by conversation.
     handed: KeyMap<Handed>,
+    /// The last version of each key whose row was deleted (erased or expired): it is created
+    /// again above it (`migrations/V4__erasure.sql` explains why).
+    gone: KeyMap<Version>,
 }
 
 impl MemoryStore {
@@ -79,22 +82,20 @@ fn lock(tables: &Mutex<Tables>) -> MutexGuard<'_, Tables> {
 impl Tables {
     /// [`Store::commit`] on these tables.
     fn commit(&mut self, commit: &Commit) -> CommitOutcome {
-        let Self {
-            rows,
-            written,
-            receipts,
-            receipted,
-            ..
-        } = self;
         if let Some((key, _)) = commit.receipt() {
-            if receipts.contains_key(key) {
+            if self.receipts.contains_key(key) {
                 return CommitOutcome::Conflict { key: key.clone() };
             }
         }
         for change in commit.changes() {
-            let current = rows.get(&change.key).map(|row| row.version);
+            let current = self.rows.get(&change.key).map(|row| row.version);
+            let gone = self.gone.get(&change.key).copied();
             let holds = match change.expected {
-                Expected::Absent => current.is_none(),
+                // A create must go above the key's deletion; a check for absence need not.
+                Expected::Absent => current.is_none() && (change.write.is_none() || gone.is_none()),
+                Expected::Gone(v) => {
+                    current.is_none() && (change.write.is_none() || gone == Some(v))
+                }
                 Expected::Version(v) => current == Some(v),
             };
             if !holds {
@@ -103,6 +104,13 @@ impl Tables {
                 };
             }
         }
+        let Self {
+            rows,
+            written,
+            receipts,
+            receipted,
+            ..
+        } = self;
         let mut versions = Versions::default();
         for change in commit.changes() {
             let version = match (&change.write, change.version_after()) {
@@ -120,7 +128,7 @@ impl Tables {
                 (_, _) => match change.expected {
                     Expected::Version(v) => v,
                     // A key checked for absence has no version; it is not reported.
-                    Expected::Absent => continue,
+                    Expected::Absent | Expected::Gone(_) => continue,
                 },
             };
             versions.insert(change.key.clone(), version);
@@ -149,7 +157,13 @@ impl Store for MemoryStore {
             .filter_map(|k| tables.rows.get(k).map(|row| (k.clone(), row.clone())))
             .collect();
         let receipt = receipt.and_then(|k| tables.receipts.get(k).map(|(r, _)| r.clone()));
-        Ok(Snapshot::new(found, receipt))
+        let mut snapshot = Snapshot::new(found, receipt);
+        for key in keys {
+            if let Some(version) = tables.gone.get(key) {
+                snapshot = snapshot.with_gone(key.clone(), *version);
+            }
+        }
+        Ok(snapshot)
     }
 
     async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
@@ -281,6 +295,51 @@ impl Store for MemoryStore {
         found.sort_by(|a, b| a.key.as_str().cmp(b.key.as_str()));
         found.truncate(limit);
         Ok(found)
+    }
+
+    async fn erase(&self, erasure: &Erasure) -> Result<Erased, StoreError> {
+        let mut tables = self.tables();
+        let Tables {
+            rows,
+            written,
+            receipts,
+            receipted,
+            handed,
+            gone,
+        } = &mut *tables;
+        let mut keys: Vec<StateKey> = rows.keys().filter(|k| erasure.covers(k)).cloned().collect();
+        keys.sort();
+        let mut erased = Vec::with_capacity(keys.len());
+        for key in keys {
+            if let Some(row) = rows.remove(&key) {
+                gone.insert(key.clone(), row.version);
+                erased.push((key.clone(), row.version));
+            }
+            written.remove(&key);
+        }
+        if let Erasure::Conversation(_) = erasure {
+            handed.retain(|conversation, _| !erasure.covers(conversation));
+        }
+        let doomed: Vec<StateKey> = receipts
+            .iter()
+            .filter(|(key, (payload, _))| match erasure {
+                Erasure::Conversation(_) => erasure.covers(key),
+                Erasure::User(subject) => payload
+                    .to_value()
+                    .ok()
+                    .is_some_and(|v| v.get("user").and_then(|u| u.as_str()) == Some(subject)),
+            })
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in &doomed {
+            receipts.remove(key);
+            receipted.remove(key);
+        }
+        Ok(Erased {
+            rows: erased,
+            receipts: doomed.len() as u64,
+            at: Some(SystemTime::now()),
+        })
     }
 
     async fn add_pending(

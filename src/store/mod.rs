@@ -171,17 +171,39 @@ pub struct Versioned {
     pub version: Version,
 }
 
-/// What one consistent read found; keys not present have never been written.
+/// What one consistent read found; keys not present have never been written, or are
+/// [gone](Snapshot::gone).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Snapshot {
     rows: KeyMap<Versioned>,
     receipt: Option<Receipt>,
+    /// Keys absent whose rows were deleted (erased, or expired and swept), each with the last
+    /// version it had: a create must go above it. Few, and usually none.
+    gone: Vec<(StateKey, Version)>,
 }
 
 impl Snapshot {
     /// A snapshot of `rows`, and of the receipt asked for if it exists.
     pub fn new(rows: KeyMap<Versioned>, receipt: Option<Receipt>) -> Self {
-        Self { rows, receipt }
+        Self {
+            rows,
+            receipt,
+            gone: Vec::new(),
+        }
+    }
+
+    /// The same snapshot, where `key`, absent, was deleted at `version`.
+    #[must_use]
+    pub fn with_gone(mut self, key: StateKey, version: Version) -> Self {
+        if !self.rows.contains_key(&key) {
+            self.gone.push((key, version));
+        }
+        self
+    }
+
+    /// The keys absent because their rows were deleted, with the versions they were deleted at.
+    pub fn gone(&self) -> &[(StateKey, Version)] {
+        &self.gone
     }
 
     /// The receipt the load asked for, if that turn committed already.
@@ -198,7 +220,10 @@ impl Snapshot {
     pub fn precondition(&self, key: &StateKey) -> Expected {
         match self.rows.get(key) {
             Some(row) => Expected::Version(row.version),
-            None => Expected::Absent,
+            None => match self.gone.iter().find(|(k, _)| k == key) {
+                Some((_, version)) => Expected::Gone(*version),
+                None => Expected::Absent,
+            },
         }
     }
 }
@@ -206,10 +231,21 @@ impl Snapshot {
 /// What a turn saw of a key, which must still hold for its commit to apply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Expected {
-    /// The key did not exist.
+    /// The key did not exist, and never had (or its deletion was forgotten, a day later).
     Absent,
+    /// The key did not exist: its row was deleted at this version (erased, or expired and swept).
+    /// It is created at the next one, never again at the first: a turn that read the deleted row
+    /// must not find its version again.
+    Gone(Version),
     /// The key had this version.
     Version(Version),
+}
+
+impl Expected {
+    /// Whether the key was absent (never written, or gone).
+    pub fn is_absent(self) -> bool {
+        !matches!(self, Expected::Version(_))
+    }
 }
 
 /// One key in a commit: either written with new state, or only checked.
@@ -232,7 +268,7 @@ impl KeyChange {
         self.write.as_ref()?;
         Some(match self.expected {
             Expected::Absent => Version::FIRST,
-            Expected::Version(v) => v.next(),
+            Expected::Gone(v) | Expected::Version(v) => v.next(),
         })
     }
 }
@@ -458,6 +494,15 @@ pub trait Store: Send + Sync + 'static {
         limit: usize,
     ) -> Result<Vec<InspectedRow>, StoreError>;
 
+    /// Deletes everything of `erasure`'s user or conversation, for every bot: its state rows,
+    /// each leaving a tombstone so that it is created again only above the version it had (a
+    /// turn that read it cannot commit it back: its commit conflicts, and its replay finds it
+    /// absent), and its receipts. For operators (the admin service).
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot answer; nothing was deleted then, or everything.
+    async fn erase(&self, erasure: &Erasure) -> Result<Erased, StoreError>;
+
     /// Adds `pending` to the activities of `conversation` waiting to be answered together by
     /// one run (the double-text policy `coalesce`), after the ones there, unless it is there
     /// already. The next turn to take the conversation's hold ([`Store::hold_conversation`])
@@ -569,6 +614,48 @@ pub struct Handed {
     /// The activities waiting to be answered by one run ([`Store::add_pending`]), in arrival
     /// order, without the ones answered already.
     pub pending: Vec<Pending>,
+}
+
+/// What [`Store::erase`] deletes: a user's data or a conversation's, named by channel and id,
+/// escaped as in keys (`crate::state::subject`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Erasure {
+    /// `{channelId}/{userId}`: the user scope, the user's private conversation scopes, and the
+    /// receipts of the user's activities.
+    User(String),
+    /// `{channelId}/{conversationId}`: the conversation scope, its private scopes, its hold, and
+    /// its receipts.
+    Conversation(String),
+}
+
+impl Erasure {
+    /// The channel and id it names, escaped.
+    pub fn subject(&self) -> &str {
+        match self {
+            Erasure::User(subject) | Erasure::Conversation(subject) => subject,
+        }
+    }
+
+    /// Whether `key`'s row is among those it deletes.
+    pub fn covers(&self, key: &StateKey) -> bool {
+        match self {
+            Erasure::User(subject) => key.user_subject().as_deref() == Some(subject),
+            Erasure::Conversation(subject) => {
+                key.conversation_subject().as_deref() == Some(subject)
+            }
+        }
+    }
+}
+
+/// What a [`Store::erase`] deleted.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Erased {
+    /// The state rows' keys, in key order, each with the last version it had.
+    pub rows: Vec<(StateKey, Version)>,
+    /// How many receipts.
+    pub receipts: u64,
+    /// When, by the store's clock.
+    pub at: Option<std::time::SystemTime>,
 }
 
 /// What [`Store::inspect`] found.

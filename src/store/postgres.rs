@@ -56,11 +56,16 @@ mod embedded {
     refinery::embed_migrations!("migrations");
 }
 
-/// State rows and, when `$2` is not NULL, the receipt: one statement, so one snapshot.
+/// State rows, the tombstones of those of them that are gone (`migrations/V4__erasure.sql`), and,
+/// when `$2` is not NULL, the receipt: one statement, so one snapshot. The first column says
+/// which: [`ROW`], [`RECEIPT`] or [`GONE`].
 const LOAD: Sql = Sql {
-    text: "SELECT false, key, state, version FROM turnstile_state WHERE key = ANY($1) \
+    text: "SELECT 0::int2, key, state, version FROM turnstile_state WHERE key = ANY($1) \
            UNION ALL \
-           SELECT true, key, payload, 0 FROM turnstile_receipt WHERE key = $2",
+           SELECT 2::int2, k, NULL, t.version FROM unnest($1::text[]) AS k \
+             JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k) \
+           UNION ALL \
+           SELECT 1::int2, key, payload, 0 FROM turnstile_receipt WHERE key = $2",
     types: &[Type::TEXT_ARRAY, Type::TEXT],
 };
 /// [`LOAD`] for a turn holding its conversation lock, which also locks the conversation's row
@@ -68,15 +73,24 @@ const LOAD: Sql = Sql {
 /// of that conversation waits, and then finds the version moved. So a turn holding the lock is
 /// not beaten by one that did not take it.
 const LOAD_HOLDING: Sql = Sql {
-    text: "SELECT false, key, state, version FROM turnstile_state \
+    text: "SELECT 0::int2, key, state, version FROM turnstile_state \
             WHERE key = ANY($1) AND key <> $3 \
            UNION ALL \
-           SELECT false, key, state, version FROM ( \
+           SELECT 0::int2, key, state, version FROM ( \
              SELECT key, state, version FROM turnstile_state WHERE key = $3 FOR UPDATE) held \
            UNION ALL \
-           SELECT true, key, payload, 0 FROM turnstile_receipt WHERE key = $2",
+           SELECT 2::int2, k, NULL, t.version FROM unnest($1::text[]) AS k \
+             JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k) \
+           UNION ALL \
+           SELECT 1::int2, key, payload, 0 FROM turnstile_receipt WHERE key = $2",
     types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
 };
+/// What a row of [`LOAD`] is: a state row.
+const ROW: i16 = 0;
+/// ... the receipt.
+const RECEIPT: i16 = 1;
+/// ... the tombstone of a key whose row was deleted.
+const GONE: i16 = 2;
 const COMMIT: Sql = Sql {
     text: "SELECT conflict_key, versions FROM turnstile_commit($1, $2, $3, $4, $5)",
     types: &[
@@ -131,6 +145,45 @@ const LIST_CONVERSATIONS: Sql = Sql {
             ORDER BY key LIMIT $3",
     types: &[Type::TEXT, Type::TEXT, Type::INT8],
 };
+/// Deletes the rows whose keys `$2` names (`user`: `turnstile_key_user(key) = $1`,
+/// `conversation`: `turnstile_key_conversation(key) = $1`), each leaving its tombstone, and the
+/// receipts of that user's activities or that conversation; answers the keys deleted, the
+/// receipts' count and the time. One statement: all of it or nothing. A turn committing one of
+/// the rows meanwhile waits for it, and then finds its row gone: a conflict.
+macro_rules! erase {
+    ($state:literal, $receipts:literal) => {
+        concat!(
+            "WITH gone AS (DELETE FROM turnstile_state WHERE ",
+            $state,
+            " RETURNING key, version), \
+             tombs AS (INSERT INTO turnstile_tombstone (key_hash, version) \
+               SELECT turnstile_key_hash(key), version FROM gone \
+               ON CONFLICT (key_hash) DO UPDATE \
+                  SET version = greatest(turnstile_tombstone.version, excluded.version), \
+                      erased_at = now()), \
+             receipts AS (DELETE FROM turnstile_receipt WHERE ",
+            $receipts,
+            " RETURNING 1) \
+             SELECT coalesce((SELECT array_agg(key ORDER BY key) FROM gone), '{}'), \
+                    coalesce((SELECT array_agg(version ORDER BY key) FROM gone), '{}'), \
+                    (SELECT count(*) FROM receipts), extract(epoch FROM now())::float8"
+        )
+    };
+}
+const ERASE_USER: Sql = Sql {
+    text: erase!(
+        "turnstile_key_user(key) = $1",
+        "payload ? 'user' AND payload->>'user' = $1"
+    ),
+    types: &[Type::TEXT],
+};
+const DELETE_CONVERSATION: Sql = Sql {
+    text: erase!(
+        "turnstile_key_conversation(key) = $1",
+        "turnstile_key_conversation(key) = $1"
+    ),
+    types: &[Type::TEXT],
+};
 /// The receipt table's primary key: violating it means the activity has committed already.
 const RECEIPT_KEY_CONSTRAINT: &str = "turnstile_receipt_pkey";
 /// Deletes one batch of old receipts. Small batches keep each delete short, and SKIP LOCKED lets
@@ -143,6 +196,15 @@ const PRUNE: Sql = Sql {
     types: &[Type::FLOAT8],
 };
 const PRUNE_BATCH: u64 = 1000;
+/// Deletes one batch of tombstones older than a day (`migrations/V4__erasure.sql`): no turn
+/// lives that long, nor does a cached guess (`cached::MAX_GUESS_AGE`).
+const PRUNE_TOMBSTONES: Sql = Sql {
+    text: "DELETE FROM turnstile_tombstone WHERE key_hash IN ( \
+             SELECT key_hash FROM turnstile_tombstone \
+              WHERE erased_at < now() - interval '1 day' \
+              LIMIT 1000 FOR UPDATE SKIP LOCKED)",
+    types: &[],
+};
 
 /// The SQLSTATE `turnstile_commit` raises when a key it was to create appeared concurrently.
 const COMMIT_CONFLICT: &str = "TS409";
@@ -718,6 +780,56 @@ impl Store for PostgresStore {
     }
 
     #[tracing::instrument(level = "debug", skip_all)]
+    async fn erase(
+        &self,
+        erasure: &crate::store::Erasure,
+    ) -> Result<crate::store::Erased, StoreError> {
+        self.schema.admit()?;
+        let client = self.client().await?;
+        let statement = match erasure {
+            crate::store::Erasure::User(_) => &ERASE_USER,
+            crate::store::Erasure::Conversation(_) => &DELETE_CONVERSATION,
+        };
+        let subject = erasure.subject();
+        within_call_timeout(async {
+            let rows = statement
+                .query(&client, self.statements, &[&subject])
+                .await
+                .map_err(|e| {
+                    if is_conflict(&e) {
+                        // A deadlock with a turn's commit: nothing was deleted; asked again,
+                        // it goes through.
+                        StoreError::Unavailable(e.into())
+                    } else {
+                        classify(e)
+                    }
+                })?;
+            let row = rows
+                .first()
+                .ok_or_else(|| StoreError::Unexpected(anyhow!("an erasure answered no row")))?;
+            let keys: Vec<String> = row.try_get(0).map_err(unexpected)?;
+            let versions: Vec<i64> = row.try_get(1).map_err(unexpected)?;
+            let receipts: i64 = row.try_get(2).map_err(unexpected)?;
+            let at: Option<f64> = row.try_get(3).map_err(unexpected)?;
+            let rows = keys
+                .into_iter()
+                .zip(versions)
+                .map(|(key, version)| {
+                    let version =
+                        u64::try_from(version).map_err(|e| StoreError::Unexpected(e.into()))?;
+                    Ok((StateKey::from_stored(key), Version::new(version)))
+                })
+                .collect::<Result<Vec<_>, StoreError>>()?;
+            Ok(crate::store::Erased {
+                rows,
+                receipts: u64::try_from(receipts).unwrap_or_default(),
+                at: at.and_then(unix_time),
+            })
+        })
+        .await
+    }
+
+    #[tracing::instrument(level = "debug", skip_all)]
     async fn add_pending(
         &self,
         conversation: &StateKey,
@@ -751,9 +863,17 @@ impl Store for PostgresStore {
                 .map_err(classify)?;
             pruned += deleted;
             if deleted < PRUNE_BATCH {
-                return Ok(pruned);
+                break;
             }
         }
+        // Tombstones, on the same schedule: few, and usually none.
+        while PRUNE_TOMBSTONES
+            .execute(&client, self.statements, &[])
+            .await
+            .map_err(classify)?
+            >= PRUNE_BATCH
+        {}
+        Ok(pruned)
     }
 
     fn pool_status(&self) -> Option<super::PoolStatus> {
@@ -830,19 +950,39 @@ impl PostgresStore {
         .map_err(classify)?;
         let mut states = KeyMap::with_capacity_and_hasher(rows.len(), KeyHasher::default());
         let mut found_receipt = None;
+        let mut gone = Vec::new();
         for row in &rows {
-            let is_receipt: bool = row.try_get(0).map_err(unexpected)?;
-            if is_receipt {
-                let jsonb::JsonbText(payload) = row.try_get(2).map_err(unexpected)?;
-                let payload = Receipt::from_text(payload)
-                    .map_err(|e| StoreError::Unexpected(anyhow::Error::new(e)))?;
-                found_receipt = Some(payload);
-            } else {
-                let (key, versioned) = read_row(row).map_err(StoreError::Unexpected)?;
-                states.insert(key, versioned);
+            match row.try_get::<_, i16>(0).map_err(unexpected)? {
+                RECEIPT => {
+                    let jsonb::JsonbText(payload) = row.try_get(2).map_err(unexpected)?;
+                    let payload = Receipt::from_text(payload)
+                        .map_err(|e| StoreError::Unexpected(anyhow::Error::new(e)))?;
+                    found_receipt = Some(payload);
+                }
+                GONE => {
+                    let key: String = row.try_get(1).map_err(unexpected)?;
+                    let version: i64 = row.try_get(3).map_err(unexpected)?;
+                    let version =
+                        u64::try_from(version).map_err(|e| StoreError::Unexpected(e.into()))?;
+                    gone.push((StateKey::from_stored(key), Version::new(version)));
+                }
+                ROW => {
+                    let (key, versioned) = read_row(row).map_err(StoreError::Unexpected)?;
+                    states.insert(key, versioned);
+                }
+                other => {
+                    return Err(StoreError::Unexpected(anyhow!(
+                        "a load row of kind {other}"
+                    )));
+                }
             }
         }
-        Ok(Snapshot::new(states, found_receipt))
+        // A key is gone only while it has no row: a tombstone stays after the key is created
+        // again (above it), and is then ignored.
+        Ok(gone.into_iter().fold(
+            Snapshot::new(states, found_receipt),
+            |snapshot, (key, version)| snapshot.with_gone(key, version),
+        ))
     }
 
     /// [`Store::commit`] by `turnstile_commit` on `client`.
@@ -855,12 +995,8 @@ impl PostgresStore {
         let keys: Vec<&str> = changes.iter().map(|c| c.key.as_str()).collect();
         let expected = changes
             .iter()
-            .map(|c| match c.expected {
-                Expected::Absent => Ok(0),
-                Expected::Version(v) => i64::try_from(v.get()),
-            })
-            .collect::<Result<Vec<i64>, _>>()
-            .map_err(|e| StoreError::Unexpected(e.into()))?;
+            .map(|c| expected_param(c.expected))
+            .collect::<Result<Vec<i64>, _>>()?;
         let states: Vec<Option<jsonb::Jsonb<'_>>> = changes
             .iter()
             .map(|c| c.write.as_deref().map(jsonb::Jsonb::Map))
@@ -932,6 +1068,20 @@ impl PostgresStore {
             .map_err(|e| StoreError::Unexpected(e.into()))?;
         Ok(CommitOutcome::Committed(versions))
     }
+}
+
+/// What a commit expects of a key, as `turnstile_commit` and the group commit's statements take
+/// it: the version it read, or for a key it found absent a negative number, `-n`, a strict create
+/// at version `n`: 1 for a key never written, the version after its deletion for a key gone. The
+/// database creates it at exactly that version or not at all (`migrations/V4__erasure.sql`); 0,
+/// a create at 1 raised above any deletion, is what releases before 0.2 send.
+pub(super) fn expected_param(expected: Expected) -> Result<i64, StoreError> {
+    let param = match expected {
+        Expected::Absent => Ok(-1),
+        Expected::Gone(v) => i64::try_from(v.next().get()).map(|n| -n),
+        Expected::Version(v) => i64::try_from(v.get()),
+    };
+    param.map_err(|e| StoreError::Unexpected(e.into()))
 }
 
 /// A row of [`INSPECT`] or [`LIST_CONVERSATIONS`]: [`read_row`]'s columns, then when it was

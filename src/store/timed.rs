@@ -133,6 +133,13 @@ impl Store for TimedStore {
         held.map(|held| self.timing(held))
     }
 
+    async fn erase(
+        &self,
+        erasure: &crate::store::Erasure,
+    ) -> Result<crate::store::Erased, StoreError> {
+        self.inner.erase(erasure).await
+    }
+
     async fn add_pending(
         &self,
         conversation: &StateKey,

@@ -15,8 +15,8 @@ use turnstile::grpc::pb;
 use turnstile::grpc::pb::admin_service_client::AdminServiceClient;
 use turnstile::{Bot, BotError, BotRegistry, TurnContext};
 
-const ADMIN: &str = "admin-secret";
-const TURNS: &str = "turn-secret";
+pub(crate) const ADMIN: &str = "admin-secret";
+pub(crate) const TURNS: &str = "turn-secret";
 
 /// Counts the conversation's messages, and writes the user's name and the user's count here.
 struct Scopes;
@@ -51,7 +51,7 @@ async fn server(admin: bool) -> TestServer {
 }
 
 /// `message` with `token` as its bearer token.
-fn with_token<T>(message: T, token: &str) -> tonic::Request<T> {
+pub(crate) fn with_token<T>(message: T, token: &str) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     request
         .metadata_mut()
@@ -59,13 +59,19 @@ fn with_token<T>(message: T, token: &str) -> tonic::Request<T> {
     request
 }
 
-async fn admin_client(server: &TestServer) -> AdminServiceClient<tonic::transport::Channel> {
+pub(crate) async fn admin_client(
+    server: &TestServer,
+) -> AdminServiceClient<tonic::transport::Channel> {
     AdminServiceClient::connect(format!("http://{}", server.addr))
         .await
         .unwrap()
 }
 
-async fn turn(server: &TestServer, conversation: &str, user: &str) -> pb::ProcessTurnResponse {
+pub(crate) async fn turn(
+    server: &TestServer,
+    conversation: &str,
+    user: &str,
+) -> pb::ProcessTurnResponse {
     let mut client = server.client().await;
     client
         .process_turn(with_token(
@@ -374,10 +380,10 @@ async fn the_state_cli_reads_a_running_server() {
 }
 
 /// A server's address, for the CLI run on a blocking thread.
-struct ServerAddr(std::net::SocketAddr);
+pub(crate) struct ServerAddr(pub(crate) std::net::SocketAddr);
 
 /// `turnstile state …` against `server`, with `token`: its stdout, or its stderr when it failed.
-fn cli_at(server: &ServerAddr, token: &str, args: &[&str]) -> Result<String, String> {
+pub(crate) fn cli_at(server: &ServerAddr, token: &str, args: &[&str]) -> Result<String, String> {
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_turnstile"))
         .arg("state")
         .args(args)

@@ -475,6 +475,13 @@ impl Store for CountingHolds {
         self.inner.prune_receipts(age).await
     }
 
+    async fn erase(
+        &self,
+        erasure: &turnstile::store::Erasure,
+    ) -> Result<turnstile::store::Erased, StoreError> {
+        self.inner.erase(erasure).await
+    }
+
     async fn add_pending(
         &self,
         conversation: &StateKey,

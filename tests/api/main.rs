@@ -25,6 +25,7 @@ mod connection_age;
 mod directline;
 mod double_text;
 mod embedded;
+mod erasure;
 mod failover;
 mod faults;
 mod gateway;

@@ -115,8 +115,8 @@ async fn a_schema_one_migration_behind_names_both_versions() {
     let url = support::pg::fresh_database().await;
     postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
     let needed = postgres::schema::needed_version();
-    // As if this binary's last migration had not run yet: its history row gone (it only sets a
-    // storage parameter, so running it again is harmless).
+    // As if this binary's last migration had not run yet: its history row gone (the last
+    // migration is written to run again harmlessly).
     let admin = support::pg::session(&url).await;
     admin
         .execute(

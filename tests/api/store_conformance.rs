@@ -13,7 +13,7 @@ use turnstile::state::StateKey;
 use turnstile::store::memory::MemoryStore;
 use turnstile::store::postgres::{self, DatabaseUrl, PostgresStore, Statements};
 use turnstile::store::{
-    Commit, CommitOutcome, Expected, KeyChange, Receipt, Store, Version, Versions,
+    Commit, CommitOutcome, Erasure, Expected, KeyChange, Receipt, Store, Version, Versions,
 };
 
 fn conversation(id: &str) -> StateKey {
@@ -595,9 +595,219 @@ async fn inspection(store: Arc<dyn Store>) {
     );
 }
 
+fn private(conversation_id: &str, user_id: &str) -> StateKey {
+    StateKey::private_conversation(
+        "bot",
+        &ChannelId::parse("test", "channel_id").unwrap(),
+        &ConversationId::parse(conversation_id, "conversation.id").unwrap(),
+        &UserId::parse(user_id, "from.id").unwrap(),
+    )
+}
+
+fn other_bots_user(id: &str) -> StateKey {
+    StateKey::user(
+        "other",
+        &ChannelId::parse("test", "channel_id").unwrap(),
+        &UserId::parse(id, "from.id").unwrap(),
+    )
+}
+
+fn receipt_in(conversation_id: &str, id: &str) -> StateKey {
+    StateKey::receipt(
+        "bot",
+        &ChannelId::parse("test", "channel_id").unwrap(),
+        &ConversationId::parse(conversation_id, "conversation.id").unwrap(),
+        &turnstile::activity::incoming::ActivityId::parse(id, "id").unwrap(),
+    )
+}
+
+/// Erasure: a user's rows (every bot's user scope, their private scopes) or a conversation's
+/// (its scope, private scopes and hold) go with their receipts, and come back only above the
+/// versions they had: a turn that read them cannot commit them back.
+async fn erasure(store: Arc<dyn Store>) {
+    let store = store.as_ref();
+    let (ann, bob) = (user("ann"), user("bob"));
+    let anns_elsewhere = other_bots_user("ann");
+    let anns_private = private("c1", "ann");
+    let c1 = conversation("c1");
+    let hold = StateKey::hold(&c1);
+    for key in [&ann, &bob, &anns_elsewhere, &anns_private, &c1, &hold] {
+        committed(
+            commit(
+                store,
+                vec![write(key, Expected::Absent, json!({"who": "ann"}))],
+            )
+            .await,
+        );
+    }
+    // Ann's user scope reaches version 3.
+    for v in 1..3 {
+        committed(
+            commit(
+                store,
+                vec![write(
+                    &ann,
+                    Expected::Version(Version::new(v)),
+                    json!({"v": v}),
+                )],
+            )
+            .await,
+        );
+    }
+    let answered = |user: &str| Receipt::from(json!({"activities": [], "user": user}));
+    let (r1, r2, r3) = (
+        receipt_in("c1", "a1"),
+        receipt_in("c1", "b1"),
+        receipt_in("c2", "a2"),
+    );
+    for (key, who) in [(&r1, "test/ann"), (&r2, "test/bob"), (&r3, "test/ann")] {
+        let c2 = conversation(&format!("for-{key}"));
+        store
+            .commit(
+                Commit::new(vec![write(&c2, Expected::Absent, json!({}))])
+                    .with_receipt(key.clone(), answered(who)),
+            )
+            .await
+            .unwrap();
+    }
+
+    // A user nobody knows: nothing removed, and that is an answer, not an error.
+    let none = store
+        .erase(&Erasure::User("test/nobody".into()))
+        .await
+        .unwrap();
+    assert_eq!((none.rows.len(), none.receipts), (0, 0));
+    assert!(none.at.is_some());
+
+    let erased = store
+        .erase(&Erasure::User("test/ann".into()))
+        .await
+        .unwrap();
+    let mut expected = vec![
+        (ann.clone(), Version::new(3)),
+        (anns_elsewhere.clone(), Version::FIRST),
+        (anns_private.clone(), Version::FIRST),
+    ];
+    expected.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(erased.rows, expected);
+    let expected: Vec<StateKey> = expected.into_iter().map(|(key, _)| key).collect();
+    assert_eq!(
+        erased.receipts, 2,
+        "both of Ann's receipts, in two conversations"
+    );
+    for key in &expected {
+        assert_eq!(version_of(store, key).await, None, "{key} erased");
+    }
+    assert!(version_of(store, &bob).await.is_some(), "Bob's scope stays");
+    assert!(
+        version_of(store, &c1).await.is_some(),
+        "the conversation stays"
+    );
+    let loaded = store
+        .load(&[ann.clone(), bob.clone()], Some(&r2))
+        .await
+        .unwrap();
+    assert!(loaded.receipt().is_some(), "Bob's receipt stays");
+    assert!(
+        store
+            .load(&[], Some(&r1))
+            .await
+            .unwrap()
+            .receipt()
+            .is_none()
+    );
+
+    // A turn that read Ann's scope before the erasure cannot write it back, alone or with
+    // another key, nor create it as though it had never existed.
+    let stale = json!({"v": "resurrected"});
+    conflict(
+        commit(
+            store,
+            vec![write(
+                &ann,
+                Expected::Version(Version::new(3)),
+                stale.clone(),
+            )],
+        )
+        .await,
+    );
+    conflict(
+        commit(
+            store,
+            vec![
+                write(&ann, Expected::Version(Version::new(3)), stale.clone()),
+                write(&bob, Expected::Version(Version::FIRST), json!({})),
+            ],
+        )
+        .await,
+    );
+    conflict(commit(store, vec![write(&ann, Expected::Absent, stale.clone())]).await);
+    conflict(commit(store, vec![check(&ann, Expected::Version(Version::new(3)))]).await);
+    assert_eq!(version_of(store, &ann).await, None);
+
+    // The replay finds it gone at 3, and creates it at 4: above every version a turn saw.
+    let snapshot = store.load(std::slice::from_ref(&ann), None).await.unwrap();
+    assert_eq!(snapshot.precondition(&ann), Expected::Gone(Version::new(3)));
+    let versions = committed(
+        commit(
+            store,
+            vec![write(
+                &ann,
+                Expected::Gone(Version::new(3)),
+                json!({"new": true}),
+            )],
+        )
+        .await,
+    );
+    assert_eq!(versions.get(&ann), Some(&Version::new(4)));
+    assert_eq!(
+        store
+            .load(std::slice::from_ref(&ann), None)
+            .await
+            .unwrap()
+            .precondition(&ann),
+        Expected::Version(Version::new(4)),
+        "a key created again is no longer gone"
+    );
+    // Erased again at 4: a create that saw it gone at 3 is stale.
+    store
+        .erase(&Erasure::User("test/ann".into()))
+        .await
+        .unwrap();
+    conflict(
+        commit(
+            store,
+            vec![write(&ann, Expected::Gone(Version::new(3)), json!({}))],
+        )
+        .await,
+    );
+    // Checked for absence, a gone key is as absent as any.
+    committed(commit(store, vec![check(&ann, Expected::Gone(Version::new(4)))]).await);
+
+    // A conversation: its scope, private scopes, hold and receipts, for every bot.
+    let deleted = store
+        .erase(&Erasure::Conversation("test/c1".into()))
+        .await
+        .unwrap();
+    let mut expected = vec![c1.clone(), hold.clone()];
+    expected.sort();
+    let keys: Vec<StateKey> = deleted.rows.iter().map(|(key, _)| key.clone()).collect();
+    assert_eq!(keys, expected, "Ann's private scope there went with Ann");
+    assert_eq!(
+        deleted.receipts, 1,
+        "Bob's receipt in c1 (Ann's went with her)"
+    );
+    assert_eq!(version_of(store, &c1).await, None);
+    assert!(
+        version_of(store, &bob).await.is_some(),
+        "a user scope is no conversation's"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_store_keeps_the_contract() {
     inspection(Arc::new(MemoryStore::new())).await;
+    erasure(Arc::new(MemoryStore::new())).await;
     conformance(Arc::new(MemoryStore::new())).await;
     exactly_one_concurrent_writer_wins(Arc::new(MemoryStore::new())).await;
     crossing_commits_do_not_deadlock(Arc::new(MemoryStore::new())).await;
@@ -614,6 +824,7 @@ async fn postgres_store() -> Arc<dyn Store> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_store_keeps_the_contract() {
     inspection(postgres_store().await).await;
+    erasure(postgres_store().await).await;
     conformance(postgres_store().await).await;
     exactly_one_concurrent_writer_wins(postgres_store().await).await;
     crossing_commits_do_not_deadlock(postgres_store().await).await;
@@ -631,6 +842,7 @@ async fn unprepared_postgres_store() -> Arc<dyn Store> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_store_without_prepared_statements_keeps_the_contract() {
     inspection(unprepared_postgres_store().await).await;
+    erasure(unprepared_postgres_store().await).await;
     conformance(unprepared_postgres_store().await).await;
     exactly_one_concurrent_writer_wins(unprepared_postgres_store().await).await;
     crossing_commits_do_not_deadlock(unprepared_postgres_store().await).await;
@@ -1242,4 +1454,103 @@ async fn group_commit_reports_a_lost_database_to_every_commit_of_a_batch() {
             "{key} unchanged"
         );
     }
+}
+
+/// A replica of the release before tombstones, serving beside this one during a rolling upgrade,
+/// creates keys at version 1 (`turnstile_commit` with 0, or its group commit's plain insert):
+/// the database raises the create above the key's tombstone, so that an erased row's versions
+/// never come back, whoever writes.
+#[tokio::test]
+async fn an_older_releases_create_lands_above_an_erased_rows_versions() {
+    let url = support::pg::fresh_database().await;
+    postgres::migrate(&DatabaseUrl::new(url.clone()))
+        .await
+        .unwrap();
+    let store = PostgresStore::connect(&DatabaseUrl::new(url.clone()), 2).unwrap();
+    let (ann, bob) = (user("ann"), private("c", "ann"));
+    for key in [&ann, &bob] {
+        committed(commit(&store, vec![write(key, Expected::Absent, json!({}))]).await);
+        committed(
+            commit(
+                &store,
+                vec![write(key, Expected::Version(Version::FIRST), json!({}))],
+            )
+            .await,
+        );
+    }
+    store
+        .erase(&Erasure::User("test/ann".into()))
+        .await
+        .unwrap();
+    let db = support::pg::session(&url).await;
+    // 0.1.0's turnstile_commit call, creating the user scope at "1".
+    let row = db
+        .query_one(
+            "SELECT conflict_key, versions FROM turnstile_commit($1, $2, $3, NULL, NULL)",
+            &[
+                &vec![ann.as_str()],
+                &vec![0_i64],
+                &vec![tokio_postgres::types::Json(json!({}))],
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, Option<String>>(0), None);
+    assert_eq!(
+        row.get::<_, Vec<i64>>(1),
+        vec![3],
+        "created above version 2"
+    );
+    // 0.1.0's group commit's create.
+    let created: i64 = db
+        .query_one(
+            "INSERT INTO turnstile_state (key, state, version) VALUES ($1, '{}', 1) \
+             ON CONFLICT (key) DO NOTHING RETURNING version",
+            &[&bob.as_str()],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(created, 3);
+    // And a turn that read either at 2 conflicts.
+    for key in [&ann, &bob] {
+        conflict(
+            commit(
+                &store,
+                vec![write(key, Expected::Version(Version::new(2)), json!({}))],
+            )
+            .await,
+        );
+    }
+}
+
+/// Tombstones are pruned with the receipts, once a day old: no turn, nor cached guess, that read
+/// the deleted row lives that long.
+#[tokio::test]
+async fn tombstones_go_after_a_day() {
+    let url = support::pg::fresh_database().await;
+    postgres::migrate(&DatabaseUrl::new(url.clone())).await.unwrap();
+    let store = PostgresStore::connect(&DatabaseUrl::new(url.clone()), 2).unwrap();
+    for id in ["old", "new"] {
+        committed(commit(&store, vec![write(&user(id), Expected::Absent, json!({}))]).await);
+        store
+            .erase(&Erasure::User(format!("test/{id}")))
+            .await
+            .unwrap();
+    }
+    let db = support::pg::session(&url).await;
+    db.execute(
+        "UPDATE turnstile_tombstone SET erased_at = now() - interval '25 hours' \
+          WHERE key_hash = turnstile_key_hash($1)",
+        &[&user("old").as_str()],
+    )
+    .await
+    .unwrap();
+    store
+        .prune_receipts(std::time::Duration::from_secs(3600))
+        .await
+        .unwrap();
+    let left = store.load(&[user("old"), user("new")], None).await.unwrap();
+    assert_eq!(left.precondition(&user("old")), Expected::Absent);
+    assert_eq!(left.precondition(&user("new")), Expected::Gone(Version::FIRST));
 }

@@ -83,15 +83,16 @@ const UPDATE_ONE: Sql = Sql {
     ),
     types: &[Type::TEXT, Type::JSONB, Type::INT8, Type::TEXT, Type::JSONB],
 };
-/// [`UPDATE_ONE`] for a key the turn found absent: created, or no row when it appeared meanwhile.
+/// [`UPDATE_ONE`] for a key the turn found absent: created at the version `$5` encodes (a
+/// strict create, [`expected_version`]), or no row when it appeared, or was deleted, meanwhile.
 const CREATE_ONE: Sql = Sql {
     text: write_one!(
-        "INSERT INTO turnstile_state (key, state, version) VALUES ($1, $2, 1) \
+        "INSERT INTO turnstile_state (key, state, version) VALUES ($1, $2, $5) \
          ON CONFLICT (key) DO NOTHING RETURNING version",
         "$3",
         "$4"
     ),
-    types: &[Type::TEXT, Type::JSONB, Type::TEXT, Type::JSONB],
+    types: &[Type::TEXT, Type::JSONB, Type::TEXT, Type::JSONB, Type::INT8],
 };
 /// The single-scope commits of a batch, one row per turn (`ord` is the turn's place in the
 /// batch, from 1), in one statement. Writes are the checks, as in [`UPDATE_ONE`]: an update whose
@@ -117,12 +118,12 @@ WITH input AS ( \
   RETURNING i.ord, t.version \
 ), created AS ( \
   INSERT INTO turnstile_state (key, state, version) \
-  SELECT key, state, 1 FROM input WHERE expected = 0 ORDER BY key \
+  SELECT key, state, expected FROM input WHERE expected < 0 ORDER BY key \
   ON CONFLICT (key) DO NOTHING RETURNING key, version \
 ), written AS ( \
   SELECT ord, version FROM updated \
   UNION ALL \
-  SELECT i.ord, c.version FROM created c JOIN input i ON i.key = c.key AND i.expected = 0 \
+  SELECT i.ord, c.version FROM created c JOIN input i ON i.key = c.key AND i.expected < 0 \
 ), receipt AS ( \
   INSERT INTO turnstile_receipt (key, payload) \
   SELECT i.receipt_key, i.receipt FROM written w JOIN input i USING (ord) \
@@ -689,14 +690,18 @@ async fn commit_alone(
         .receipt
         .as_ref()
         .map(|(_, payload)| Jsonb::Text(payload.text()));
+    let expected = expected_version(write.expected)?;
     let rows = match write.expected {
-        Expected::Absent => {
+        Expected::Absent | Expected::Gone(_) => {
             CREATE_ONE
-                .query(client, statements, &[&key, &state, &receipt_key, &receipt])
+                .query(
+                    client,
+                    statements,
+                    &[&key, &state, &receipt_key, &receipt, &expected],
+                )
                 .await
         }
         Expected::Version(_) => {
-            let expected = expected_version(write.expected)?;
             UPDATE_ONE
                 .query(
                     client,
@@ -740,12 +745,7 @@ fn stored_version(version: i64) -> Result<Version, StoreError> {
         .map_err(|e| StoreError::Unexpected(e.into()))
 }
 
-/// The version a write expects, as the statements take it: 0 for a key expected absent.
+/// The version a write expects, as the statements take it ([`super::expected_param`]).
 fn expected_version(expected: Expected) -> Result<i64, StoreError> {
-    match expected {
-        Expected::Absent => Ok(0),
-        Expected::Version(v) => {
-            i64::try_from(v.get()).map_err(|e| StoreError::Unexpected(e.into()))
-        }
-    }
+    super::expected_param(expected)
 }
