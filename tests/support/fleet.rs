@@ -1,6 +1,6 @@
 //! Real `turnstile serve` processes sharing one database, as replicas run in production: each
-//! started from the built binary with a clean environment, killed or restarted on demand, and
-//! stopped with SIGTERM. Whatever happens to the test, no process outlives it: dropping the fleet
+//! started from the built binary (or another, such as the previous release's, see [`Program`])
+//! with a clean environment, added, killed, restarted or stopped with SIGTERM on demand. Whatever happens to the test, no process outlives it: dropping the fleet
 //! SIGKILLs every server still running.
 //!
 //! Each server's log goes to a file (a pipe nobody reads would fill and stall the server); after a
@@ -8,7 +8,7 @@
 
 use std::fs::File;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
@@ -24,6 +24,48 @@ const READY_WITHIN: Duration = Duration::from_secs(30);
 /// How long a server may take to exit after SIGTERM.
 const STOP_WITHIN: Duration = Duration::from_secs(20);
 
+/// What a server runs: a `turnstile` binary, with arguments after `serve` and environment of its
+/// own beyond the fleet's.
+#[derive(Debug, Clone)]
+pub struct Program {
+    binary: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+}
+
+impl Program {
+    /// This build's `turnstile` binary.
+    pub fn this_build() -> Program {
+        Program::binary(env!("CARGO_BIN_EXE_turnstile"))
+    }
+
+    /// The `turnstile` binary at `path` (another release's, say).
+    pub fn binary(path: impl Into<PathBuf>) -> Program {
+        Program {
+            binary: path.into(),
+            args: Vec::new(),
+            env: Vec::new(),
+        }
+    }
+
+    /// Also passes `arg` after `serve`.
+    pub fn arg(mut self, arg: impl Into<String>) -> Program {
+        self.args.push(arg.into());
+        self
+    }
+
+    /// Also sets the environment variable `key` (after the fleet's, so it wins).
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Program {
+        self.env.push((key.into(), value.into()));
+        self
+    }
+
+    /// The binary's path.
+    pub fn path(&self) -> &Path {
+        &self.binary
+    }
+}
+
 /// Server processes of the `turnstile` binary, all with the same database. Its blocking waits use
 /// `block_in_place`, so it needs a multi-thread runtime: the test's other tasks (the load) keep
 /// running meanwhile.
@@ -36,6 +78,7 @@ pub struct Fleet {
 }
 
 struct Server {
+    program: Program,
     port: u16,
     child: Option<Child>,
     starts: usize,
@@ -51,21 +94,10 @@ impl Fleet {
 
     /// [`Fleet::start`], each server also getting the environment variables `env`.
     pub async fn start_with_env(n: usize, database_url: &str, env: &[(&str, &str)]) -> Fleet {
-        let logs = tempfile::Builder::new()
-            .prefix("turnstile-fleet-")
-            .tempdir()
-            .expect("creating a directory for server logs");
-        let mut fleet = Fleet {
-            servers: Vec::with_capacity(n),
-            database_url: database_url.to_owned(),
-            env: env
-                .iter()
-                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                .collect(),
-            logs: Some(logs),
-        };
+        let mut fleet = Fleet::new_with_env(database_url, env);
         for _ in 0..n {
             fleet.servers.push(Server {
+                program: Program::this_build(),
                 port: 0,
                 child: None,
                 starts: 0,
@@ -73,23 +105,65 @@ impl Fleet {
             });
         }
         for i in 0..n {
-            // A free port found by binding port 0 can be taken by someone else before the server
-            // binds it; then the server exits at once, and a new port is tried.
-            let mut tries = 0;
-            loop {
-                tries += 1;
-                fleet.servers[i].port = free_port();
-                fleet.spawn(i);
-                match fleet.wait_ready(i).await {
-                    Ok(()) => break,
-                    Err(why) if tries < 3 => {
-                        eprintln!("server {i} did not start ({why}); retrying")
-                    }
-                    Err(why) => panic!("server {i} did not start: {why}"),
-                }
-            }
+            fleet.first_start(i).await;
         }
         fleet
+    }
+
+    /// A fleet of no server yet, with state in `database_url`; [`Fleet::add`] starts them.
+    pub fn new(database_url: &str) -> Fleet {
+        Self::new_with_env(database_url, &[])
+    }
+
+    /// [`Fleet::new`], each server also getting the environment variables `env`.
+    pub fn new_with_env(database_url: &str, env: &[(&str, &str)]) -> Fleet {
+        let logs = tempfile::Builder::new()
+            .prefix("turnstile-fleet-")
+            .tempdir()
+            .expect("creating a directory for server logs");
+        Fleet {
+            servers: Vec::new(),
+            database_url: database_url.to_owned(),
+            env: env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            logs: Some(logs),
+        }
+    }
+
+    /// Starts one more server, running `program`, on a free port and waits until it serves;
+    /// returns its index.
+    pub async fn add(&mut self, program: Program) -> usize {
+        self.servers.push(Server {
+            program,
+            port: 0,
+            child: None,
+            starts: 0,
+            log: PathBuf::new(),
+        });
+        let i = self.servers.len() - 1;
+        self.first_start(i).await;
+        i
+    }
+
+    /// Starts server `i` for the first time and waits until it serves. A free port found by
+    /// binding port 0 can be taken by someone else before the server binds it; then the server
+    /// exits at once, and a new port is tried.
+    async fn first_start(&mut self, i: usize) {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            self.servers[i].port = free_port();
+            self.spawn(i);
+            match self.wait_ready(i).await {
+                Ok(()) => break,
+                Err(why) if tries < 3 => {
+                    eprintln!("server {i} did not start ({why}); retrying")
+                }
+                Err(why) => panic!("server {i} did not start: {why}"),
+            }
+        }
     }
 
     /// The servers' gRPC addresses, by index.
@@ -129,37 +203,29 @@ impl Fleet {
     /// end of their logs.
     pub fn stop(&mut self) -> Vec<(ExitStatus, String)> {
         for server in &self.servers {
-            if let Some(child) = &server.child {
-                let sent = Command::new("kill")
-                    .args(["-TERM", &child.id().to_string()])
-                    .status()
-                    .expect("running kill");
-                assert!(sent.success(), "SIGTERM to server on port {}", server.port);
-            }
+            server.sigterm();
         }
         let deadline = std::time::Instant::now() + STOP_WITHIN;
-        let mut exits = Vec::new();
-        for server in &mut self.servers {
-            let Some(mut child) = server.child.take() else {
-                continue;
-            };
-            let status = tokio::task::block_in_place(|| {
-                loop {
-                    if let Some(status) = child.try_wait().expect("polling a server") {
-                        return status;
-                    }
-                    if std::time::Instant::now() > deadline {
-                        let _ = child.kill();
-                        let status = child.wait().expect("reaping a server");
-                        eprintln!("server on port {} ignored SIGTERM; killed", server.port);
-                        return status;
-                    }
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            });
-            exits.push((status, tail(&server.log)));
-        }
-        exits
+        self.servers
+            .iter_mut()
+            .filter_map(|server| server.exit_by(deadline))
+            .collect()
+    }
+
+    /// SIGTERMs server `i` alone, as a rollout stops a pod, and waits for it to exit (to drain);
+    /// returns its exit status with the end of its log.
+    pub fn terminate(&mut self, i: usize) -> (ExitStatus, String) {
+        let server = &mut self.servers[i];
+        assert!(server.child.is_some(), "server {i} is running");
+        server.sigterm();
+        server
+            .exit_by(std::time::Instant::now() + STOP_WITHIN)
+            .expect("a running server exits")
+    }
+
+    /// Server `i`'s whole log since its last start.
+    pub fn log(&self, i: usize) -> String {
+        std::fs::read_to_string(&self.servers[i].log).unwrap_or_default()
     }
 
     /// Starts server `i`'s process on its port, its output in a fresh log file.
@@ -169,19 +235,21 @@ impl Fleet {
         server.starts += 1;
         server.log = dir.join(format!("server-{i}.{}.log", server.starts));
         let log = File::create(&server.log).expect("creating a server log");
-        let child = Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        let child = Command::new(&server.program.binary)
             .arg("serve")
+            .args(&server.program.args)
             .env_clear()
             .env("TURNSTILE_LISTEN", format!("127.0.0.1:{}", server.port))
             .env("DATABASE_URL", &self.database_url)
             .env("RUST_LOG", "warn")
             .env("TURNSTILE_SHUTDOWN_GRACE_SECS", "5")
             .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .envs(server.program.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::from(log.try_clone().expect("log file handle")))
             .stderr(Stdio::from(log))
             .spawn()
-            .expect("starting the turnstile binary");
+            .unwrap_or_else(|e| panic!("starting {:?}: {e}", server.program.binary));
         server.child = Some(child);
     }
 
@@ -210,6 +278,40 @@ impl Fleet {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+}
+
+impl Server {
+    /// Sends SIGTERM, if the server runs.
+    fn sigterm(&self) {
+        if let Some(child) = &self.child {
+            let sent = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status()
+                .expect("running kill");
+            assert!(sent.success(), "SIGTERM to server on port {}", self.port);
+        }
+    }
+
+    /// Waits for the server to exit, SIGKILLing it at `deadline`; its exit status and the end of
+    /// its log, or `None` when it was not running.
+    fn exit_by(&mut self, deadline: std::time::Instant) -> Option<(ExitStatus, String)> {
+        let mut child = self.child.take()?;
+        let status = tokio::task::block_in_place(|| {
+            loop {
+                if let Some(status) = child.try_wait().expect("polling a server") {
+                    return status;
+                }
+                if std::time::Instant::now() > deadline {
+                    let _ = child.kill();
+                    let status = child.wait().expect("reaping a server");
+                    eprintln!("server on port {} ignored SIGTERM; killed", self.port);
+                    return status;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        Some((status, tail(&self.log)))
     }
 }
 

@@ -10,6 +10,7 @@ pub mod pg;
 pub mod pki;
 pub mod proxy;
 pub mod raw;
+pub mod release;
 pub mod streams;
 pub mod tools;
 

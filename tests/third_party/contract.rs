@@ -4,18 +4,15 @@
 #![allow(clippy::unwrap_used)]
 
 use crate::support;
+use support::release::{self, Release, repo};
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 
 const BUF: &str = "@bufbuild/buf@1.75.0";
 
 fn buf() -> PathBuf {
     support::tools::npm("bufbuild-buf-1.75.0", &[BUF]).join("node_modules/.bin/buf")
-}
-
-fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
 fn run_buf(args: &[&str]) -> Output {
@@ -28,29 +25,6 @@ fn run_buf(args: &[&str]) -> Output {
 
 fn text(output: &Output) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned() + &String::from_utf8_lossy(&output.stderr)
-}
-
-/// The newest release in CHANGELOG.md, as `(version, commit)`: the heading `## [X.Y.Z] — date`
-/// and, below it, the line `Released as tag vX.Y.Z, commit <sha>.`
-fn last_release() -> (String, String) {
-    let changelog = std::fs::read_to_string(repo().join("CHANGELOG.md")).unwrap();
-    let mut lines = changelog.lines();
-    while let Some(line) = lines.next() {
-        let Some(rest) = line.strip_prefix("## [") else {
-            continue;
-        };
-        let version = rest.split(']').next().unwrap();
-        if version.eq_ignore_ascii_case("unreleased") {
-            continue;
-        }
-        let commit = lines
-            .find_map(|l| l.split_once(", commit ").map(|(_, c)| c))
-            .unwrap_or_else(|| panic!("release {version} names no commit in CHANGELOG.md"))
-            .trim_end_matches('.')
-            .to_owned();
-        return (version.to_owned(), commit);
-    }
-    panic!("CHANGELOG.md names no release");
 }
 
 /// buf's git input for `commit`: by its tag when this clone has it, else by the commit itself.
@@ -85,7 +59,7 @@ fn the_protos_pass_buf_lint() {
 
 #[test]
 fn the_contract_has_not_broken_since_the_last_release() {
-    let (version, commit) = last_release();
+    let Release { version, commit } = release::last();
     let against = against(&version, &commit);
     let output = run_buf(&["breaking", "proto", "--against", &against]);
     assert!(

@@ -1,7 +1,7 @@
 //! Turnstile's tests against third-party tools that the tests install for themselves from npm,
 //! PyPI or apt, under `<target dir>/tools`: Chromium with Web Chat, helm, the SDKs built as a
 //! wheel and a tarball and installed as a user installs them, Python's grpcio, grpcurl, buf,
-//! PgBouncer.
+//! PgBouncer, and the previous release's `turnstile`, built from its commit.
 //!
 //! They are a target of their own so that the core suite (`cargo test --test api`) passes on a
 //! machine without the network; `cargo test` runs both. A tool that cannot be installed fails
@@ -16,4 +16,5 @@ mod contract;
 mod error_details;
 mod helm_chart;
 mod pooler;
+mod upgrade;
 mod workers;
