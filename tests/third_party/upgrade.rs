@@ -21,6 +21,10 @@
 //! counted exactly once, and every redelivery — within one binary or across them, before the
 //! rollout or after — was answered from the turn's receipt, with the same replies, without the
 //! bot's change being applied again.
+//!
+//! Erasure, new in this release, meets the old release too: a conversation deleted through a new
+//! replica while an old one has it in its cache must start afresh on the old one, truthfully
+//! answered, and its deleted data must not come back.
 #![allow(clippy::unwrap_used)]
 
 use crate::support;
@@ -40,6 +44,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
 use tonic::Code;
 use turnstile::grpc::pb;
+use turnstile::grpc::pb::admin_service_client::AdminServiceClient;
 use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
 
 const SHAPE: Shape = Shape {
@@ -75,6 +80,14 @@ const HELD_DELAY_MS: &str = "30";
 const HELD_CONVERSATIONS: usize = 2;
 /// Workers sending it turns, to any replica of either binary.
 const HELD_WORKERS: usize = 4;
+
+/// The conversation of the erasure probe, and the sample bot it talks to (in both releases).
+const ERASED: &str = "erased-1";
+const ERASED_BOT: &str = "pizza";
+/// Its key.
+const ERASED_KEY: &str = "pizza/test/conversations/erased-1";
+/// The new replicas' admin token (0.1.0 has no admin service).
+const ADMIN: &str = "upgrade-admin-token";
 
 const OLD: &str = "old";
 const NEW: &str = "new";
@@ -815,5 +828,189 @@ async fn old_and_new_replicas_serving_together_through_a_rollout_lose_and_double
         held_acks.iter().any(|a| a.binary == OLD && !a.redelivered)
             && held_acks.iter().any(|a| a.binary == NEW && !a.redelivered),
         "the held bot's turns were not committed by both binaries"
+    );
+}
+
+/// Sends `text` to the pizza bot in the erasure test's conversation, through the replica at
+/// `to`: the toppings its reply names, or the status it failed with (and the activity's id).
+async fn order(to: SocketAddr, text: &str) -> (String, Result<Vec<String>, tonic::Status>) {
+    let activity = support::message(ERASED, "user-erased", text);
+    let id = activity.id.clone().unwrap();
+    let request = pb::ProcessTurnRequest::typed(activity, ERASED_BOT);
+    let toppings = try_process_on(to, request).await.map(|response| {
+        support::texts(&response)
+            .first()
+            .map(|reply| support::toppings(reply))
+            .unwrap_or_default()
+    });
+    (id, toppings)
+}
+
+/// Adds a violation unless `said` is `expected`.
+fn expect(
+    violations: &mut Vec<String>,
+    what: &str,
+    said: Result<Vec<String>, tonic::Status>,
+    expected: &[&str],
+) {
+    match said {
+        Ok(said) if said == expected => {}
+        Ok(said) => violations.push(format!(
+            "{what}: the pizza has {said:?}, expected {expected:?}"
+        )),
+        Err(status) => violations.push(format!(
+            "{what}: failed with {:?} {:?}, expected the pizza to have {expected:?}",
+            status.code(),
+            status.message()
+        )),
+    }
+}
+
+/// What the database holds of the erasure test's conversation and of activity `id`'s receipt.
+async fn erased_rows(url: &str, id: &str) -> String {
+    let db = support::pg::session(url).await;
+    let state = db
+        .query_opt(
+            "SELECT version, state::text FROM turnstile_state WHERE key = $1",
+            &[&ERASED_KEY],
+        )
+        .await
+        .unwrap()
+        .map(|row| {
+            format!(
+                "version {} {}",
+                row.get::<_, i64>(0),
+                row.get::<_, String>(1)
+            )
+        });
+    let receipt = db
+        .query_opt(
+            "SELECT payload::text FROM turnstile_receipt WHERE key = $1",
+            &[&format!("{ERASED_KEY}/activities/{id}")],
+        )
+        .await
+        .unwrap()
+        .map(|row| row.get::<_, String>(0));
+    format!("state row: {state:?}; receipt of {id}: {receipt:?}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_deleted_through_a_new_replica_starts_afresh_on_an_old_one() {
+    let old_binary = tokio::task::spawn_blocking(|| release::last().binary())
+        .await
+        .unwrap();
+    let url = support::pg::fresh_database().await;
+    let mut fleet = Fleet::new_with_env(&url, &[("TURNSTILE_GATEWAY_LISTEN", "off")]);
+    let old = fleet.add(Program::binary(&old_binary)).await;
+    let new = fleet
+        .add(Program::this_build().env("TURNSTILE_ADMIN_TOKENS", ADMIN))
+        .await;
+    let (old, new) = (fleet.addrs()[old], fleet.addrs()[new]);
+    let mut violations = Vec::new();
+
+    // The old replica has the conversation in its cache, at version 2.
+    expect(
+        &mut violations,
+        "old, before",
+        order(old, "add mushroom").await.1,
+        &["mushroom"],
+    );
+    expect(
+        &mut violations,
+        "old, before",
+        order(old, "add cheese").await.1,
+        &["mushroom", "cheese"],
+    );
+    let mut admin = AdminServiceClient::connect(format!("http://{new}"))
+        .await
+        .unwrap();
+    let mut delete = tonic::Request::new(pb::DeleteConversationRequest {
+        channel_id: load::CHANNEL.into(),
+        conversation_id: ERASED.into(),
+    });
+    delete
+        .metadata_mut()
+        .insert("authorization", format!("Bearer {ADMIN}").parse().unwrap());
+    let record = admin
+        .delete_conversation(delete)
+        .await
+        .unwrap_or_else(|s| panic!("DeleteConversation on the new replica: {s:?}"))
+        .into_inner()
+        .record
+        .expect("an erasure record");
+    assert!(
+        !record.scopes.is_empty(),
+        "DeleteConversation found nothing to delete: {record:?}"
+    );
+
+    // The old replica's next turn starts from nothing, and says so.
+    let (id, olives) = order(old, "add olives").await;
+    if let Err(status) = &olives {
+        // Evidence: whether the turn committed after all, and what its redelivery gets.
+        let rows = erased_rows(&url, &id).await;
+        let request = pb::ProcessTurnRequest::typed(
+            pb::Activity {
+                id: Some(id.clone()),
+                ..support::message(ERASED, "user-erased", "add olives")
+            },
+            ERASED_BOT,
+        );
+        let again = try_process_on(old, request).await;
+        violations.push(format!(
+            "after the deletion, the old replica failed `add olives` ({id}) with {:?} {:?}; the \
+             database then held {rows}; the same activity delivered again to it was answered {:?}",
+            status.code(),
+            status.message(),
+            again
+                .map(|r| answer(&r))
+                .map_err(|s| (s.code(), s.message().to_owned())),
+        ));
+    }
+    expect(
+        &mut violations,
+        "old, its cache holding the deleted state",
+        olives,
+        &["olives"],
+    );
+    expect(
+        &mut violations,
+        "new, after the old one's turn",
+        order(new, "add ham").await.1,
+        &["olives", "ham"],
+    );
+    expect(
+        &mut violations,
+        "old, after the new one's turn",
+        order(old, "show").await.1,
+        &["olives", "ham"],
+    );
+    let resurrected: i64 = support::pg::session(&url)
+        .await
+        .query_one(
+            "SELECT count(*) FROM turnstile_state WHERE state::text LIKE '%mushroom%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    if resurrected != 0 {
+        violations.push(format!(
+            "{resurrected} state rows hold the deleted conversation's toppings again"
+        ));
+    }
+    let logs = [fleet.log(0), fleet.log(1)];
+    for (status, log) in fleet.stop() {
+        assert!(
+            status.success(),
+            "a replica did not stop cleanly ({status}):\n{log}"
+        );
+    }
+    assert!(
+        violations.is_empty(),
+        "{} violations:\n{}\n\nthe old replica's log:\n{}\nthe new replica's log:\n{}",
+        violations.len(),
+        violations.join("\n"),
+        logs[0],
+        logs[1]
     );
 }
