@@ -73,6 +73,10 @@ pub struct Config {
     pub state_cache_bytes: usize,
     /// The largest state a bot may write to one scope, as JSON text.
     pub max_scope_bytes: usize,
+    /// How long each scope's state lives unwritten before it reads as absent; none by default.
+    pub ttls: crate::store::Ttls,
+    /// How often a replica sweeps the expired state away, once through (only with a TTL).
+    pub expiry_sweep_every: Duration,
     /// Bearer tokens a `TurnService` caller may present; with none here nor in
     /// `auth_tokens_file`, calls need no token.
     pub auth_tokens: Vec<Token>,
@@ -196,6 +200,8 @@ impl Default for Config {
             state_cache_entries: 100_000,
             state_cache_bytes: DEFAULT_STATE_CACHE_BYTES,
             max_scope_bytes: crate::engine::DEFAULT_MAX_SCOPE_BYTES,
+            ttls: crate::store::Ttls::NONE,
+            expiry_sweep_every: Duration::from_secs(60),
             auth_tokens: Vec::new(),
             auth_tokens_file: None,
             admin_tokens: Vec::new(),
@@ -331,6 +337,17 @@ pub struct ServeArgs {
     #[arg(help_heading = "Limits", long, env = "TURNSTILE_MAX_SCOPE_BYTES", default_value_t = crate::engine::DEFAULT_MAX_SCOPE_BYTES,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_scope_bytes: usize,
+    /// How long a conversation's state lives unwritten (`30d`, `12h`, `90m`, `45s`): after that
+    /// it reads as absent, and a sweep deletes it. Never, unless set.
+    #[arg(help_heading = "Limits", long, env = "TURNSTILE_CONVERSATION_TTL", value_parser = parse_ttl)]
+    pub conversation_ttl: Option<Duration>,
+    /// How long a user's state lives unwritten, as `--conversation-ttl`.
+    #[arg(help_heading = "Limits", long, env = "TURNSTILE_USER_TTL", value_parser = parse_ttl)]
+    pub user_ttl: Option<Duration>,
+    /// How long a user's private state in a conversation lives unwritten, as
+    /// `--conversation-ttl`.
+    #[arg(help_heading = "Limits", long, env = "TURNSTILE_PRIVATE_CONVERSATION_TTL", value_parser = parse_ttl)]
+    pub private_conversation_ttl: Option<Duration>,
     /// Most turns in flight; beyond it calls are refused at once with RESOURCE_EXHAUSTED.
     /// Default: 32 per pool connection with PostgreSQL, 1024 in memory.
     #[arg(help_heading = "Limits", long, env = "TURNSTILE_MAX_IN_FLIGHT",
@@ -498,6 +515,11 @@ pub struct ServeArgs {
     #[arg(help_heading = "Tuning", long, env = "TURNSTILE_RECEIPT_RETENTION_SECS", default_value_t = 24 * 60 * 60,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub receipt_retention_secs: u64,
+    /// Seconds between two sweeps of expired state by this replica, each through every key in
+    /// batches of 1,000 (only with a TTL set).
+    #[arg(help_heading = "Tuning", long, env = "TURNSTILE_EXPIRY_SWEEP_SECS", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub expiry_sweep_secs: u64,
     /// Keys whose last committed state this replica remembers, so that a conversation's next
     /// turn here skips the load (one database round trip instead of two); 0 turns it off.
     #[arg(
@@ -568,6 +590,17 @@ impl std::str::FromStr for GatewayListen {
     }
 }
 
+/// A time to live as operators write it: `30d`, `12h`, `90m`, `45s`, `1h 30m`; at least a
+/// second.
+fn parse_ttl(value: &str) -> Result<Duration, String> {
+    let ttl = humantime::parse_duration(value.trim())
+        .map_err(|e| format!("`{value}` is not a duration such as 30d, 12h, 90m or 45s ({e})"))?;
+    if ttl < Duration::from_secs(1) {
+        return Err(format!("`{value}` is under a second"));
+    }
+    Ok(ttl)
+}
+
 /// `BOT=POLICY`, as `--double-text` takes it.
 fn parse_double_text(value: &str) -> Result<(String, crate::bot::DoubleText), String> {
     let (bot, policy) = value
@@ -619,6 +652,12 @@ impl ServeArgs {
             state_cache_entries: self.state_cache_entries,
             state_cache_bytes: self.state_cache_bytes,
             max_scope_bytes: self.max_scope_bytes,
+            ttls: crate::store::Ttls {
+                conversation: self.conversation_ttl,
+                user: self.user_ttl,
+                private_conversation: self.private_conversation_ttl,
+            },
+            expiry_sweep_every: Duration::from_secs(self.expiry_sweep_secs),
             auth_tokens: self
                 .auth_tokens
                 .as_deref()
@@ -880,6 +919,42 @@ mod server_flags {
             crate::server::with_policies(cli.serve.bots(), &cli.serve.config()).is_err(),
             "an unknown bot is refused"
         );
+    }
+
+    #[test]
+    fn times_to_live_are_off_by_default_and_malformed_ones_are_refused_naming_the_flag() {
+        let cli = Cli::try_parse_from(["turnstile"]).expect("valid arguments");
+        assert!(!cli.serve.config().ttls.any());
+        let cli = Cli::try_parse_from([
+            "turnstile",
+            "--conversation-ttl",
+            "30d",
+            "--user-ttl",
+            "400d",
+            "--private-conversation-ttl",
+            "1h 30m",
+        ])
+        .expect("valid arguments");
+        let ttls = cli.serve.config().ttls;
+        assert_eq!(ttls.conversation, Some(Duration::from_secs(30 * 86_400)));
+        assert_eq!(ttls.user, Some(Duration::from_secs(400 * 86_400)));
+        assert_eq!(ttls.private_conversation, Some(Duration::from_secs(5_400)));
+        for (flag, value) in [
+            ("--conversation-ttl", "30"),
+            ("--user-ttl", "forever"),
+            ("--private-conversation-ttl", "500ms"),
+            ("--conversation-ttl", ""),
+            ("--conversation-ttl", "1 fortnight"),
+        ] {
+            let err = Cli::try_parse_from(["turnstile", flag, value])
+                .expect_err("refused")
+                .to_string();
+            assert!(err.contains(flag), "{value}: {err}");
+            assert!(
+                err.contains("30d") || err.contains("under a second"),
+                "{value}: {err}"
+            );
+        }
     }
 
     #[test]

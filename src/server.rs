@@ -124,7 +124,7 @@ async fn open(config: &Config) -> Result<(Arc<dyn Store>, Option<PostgresStore>)
                 "no database URL: keeping state in memory, which serves one replica only and is \
                  lost on exit; set --database-url (DATABASE_URL) to share state between replicas"
             );
-            (Arc::new(MemoryStore::new()), None)
+            (Arc::new(MemoryStore::new().with_ttls(config.ttls)), None)
         }
         StoreConfig::Postgres {
             url,
@@ -137,7 +137,8 @@ async fn open(config: &Config) -> Result<(Arc<dyn Store>, Option<PostgresStore>)
                 tracing::info!(applied, "database migrations up to date");
             }
             let store = PostgresStore::connect_with(url, *pool_size, config.statements)?
-                .with_commits_in_flight(*commits_in_flight);
+                .with_commits_in_flight(*commits_in_flight)
+                .with_ttls(config.ttls);
             let unmigrated = (!config.migrate_on_start).then(|| store.clone());
             (Arc::new(store), unmigrated)
         }
@@ -208,6 +209,10 @@ pub async fn serve(
         None => None,
     };
     let pruner = tokio::spawn(prune_receipts(Arc::clone(&store), config.receipt_retention));
+    let sweeper = config
+        .ttls
+        .any()
+        .then(|| tokio::spawn(sweep_expired(Arc::clone(&store), config.expiry_sweep_every)));
     let admin = AdminServiceServer::new(AdminApi::new(
         Arc::clone(&store),
         bots.clone(),
@@ -218,6 +223,7 @@ pub async fn serve(
             entries: config.state_cache_entries,
             bytes: config.state_cache_bytes,
         })
+        .with_ttls(config.ttls)
         .with_max_scope_bytes(config.max_scope_bytes);
     let max_message = config
         .limits
@@ -364,6 +370,9 @@ pub async fn serve(
         }
     };
     pruner.abort();
+    if let Some(sweeper) = sweeper {
+        sweeper.abort();
+    }
     if let Some(mut metrics) = metrics {
         metrics_stop.notify_one();
         match tokio::time::timeout(CONNECTION_CLOSE_WAIT, &mut metrics).await {
@@ -481,6 +490,40 @@ async fn check_schema(store: &PostgresStore, logged: &mut String) -> bool {
         *logged = waiting;
     }
     false
+}
+
+/// Keys one step of the expiry sweep looks at.
+const SWEEP_BATCH: usize = 1000;
+/// The pause between two steps of a sweep, so that a sweep through millions of keys is a trickle
+/// of short statements beside the turns, never a burst.
+const SWEEP_PAUSE: Duration = Duration::from_millis(50);
+
+/// Deletes the state that expired ([`crate::store::Ttls`]), going through every key in bounded
+/// steps, once every `every`. Expired state already reads as absent; this gives its room back.
+/// Every replica sweeps; a row another replica's step has is skipped.
+async fn sweep_expired(store: Arc<dyn Store>, every: Duration) {
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let mut after: Option<String> = None;
+        loop {
+            match store.sweep_expired(after.as_deref(), SWEEP_BATCH).await {
+                Ok(swept) => {
+                    crate::telemetry::metrics::state_expired(swept.deleted);
+                    match swept.next {
+                        Some(next) => after = Some(next),
+                        None => break,
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "sweeping expired state failed; will retry");
+                    break;
+                }
+            }
+            tokio::time::sleep(SWEEP_PAUSE).await;
+        }
+    }
 }
 
 /// Deletes receipts older than `retention`, a few times per retention period (at most every five

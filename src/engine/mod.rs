@@ -247,7 +247,16 @@ impl Engine {
     /// 0 turns it off.
     #[must_use]
     pub fn with_state_cache(mut self, size: CacheSize) -> Self {
-        self.store = Arc::new(CachedStore::new(self.store.inner().clone(), size));
+        let ttls = self.store.ttls();
+        self.store = Arc::new(CachedStore::new(self.store.inner().clone(), size).with_ttls(ttls));
+        self
+    }
+
+    /// The same engine, whose state cache guesses a row of a scope with a time to live only until
+    /// it would expire (the store reads expired rows as absent: `Store`'s `with_ttls`).
+    #[must_use]
+    pub fn with_ttls(mut self, ttls: crate::store::Ttls) -> Self {
+        self.store = Arc::new(self.store.with_ttls(ttls));
         self
     }
 
@@ -1619,6 +1628,14 @@ mod tests {
                         .await
                 }
             }
+        }
+
+        async fn sweep_expired(
+            &self,
+            after: Option<&str>,
+            batch: usize,
+        ) -> Result<crate::store::Swept, StoreError> {
+            self.inner.sweep_expired(after, batch).await
         }
 
         async fn erase(

@@ -160,7 +160,11 @@ mod tests {
         );
         // The user it answered, for erasure to find it by; JSON-escaped, and ignored on reading.
         let named = encode(&outcome, Some("test/a\"da"));
-        assert!(named.text().ends_with(r#","user":"test/a\"da"}"#), "{}", named.text());
+        assert!(
+            named.text().ends_with(r#","user":"test/a\"da"}"#),
+            "{}",
+            named.text()
+        );
         assert_eq!(decode(&named).expect("readable"), back);
         let stopped = TurnOutcome {
             stopped: true,

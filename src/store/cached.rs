@@ -34,7 +34,7 @@ use async_trait::async_trait;
 
 use super::{
     Commit, CommitOutcome, Consistency, ConversationLease, ConversationLock, KeyHasher, KeyMap,
-    Lease, LockedTurn, PoolStatus, Snapshot, Store, StoreError, Version, Versioned,
+    Lease, LockedTurn, PoolStatus, Snapshot, Store, StoreError, Ttls, Version, Versioned,
 };
 use crate::activity::JsonMap;
 use crate::state::StateKey;
@@ -59,6 +59,8 @@ struct Cached {
     entry: Entry,
     bytes: usize,
     at: std::time::Instant,
+    /// When it expires ([`Ttls`]): no guess after that.
+    until: Option<std::time::Instant>,
 }
 
 /// The last committed state of recently used keys.
@@ -70,6 +72,8 @@ pub(crate) struct StateCache {
     /// [`RECEIPT_SHARE`]th of that besides, within the cache's bytes.
     generation_bytes: usize,
     maps: Mutex<Generations>,
+    /// How long each scope lives unwritten: a row is guessed only until it would expire.
+    ttls: Ttls,
 }
 
 /// How much a cache may hold: at most `entries` keys and `bytes` bytes; either 0 disables it.
@@ -116,6 +120,16 @@ impl StateCache {
             generation,
             generation_bytes,
             maps: Mutex::default(),
+            ttls: Ttls::NONE,
+        }
+    }
+
+    /// This cache, empty, guessing rows of scopes with a time to live only until they expire.
+    pub(crate) fn with_ttls(self, ttls: Ttls) -> Self {
+        Self {
+            ttls,
+            maps: Mutex::default(),
+            ..self
         }
     }
 
@@ -137,12 +151,17 @@ impl StateCache {
         }
         let mut rows = KeyMap::with_capacity_and_hasher(keys.len(), KeyHasher::default());
         for key in keys {
+            let now = std::time::Instant::now();
+            let fresh = |cached: &Cached| {
+                now.duration_since(cached.at) < MAX_GUESS_AGE
+                    && cached.until.is_none_or(|until| now < until)
+            };
             let entry = match maps.young.get(key) {
-                Some(cached) if cached.at.elapsed() < MAX_GUESS_AGE => cached.entry.clone(),
+                Some(cached) if fresh(cached) => cached.entry.clone(),
                 Some(_) => return None,
                 None => {
                     let cached = maps.old.remove(key)?;
-                    if cached.at.elapsed() >= MAX_GUESS_AGE {
+                    if !fresh(&cached) {
                         return None;
                     }
                     let entry = cached.entry.clone();
@@ -159,8 +178,36 @@ impl StateCache {
         Some(Snapshot::new(rows, None))
     }
 
-    /// Remembers `entry` as the current row of `key`.
+    /// Remembers `entry` as the current row of `key`, just written: it expires after its scope's
+    /// time to live.
     pub(crate) fn remember(&self, key: StateKey, entry: Entry) {
+        let until = match (&entry, self.ttls.of(&key)) {
+            (Some(_), Some(ttl)) => std::time::Instant::now().checked_add(ttl),
+            _ => None,
+        };
+        self.remember_until(key, entry, until);
+    }
+
+    /// Remembers `entry` as the current row of `key`, as `snapshot` read it: a row of a scope
+    /// with a time to live only if the store said when it expires.
+    pub(crate) fn remember_read(&self, key: &StateKey, snapshot: &Snapshot) {
+        let entry = snapshot.get(key).cloned();
+        let until = match (&entry, self.ttls.of(key), snapshot.expiry(key)) {
+            (None, _, _) | (_, None, _) => None,
+            (Some(_), Some(_), Some(Some(remaining))) => {
+                std::time::Instant::now().checked_add(remaining)
+            }
+            // Expired: it reads as empty at its version until written again.
+            (Some(_), Some(_), Some(None)) => None,
+            (Some(_), Some(_), None) => {
+                self.forget([key]);
+                return;
+            }
+        };
+        self.remember_until(key.clone(), entry, until);
+    }
+
+    fn remember_until(&self, key: StateKey, entry: Entry, until: Option<std::time::Instant>) {
         if self.generation == 0 {
             return;
         }
@@ -174,7 +221,12 @@ impl StateCache {
         if let Some(young) = maps.young.get_mut(&key) {
             let was = young.bytes;
             if maps.young_bytes - was + bytes <= self.generation_bytes {
-                *young = Cached { entry, bytes, at };
+                *young = Cached {
+                    entry,
+                    bytes,
+                    at,
+                    until,
+                };
                 maps.young_bytes = maps.young_bytes - was + bytes;
                 return;
             }
@@ -194,7 +246,15 @@ impl StateCache {
             maps.old = mem::take(&mut maps.young);
             maps.young_bytes = 0;
         }
-        maps.young.insert(key, Cached { entry, bytes, at });
+        maps.young.insert(
+            key,
+            Cached {
+                entry,
+                bytes,
+                at,
+                until,
+            },
+        );
         maps.young_bytes += bytes;
     }
 
@@ -313,6 +373,33 @@ impl<S: Store> CachedStore<S> {
     }
 }
 
+impl<S> CachedStore<S> {
+    /// The times to live its cache keeps to.
+    pub fn ttls(&self) -> Ttls {
+        self.cache.ttls
+    }
+}
+
+impl<S: Clone> CachedStore<S> {
+    /// The same store before an empty cache of the same size, which guesses a row of a scope
+    /// with a time to live only until it would expire.
+    #[must_use]
+    pub fn with_ttls(&self, ttls: Ttls) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            cache: Arc::new(StateCache::with_ttls(
+                StateCache {
+                    generation: self.cache.generation,
+                    generation_bytes: self.cache.generation_bytes,
+                    maps: Mutex::default(),
+                    ttls: Ttls::NONE,
+                },
+                ttls,
+            )),
+        }
+    }
+}
+
 #[async_trait]
 impl<S: Store> Store for CachedStore<S> {
     async fn load(
@@ -338,11 +425,7 @@ impl<S: Store> Store for CachedStore<S> {
             return Ok(snapshot);
         }
         let snapshot = self.inner.load(keys, receipt).await?;
-        if self.cache.is_enabled() {
-            for key in keys {
-                self.cache.remember(key.clone(), snapshot.get(key).cloned());
-            }
-        }
+        self.remember_loaded(keys, &snapshot);
         Ok(snapshot)
     }
 
@@ -414,6 +497,14 @@ impl<S: Store> Store for CachedStore<S> {
                 other => other,
             },
         )
+    }
+
+    async fn sweep_expired(
+        &self,
+        after: Option<&str>,
+        batch: usize,
+    ) -> Result<crate::store::Swept, StoreError> {
+        self.inner.sweep_expired(after, batch).await
     }
 
     /// Erases in the store, and forgets what this replica cached of it.
@@ -494,7 +585,7 @@ impl<S> CachedStore<S> {
     fn remember_loaded(&self, keys: &[StateKey], snapshot: &Snapshot) {
         if self.cache.is_enabled() {
             for key in keys {
-                self.cache.remember(key.clone(), snapshot.get(key).cloned());
+                self.cache.remember_read(key, snapshot);
             }
         }
     }

@@ -14,7 +14,7 @@ use async_trait::async_trait;
 use super::{
     Commit, CommitOutcome, ConversationLock, Erased, Erasure, Expected, Handed, Inspected,
     InspectedReceipt, InspectedRow, KeyMap, LockedTurn, Others, Pending, Receipt, Snapshot, Store,
-    StoreError, Version, Versioned, Versions,
+    StoreError, Swept, Ttls, Version, Versioned, Versions,
 };
 use crate::state::StateKey;
 
@@ -25,6 +25,8 @@ pub struct MemoryStore {
     /// Each conversation's hold ([`Store::hold_conversation`]), by conversation; kept for the
     /// store's life, as its rows are.
     holds: Mutex<KeyMap<Arc<Hold>>>,
+    /// How long each scope lives unwritten.
+    ttls: Ttls,
 }
 
 /// One conversation's hold in memory: a fair async mutex, so that the turns waiting for it get
@@ -63,6 +65,13 @@ impl MemoryStore {
     /// An empty store.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// This store, where a row unwritten for its scope's time to live reads as absent (empty, at
+    /// its version) and [`Store::sweep_expired`] deletes it.
+    #[must_use]
+    pub fn with_ttls(self, ttls: Ttls) -> Self {
+        Self { ttls, ..self }
     }
 
     fn tables(&self) -> MutexGuard<'_, Tables> {
@@ -152,12 +161,39 @@ impl Store for MemoryStore {
         receipt: Option<&StateKey>,
     ) -> Result<Snapshot, StoreError> {
         let tables = self.tables();
+        let mut expiries = Vec::new();
         let found = keys
             .iter()
-            .filter_map(|k| tables.rows.get(k).map(|row| (k.clone(), row.clone())))
+            .filter_map(|k| {
+                let row = tables.rows.get(k)?;
+                let Some(ttl) = self.ttls.of(k) else {
+                    return Some((k.clone(), row.clone()));
+                };
+                let age = tables
+                    .written
+                    .get(k)
+                    .and_then(|at| at.elapsed().ok())
+                    .unwrap_or_default();
+                let remaining = ttl.checked_sub(age).filter(|r| !r.is_zero());
+                expiries.push((k.clone(), remaining));
+                Some(match remaining {
+                    Some(_) => (k.clone(), row.clone()),
+                    // Expired: absent to the turn, its version kept for the commit.
+                    None => (
+                        k.clone(),
+                        Versioned {
+                            state: Arc::default(),
+                            version: row.version,
+                        },
+                    ),
+                })
+            })
             .collect();
         let receipt = receipt.and_then(|k| tables.receipts.get(k).map(|(r, _)| r.clone()));
         let mut snapshot = Snapshot::new(found, receipt);
+        for (key, remaining) in expiries {
+            snapshot = snapshot.with_expiry(key, remaining);
+        }
         for key in keys {
             if let Some(version) = tables.gone.get(key) {
                 snapshot = snapshot.with_gone(key.clone(), *version);
@@ -295,6 +331,43 @@ impl Store for MemoryStore {
         found.sort_by(|a, b| a.key.as_str().cmp(b.key.as_str()));
         found.truncate(limit);
         Ok(found)
+    }
+
+    async fn sweep_expired(&self, after: Option<&str>, batch: usize) -> Result<Swept, StoreError> {
+        let mut tables = self.tables();
+        let Tables {
+            rows,
+            written,
+            gone,
+            ..
+        } = &mut *tables;
+        let mut keys: Vec<&StateKey> = rows
+            .keys()
+            .filter(|k| after.is_none_or(|after| k.as_str() > after))
+            .collect();
+        keys.sort();
+        keys.truncate(batch);
+        let next = (keys.len() == batch)
+            .then(|| keys.last().map(|k| k.as_str().to_owned()))
+            .flatten();
+        let expired: Vec<StateKey> = keys
+            .into_iter()
+            .filter(|k| {
+                let age = written.get(*k).and_then(|at| at.elapsed().ok());
+                matches!((self.ttls.of(k), age), (Some(ttl), Some(age)) if age >= ttl)
+            })
+            .cloned()
+            .collect();
+        for key in &expired {
+            if let Some(row) = rows.remove(key) {
+                gone.insert(key.clone(), row.version);
+            }
+            written.remove(key);
+        }
+        Ok(Swept {
+            next,
+            deleted: expired.len() as u64,
+        })
     }
 
     async fn erase(&self, erasure: &Erasure) -> Result<Erased, StoreError> {

@@ -180,6 +180,10 @@ pub struct Snapshot {
     /// Keys absent whose rows were deleted (erased, or expired and swept), each with the last
     /// version it had: a create must go above it. Few, and usually none.
     gone: Vec<(StateKey, Version)>,
+    /// How long each row read of a scope with a time to live has before it expires (`None`: it
+    /// has expired, and reads as empty at its version for good), for a cache to stop guessing
+    /// then. Empty without expiry.
+    expiries: Vec<(StateKey, Option<std::time::Duration>)>,
 }
 
 impl Snapshot {
@@ -189,7 +193,24 @@ impl Snapshot {
             rows,
             receipt,
             gone: Vec::new(),
+            expiries: Vec::new(),
         }
+    }
+
+    /// The same snapshot, where `key`'s row expires in `remaining` (`None`: has expired).
+    #[must_use]
+    pub fn with_expiry(mut self, key: StateKey, remaining: Option<std::time::Duration>) -> Self {
+        self.expiries.push((key, remaining));
+        self
+    }
+
+    /// When `key`'s row, of a scope with a time to live, expires: `Some(Some(d))` in `d`,
+    /// `Some(None)` expired already; `None` when the store said nothing of it.
+    pub fn expiry(&self, key: &StateKey) -> Option<Option<std::time::Duration>> {
+        self.expiries
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, remaining)| *remaining)
     }
 
     /// The same snapshot, where `key`, absent, was deleted at `version`.
@@ -494,6 +515,15 @@ pub trait Store: Send + Sync + 'static {
         limit: usize,
     ) -> Result<Vec<InspectedRow>, StoreError>;
 
+    /// Deletes, each with its tombstone, the expired rows among the `batch` keys after `after`
+    /// (from the first when `None`), in key order: one bounded step of a sweep through the
+    /// store, which a replica repeats in the background. Expired rows already read as absent
+    /// (the store's [`Ttls`]); this gives their room back.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the store cannot answer.
+    async fn sweep_expired(&self, after: Option<&str>, batch: usize) -> Result<Swept, StoreError>;
+
     /// Deletes everything of `erasure`'s user or conversation, for every bot: its state rows,
     /// each leaving a tombstone so that it is created again only above the version it had (a
     /// turn that read it cannot commit it back: its commit conflicts, and its replay finds it
@@ -614,6 +644,64 @@ pub struct Handed {
     /// The activities waiting to be answered by one run ([`Store::add_pending`]), in arrival
     /// order, without the ones answered already.
     pub pending: Vec<Pending>,
+}
+
+/// How long each scope's state lives unwritten before it reads as absent (expiry). `None`: for
+/// ever, the default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Ttls {
+    /// A conversation's scope.
+    pub conversation: Option<std::time::Duration>,
+    /// A user's scope.
+    pub user: Option<std::time::Duration>,
+    /// A user's private scope in a conversation.
+    pub private_conversation: Option<std::time::Duration>,
+}
+
+impl Ttls {
+    /// No expiry.
+    pub const NONE: Self = Self {
+        conversation: None,
+        user: None,
+        private_conversation: None,
+    };
+
+    /// Whether any scope expires.
+    pub fn any(&self) -> bool {
+        *self != Self::NONE
+    }
+
+    /// The time to live of `key`'s scope; `None` for a key of no scope (a hold) or a scope
+    /// that does not expire.
+    pub fn of(&self, key: &StateKey) -> Option<std::time::Duration> {
+        if key.is_conversation() {
+            self.conversation
+        } else if key.is_hold() {
+            None
+        } else if key.conversation_subject().is_some() {
+            self.private_conversation
+        } else if key.user_subject().is_some() {
+            self.user
+        } else {
+            None
+        }
+    }
+
+    /// The TTLs as seconds, conversation, user and private conversation, for SQL.
+    pub fn seconds(&self) -> [Option<f64>; 3] {
+        [self.conversation, self.user, self.private_conversation]
+            .map(|ttl| ttl.map(|ttl| ttl.as_secs_f64()))
+    }
+}
+
+/// What one batch of an expiry sweep did ([`Store::sweep_expired`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Swept {
+    /// The last key the batch looked at; the next batch starts after it. `None`: the sweep
+    /// reached the end.
+    pub next: Option<String>,
+    /// Rows it deleted.
+    pub deleted: u64,
 }
 
 /// What [`Store::erase`] deletes: a user's data or a conversation's, named by channel and id,

@@ -56,16 +56,18 @@ mod embedded {
     refinery::embed_migrations!("migrations");
 }
 
-/// State rows, the tombstones of those of them that are gone (`migrations/V4__erasure.sql`), and,
-/// when `$2` is not NULL, the receipt: one statement, so one snapshot. The first column says
-/// which: [`ROW`], [`RECEIPT`] or [`GONE`].
+/// State rows with their ages (seconds since written, for expiry), the tombstones of those of
+/// them that are gone (`migrations/V4__erasure.sql`), and, when `$2` is not NULL, the receipt:
+/// one statement, so one snapshot. The first column says which: [`ROW`], [`RECEIPT`] or
+/// [`GONE`].
 const LOAD: Sql = Sql {
-    text: "SELECT 0::int2, key, state, version FROM turnstile_state WHERE key = ANY($1) \
+    text: "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
+             FROM turnstile_state WHERE key = ANY($1) \
            UNION ALL \
-           SELECT 2::int2, k, NULL, t.version FROM unnest($1::text[]) AS k \
+           SELECT 2::int2, k, NULL, t.version, NULL FROM unnest($1::text[]) AS k \
              JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k) \
            UNION ALL \
-           SELECT 1::int2, key, payload, 0 FROM turnstile_receipt WHERE key = $2",
+           SELECT 1::int2, key, payload, 0, NULL FROM turnstile_receipt WHERE key = $2",
     types: &[Type::TEXT_ARRAY, Type::TEXT],
 };
 /// [`LOAD`] for a turn holding its conversation lock, which also locks the conversation's row
@@ -73,16 +75,17 @@ const LOAD: Sql = Sql {
 /// of that conversation waits, and then finds the version moved. So a turn holding the lock is
 /// not beaten by one that did not take it.
 const LOAD_HOLDING: Sql = Sql {
-    text: "SELECT 0::int2, key, state, version FROM turnstile_state \
-            WHERE key = ANY($1) AND key <> $3 \
+    text: "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
+             FROM turnstile_state WHERE key = ANY($1) AND key <> $3 \
            UNION ALL \
-           SELECT 0::int2, key, state, version FROM ( \
-             SELECT key, state, version FROM turnstile_state WHERE key = $3 FOR UPDATE) held \
+           SELECT 0::int2, key, state, version, age FROM ( \
+             SELECT key, state, version, extract(epoch FROM now() - updated_at)::float8 AS age \
+               FROM turnstile_state WHERE key = $3 FOR UPDATE) held \
            UNION ALL \
-           SELECT 2::int2, k, NULL, t.version FROM unnest($1::text[]) AS k \
+           SELECT 2::int2, k, NULL, t.version, NULL FROM unnest($1::text[]) AS k \
              JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k) \
            UNION ALL \
-           SELECT 1::int2, key, payload, 0 FROM turnstile_receipt WHERE key = $2",
+           SELECT 1::int2, key, payload, 0, NULL FROM turnstile_receipt WHERE key = $2",
     types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
 };
 /// What a row of [`LOAD`] is: a state row.
@@ -183,6 +186,47 @@ const DELETE_CONVERSATION: Sql = Sql {
         "turnstile_key_conversation(key) = $1"
     ),
     types: &[Type::TEXT],
+};
+/// One step of the expiry sweep: of the `$2` keys after `$1` (from the first when NULL), deletes
+/// the rows unwritten for longer than their scope's time to live (`$3` conversation, `$4` user,
+/// `$5` private conversation, in seconds; NULL: for ever), each leaving its tombstone; answers
+/// the last key looked at and how many went. A row a turn is writing is skipped (it is being
+/// written, so not idle), and so is one another replica's sweep has.
+const SWEEP: Sql = Sql {
+    text: "WITH batch AS ( \
+             SELECT key FROM turnstile_state WHERE $1::text IS NULL OR key > $1::text \
+              ORDER BY key LIMIT $2), \
+           expired AS ( \
+             SELECT s.key FROM turnstile_state s \
+              WHERE s.key IN (SELECT key FROM batch) \
+                AND s.updated_at < now() - make_interval(secs => CASE \
+                    WHEN split_part(s.key, '/', 3) = 'users' AND split_part(s.key, '/', 5) = '' \
+                         THEN $4::float8 \
+                    WHEN split_part(s.key, '/', 3) = 'conversations' \
+                         AND split_part(s.key, '/', 5) = '' THEN $3::float8 \
+                    WHEN split_part(s.key, '/', 3) = 'conversations' \
+                         AND split_part(s.key, '/', 5) = 'users' \
+                         AND split_part(s.key, '/', 7) = '' THEN $5::float8 \
+                    END) \
+              FOR UPDATE SKIP LOCKED), \
+           gone AS ( \
+             DELETE FROM turnstile_state WHERE key IN (SELECT key FROM expired) \
+             RETURNING key, version), \
+           tombs AS ( \
+             INSERT INTO turnstile_tombstone (key_hash, version) \
+             SELECT turnstile_key_hash(key), version FROM gone \
+             ON CONFLICT (key_hash) DO UPDATE \
+                SET version = greatest(turnstile_tombstone.version, excluded.version), \
+                    erased_at = now()) \
+           SELECT (SELECT max(key) FROM batch), (SELECT count(*) FROM batch), \
+                  (SELECT count(*) FROM gone)",
+    types: &[
+        Type::TEXT,
+        Type::INT8,
+        Type::FLOAT8,
+        Type::FLOAT8,
+        Type::FLOAT8,
+    ],
 };
 /// The receipt table's primary key: violating it means the activity has committed already.
 const RECEIPT_KEY_CONSTRAINT: &str = "turnstile_receipt_pkey";
@@ -504,6 +548,8 @@ pub struct PostgresStore {
     target: Arc<diagnose::Target>,
     /// Wakes the turns waiting here for a conversation's hold when it is released.
     waker: Arc<waker::Waker>,
+    /// How long each scope lives unwritten.
+    ttls: super::Ttls,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -568,7 +614,16 @@ impl PostgresStore {
             schema: Arc::new(schema::SchemaGate::open()),
             target,
             waker,
+            ttls: super::Ttls::NONE,
         })
+    }
+
+    /// This store, where a row unwritten for its scope's time to live reads as absent (empty, at
+    /// its version, so that a turn's commit writes over it in place) and
+    /// [`Store::sweep_expired`] deletes it.
+    #[must_use]
+    pub fn with_ttls(self, ttls: super::Ttls) -> Self {
+        Self { ttls, ..self }
     }
 
     /// Refuses every call from now until [`PostgresStore::check_schema`] finds a schema this
@@ -780,6 +835,39 @@ impl Store for PostgresStore {
     }
 
     #[tracing::instrument(level = "debug", skip_all)]
+    async fn sweep_expired(
+        &self,
+        after: Option<&str>,
+        batch: usize,
+    ) -> Result<crate::store::Swept, StoreError> {
+        self.schema.admit()?;
+        let client = self.client().await?;
+        let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+        let [conversation, user, private] = self.ttls.seconds();
+        within_call_timeout(async {
+            let row = SWEEP
+                .query(
+                    &client,
+                    self.statements,
+                    &[&after, &limit, &conversation, &user, &private],
+                )
+                .await
+                .map_err(classify)?
+                .into_iter()
+                .next()
+                .ok_or_else(|| StoreError::Unexpected(anyhow!("a sweep answered no row")))?;
+            let last: Option<String> = row.try_get(0).map_err(unexpected)?;
+            let looked: i64 = row.try_get(1).map_err(unexpected)?;
+            let deleted: i64 = row.try_get(2).map_err(unexpected)?;
+            Ok(crate::store::Swept {
+                next: last.filter(|_| looked >= limit),
+                deleted: u64::try_from(deleted).unwrap_or_default(),
+            })
+        })
+        .await
+    }
+
+    #[tracing::instrument(level = "debug", skip_all)]
     async fn erase(
         &self,
         erasure: &crate::store::Erasure,
@@ -918,7 +1006,7 @@ impl PostgresStore {
         receipt: Option<&StateKey>,
     ) -> Result<Snapshot, StoreError> {
         let client = self.client().await?;
-        Self::load_on(&client, self.statements, keys, receipt, None).await
+        Self::load_on(&client, self.statements, keys, receipt, None, &self.ttls).await
     }
 
     async fn commit_now(&self, commit: &Commit) -> Result<CommitOutcome, StoreError> {
@@ -934,6 +1022,7 @@ impl PostgresStore {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         held: Option<&StateKey>,
+        ttls: &super::Ttls,
     ) -> Result<Snapshot, StoreError> {
         let names: Vec<&str> = keys.iter().map(StateKey::as_str).collect();
         let receipt_key = receipt.map(StateKey::as_str);
@@ -951,6 +1040,7 @@ impl PostgresStore {
         let mut states = KeyMap::with_capacity_and_hasher(rows.len(), KeyHasher::default());
         let mut found_receipt = None;
         let mut gone = Vec::new();
+        let mut expiries = Vec::new();
         for row in &rows {
             match row.try_get::<_, i16>(0).map_err(unexpected)? {
                 RECEIPT => {
@@ -967,7 +1057,19 @@ impl PostgresStore {
                     gone.push((StateKey::from_stored(key), Version::new(version)));
                 }
                 ROW => {
-                    let (key, versioned) = read_row(row).map_err(StoreError::Unexpected)?;
+                    let (key, mut versioned) = read_row(row).map_err(StoreError::Unexpected)?;
+                    if let Some(ttl) = ttls.of(&key) {
+                        let age: Option<f64> = row.try_get(4).map_err(unexpected)?;
+                        let age = Duration::try_from_secs_f64(age.unwrap_or(0.0).max(0.0))
+                            .unwrap_or(Duration::MAX);
+                        let remaining = ttl.checked_sub(age).filter(|r| !r.is_zero());
+                        if remaining.is_none() {
+                            // Expired: absent to the turn, its version kept, so that the turn's
+                            // commit writes over the row in place (or conflicts with the sweep).
+                            versioned.state = Arc::default();
+                        }
+                        expiries.push((key.clone(), remaining));
+                    }
                     states.insert(key, versioned);
                 }
                 other => {
@@ -979,10 +1081,15 @@ impl PostgresStore {
         }
         // A key is gone only while it has no row: a tombstone stays after the key is created
         // again (above it), and is then ignored.
-        Ok(gone.into_iter().fold(
+        let snapshot = gone.into_iter().fold(
             Snapshot::new(states, found_receipt),
             |snapshot, (key, version)| snapshot.with_gone(key, version),
-        ))
+        );
+        Ok(expiries
+            .into_iter()
+            .fold(snapshot, |snapshot, (key, remaining)| {
+                snapshot.with_expiry(key, remaining)
+            }))
     }
 
     /// [`Store::commit`] by `turnstile_commit` on `client`.

@@ -133,6 +133,14 @@ impl Store for TimedStore {
         held.map(|held| self.timing(held))
     }
 
+    async fn sweep_expired(
+        &self,
+        after: Option<&str>,
+        batch: usize,
+    ) -> Result<crate::store::Swept, StoreError> {
+        self.inner.sweep_expired(after, batch).await
+    }
+
     async fn erase(
         &self,
         erasure: &crate::store::Erasure,

@@ -58,6 +58,8 @@ pub const RECEIPTS_PRUNED: &str = "turnstile_receipts_pruned_total";
 /// When (Unix seconds) a pruning pass last left no expired receipt behind. Far behind `time()`,
 /// expired receipts pile up: pruning fails or cannot keep up.
 pub const RECEIPTS_PRUNED_AT: &str = "turnstile_receipts_pruned_timestamp_seconds";
+/// State rows deleted by the expiry sweep, once unwritten past their scope's time to live.
+pub const STATE_EXPIRED: &str = "turnstile_state_expired_total";
 
 /// Latency buckets, in seconds: from a cached turn (sub-millisecond) to the store's call timeout.
 const SECONDS_BUCKETS: &[f64] = &[
@@ -147,6 +149,10 @@ fn describe() {
     describe_gauge!(BUILD_INFO, "1, labelled with the running version");
     describe_counter!(REFUSALS, "Turns refused before they started, by reason");
     describe_counter!(RECEIPTS_PRUNED, "Expired receipts deleted");
+    describe_counter!(
+        STATE_EXPIRED,
+        "State rows deleted by the expiry sweep, unwritten past their scope's time to live"
+    );
     describe_gauge!(
         RECEIPTS_PRUNED_AT,
         Unit::Seconds,
@@ -172,6 +178,11 @@ pub fn receipts_pruned(pruned: u64) {
         .duration_since(SystemTime::UNIX_EPOCH)
         .unwrap_or(Duration::ZERO);
     metrics::gauge!(RECEIPTS_PRUNED_AT).set(now.as_secs_f64());
+}
+
+/// Counts state rows an expiry sweep deleted.
+pub fn state_expired(deleted: u64) {
+    metrics::counter!(STATE_EXPIRED).increment(deleted);
 }
 
 /// Answers `GET /metrics` on `listener` with `handle`'s rendering, sampling `store`'s connection

@@ -475,6 +475,14 @@ impl Store for CountingHolds {
         self.inner.prune_receipts(age).await
     }
 
+    async fn sweep_expired(
+        &self,
+        after: Option<&str>,
+        batch: usize,
+    ) -> Result<turnstile::store::Swept, StoreError> {
+        self.inner.sweep_expired(after, batch).await
+    }
+
     async fn erase(
         &self,
         erasure: &turnstile::store::Erasure,

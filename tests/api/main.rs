@@ -26,6 +26,7 @@ mod directline;
 mod double_text;
 mod embedded;
 mod erasure;
+mod expiry;
 mod failover;
 mod faults;
 mod gateway;

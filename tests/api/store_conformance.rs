@@ -1529,7 +1529,9 @@ async fn an_older_releases_create_lands_above_an_erased_rows_versions() {
 #[tokio::test]
 async fn tombstones_go_after_a_day() {
     let url = support::pg::fresh_database().await;
-    postgres::migrate(&DatabaseUrl::new(url.clone())).await.unwrap();
+    postgres::migrate(&DatabaseUrl::new(url.clone()))
+        .await
+        .unwrap();
     let store = PostgresStore::connect(&DatabaseUrl::new(url.clone()), 2).unwrap();
     for id in ["old", "new"] {
         committed(commit(&store, vec![write(&user(id), Expected::Absent, json!({}))]).await);
@@ -1552,5 +1554,112 @@ async fn tombstones_go_after_a_day() {
         .unwrap();
     let left = store.load(&[user("old"), user("new")], None).await.unwrap();
     assert_eq!(left.precondition(&user("old")), Expected::Absent);
-    assert_eq!(left.precondition(&user("new")), Expected::Gone(Version::FIRST));
+    assert_eq!(
+        left.precondition(&user("new")),
+        Expected::Gone(Version::FIRST)
+    );
+}
+
+/// Expiry: a row unwritten for its scope's time to live reads as absent — empty, at its version,
+/// so that the turn's commit writes over it in place — while scopes without one are kept; the
+/// sweep deletes it with a tombstone, after which a turn that read it expired conflicts and its
+/// replay creates the key above the old version.
+async fn expiry(store: Arc<dyn Store>) {
+    let store = store.as_ref();
+    let (c, u) = (conversation("expiring"), user("kept"));
+    committed(commit(store, vec![write(&c, Expected::Absent, json!({"n": 1}))]).await);
+    committed(
+        commit(
+            store,
+            vec![write(
+                &c,
+                Expected::Version(Version::FIRST),
+                json!({"n": 2}),
+            )],
+        )
+        .await,
+    );
+    committed(
+        commit(
+            store,
+            vec![write(&u, Expected::Absent, json!({"name": "ann"}))],
+        )
+        .await,
+    );
+    let fresh = store.load(&[c.clone(), u.clone()], None).await.unwrap();
+    assert_eq!(
+        JsonMap::clone(&fresh.get(&c).unwrap().state),
+        state(json!({"n": 2}))
+    );
+    assert!(matches!(fresh.expiry(&c), Some(Some(_))), "{fresh:?}");
+    assert_eq!(fresh.expiry(&u), None, "the user scope has no TTL");
+    // Nothing to sweep yet.
+    assert_eq!(store.sweep_expired(None, 100).await.unwrap().deleted, 0);
+
+    tokio::time::sleep(std::time::Duration::from_millis(1300)).await;
+    let expired = store.load(&[c.clone(), u.clone()], None).await.unwrap();
+    let row = expired.get(&c).unwrap();
+    assert!(row.state.is_empty(), "expired reads as empty: {row:?}");
+    assert_eq!(row.version, Version::new(2), "at its version");
+    assert_eq!(expired.expiry(&c), Some(None));
+    assert_eq!(
+        JsonMap::clone(&expired.get(&u).unwrap().state),
+        state(json!({"name": "ann"}))
+    );
+
+    // Swept, a step of one key at a time through both.
+    let first = store.sweep_expired(None, 1).await.unwrap();
+    let second = store.sweep_expired(first.next.as_deref(), 1).await.unwrap();
+    assert_eq!(first.deleted + second.deleted, 1, "{first:?} {second:?}");
+    let end = store
+        .sweep_expired(second.next.as_deref(), 1)
+        .await
+        .unwrap();
+    assert_eq!(
+        end,
+        turnstile::store::Swept::default(),
+        "the end of the keys"
+    );
+    // The turn that read it expired at 2 conflicts; its replay finds it gone at 2.
+    conflict(
+        commit(
+            store,
+            vec![write(&c, Expected::Version(Version::new(2)), json!({}))],
+        )
+        .await,
+    );
+    let gone = store.load(std::slice::from_ref(&c), None).await.unwrap();
+    assert_eq!(gone.precondition(&c), Expected::Gone(Version::new(2)));
+    let versions = committed(
+        commit(
+            store,
+            vec![write(&c, Expected::Gone(Version::new(2)), json!({"n": 1}))],
+        )
+        .await,
+    );
+    assert_eq!(versions.get(&c), Some(&Version::new(3)));
+    assert!(
+        version_of(store, &u).await.is_some(),
+        "the user scope stays"
+    );
+}
+
+fn conversation_ttl() -> turnstile::store::Ttls {
+    turnstile::store::Ttls {
+        conversation: Some(std::time::Duration::from_secs(1)),
+        ..turnstile::store::Ttls::NONE
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_stores_expire_state_and_sweep_it() {
+    expiry(Arc::new(MemoryStore::new().with_ttls(conversation_ttl()))).await;
+    let url = DatabaseUrl::new(support::pg::fresh_database().await);
+    postgres::migrate(&url).await.unwrap();
+    expiry(Arc::new(
+        PostgresStore::connect(&url, 2)
+            .unwrap()
+            .with_ttls(conversation_ttl()),
+    ))
+    .await;
 }

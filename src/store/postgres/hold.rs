@@ -333,7 +333,7 @@ async fn take(
             [&key, &holder, &seconds, &activity, &still, &ticket];
         let (taken, loaded) = futures::join!(
             TAKE.query(&client, statements, &params),
-            PostgresStore::load_on(&client, statements, keys, receipt, None),
+            PostgresStore::load_on(&client, statements, keys, receipt, None, &store.ttls),
         );
         let unexpected = |e: tokio_postgres::Error| StoreError::Unexpected(e.into());
         let Some(row) = taken.map_err(classify)?.into_iter().next() else {

@@ -262,7 +262,7 @@ async fn hold(
     let answered = tokio::time::timeout(wait + CALL_TIMEOUT, async {
         futures::join!(
             client.simple_query(&lock),
-            PostgresStore::load_on(client, statements, keys, receipt, holding),
+            PostgresStore::load_on(client, statements, keys, receipt, holding, &store.ttls),
             client.batch_execute(&idle_limit),
         )
     })

@@ -1,0 +1,124 @@
+//! Expiry as a server runs it, on real PostgreSQL and in memory: with `--conversation-ttl`, a
+//! conversation idle for longer starts again from nothing at its next turn — at once, through
+//! the replica's own cache of what it last wrote — while the scopes without a TTL are kept; and
+//! the replica's sweep deletes the expired rows in the background.
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use turnstile::{Bot, BotError, BotRegistry, TurnContext};
+
+use crate::support::{self, TestServer, postgres_config, say, texts};
+
+/// Answers `conversation N, user M`: the conversation's count and the user's, each one more.
+struct Counts;
+
+#[async_trait]
+impl Bot for Counts {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        let conversation: u64 = turn.conversation_property("n")?;
+        turn.conversation_state().set("n", &(conversation + 1))?;
+        let user: u64 = turn.user_state()?.get("n")?.unwrap_or(0);
+        turn.user_state()?.set("n", &(user + 1))?;
+        turn.send_text(format!(
+            "conversation {}, user {}",
+            conversation + 1,
+            user + 1
+        ));
+        Ok(())
+    }
+}
+
+const TTL: Duration = Duration::from_secs(2);
+
+/// `config` with a conversation TTL of [`TTL`], swept every `sweep`.
+fn expiring(config: turnstile::Config, sweep: Duration) -> turnstile::Config {
+    turnstile::Config {
+        ttls: turnstile::store::Ttls {
+            conversation: Some(TTL),
+            ..turnstile::store::Ttls::NONE
+        },
+        expiry_sweep_every: sweep,
+        ..config
+    }
+}
+
+async fn idle_conversations_start_again(server: &TestServer) {
+    let mut client = server.client().await;
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        answers.extend(texts(&say(&mut client, "c", "hi").await));
+    }
+    tokio::time::sleep(TTL + Duration::from_millis(300)).await;
+    answers.extend(texts(&say(&mut client, "c", "hi").await));
+    answers.extend(texts(&say(&mut client, "c", "hi").await));
+    assert_eq!(
+        answers,
+        [
+            "conversation 1, user 1",
+            "conversation 2, user 2",
+            // Idle past the TTL: the conversation starts again; the user scope has no TTL.
+            "conversation 1, user 3",
+            "conversation 2, user 4",
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_conversation_expires_and_is_swept_on_postgres() {
+    let url = support::pg::fresh_database().await;
+    let server = TestServer::start(
+        expiring(postgres_config(&url), Duration::from_millis(300)),
+        BotRegistry::new("counts", Counts),
+    )
+    .await;
+    idle_conversations_start_again(&server).await;
+
+    // Left idle again, its row is swept away within a few sweeps of expiring, leaving a
+    // tombstone; the user's row stays.
+    let db = support::pg::session(&url).await;
+    let count = |sql: &'static str| {
+        let db = &db;
+        async move { db.query_one(sql, &[]).await.unwrap().get::<_, i64>(0) }
+    };
+    let deadline = tokio::time::Instant::now() + TTL + Duration::from_secs(10);
+    while count("SELECT count(*) FROM turnstile_state WHERE key LIKE '%/conversations/c'").await > 0
+    {
+        assert!(tokio::time::Instant::now() < deadline, "never swept");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(count("SELECT count(*) FROM turnstile_tombstone").await, 1);
+    assert_eq!(
+        count("SELECT count(*) FROM turnstile_state WHERE key LIKE '%/users/alice'").await,
+        1
+    );
+    // And it starts again above its old versions.
+    let mut client = server.client().await;
+    let answer = say(&mut client, "c", "hi").await;
+    assert_eq!(texts(&answer), ["conversation 1, user 5"]);
+    let version: i64 = db
+        .query_one(
+            "SELECT version FROM turnstile_state WHERE key LIKE '%/conversations/c'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    // Written at versions 1 to 4 (the expired row was written over in place), swept at 4.
+    assert_eq!(version, 5, "created above the version it was swept at");
+    server.stop().await.unwrap();
+}
+
+/// With no sweep before the next turn (its first is at the start, when nothing has expired), the
+/// replica's cache of the state it last wrote must itself stop guessing at the TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_conversation_expires_in_memory_at_once_without_a_sweep() {
+    let server = TestServer::start(
+        expiring(turnstile::Config::default(), Duration::from_secs(3600)),
+        BotRegistry::new("counts", Counts),
+    )
+    .await;
+    idle_conversations_start_again(&server).await;
+    server.stop().await.unwrap();
+}
