@@ -21,10 +21,13 @@ AS $$ SELECT sha256(convert_to(p_key, 'UTF8')) $$;
 
 -- Every insert into turnstile_state passes here, whoever wrote it (this release's commits and
 -- holds, or an older release's replica during a rolling upgrade):
--- - a version of 1, an ordinary create, is raised above the key's tombstone if it has one;
 -- - a negative version -n is a strict create, by a replica that knows tombstones: it read the
 --   key as gone at n - 1 (0: never written), and the row is created at n only if that still
---   holds; otherwise nothing is inserted, which the writer reads as a conflict and reloads.
+--   holds; otherwise nothing is inserted, which the writer reads as a conflict and reloads;
+-- - version 0 is this release's hold, created at 1 or above the key's tombstone;
+-- - version 1 is an older release's create, which knows nothing of tombstones and checks that its
+--   row landed at 1: over a tombstone nothing is inserted, a conflict (it retries, and gives up
+--   with a status its caller retries elsewhere) rather than a row it would report as a failure.
 CREATE OR REPLACE FUNCTION turnstile_state_created() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -36,8 +39,10 @@ BEGIN
             RETURN NULL;
         END IF;
         NEW.version := -NEW.version;
+    ELSIF NEW.version = 0 THEN
+        NEW.version := coalesce(gone, 0) + 1;
     ELSIF gone IS NOT NULL AND NEW.version <= gone THEN
-        NEW.version := gone + 1;
+        RETURN NULL;
     END IF;
     RETURN NEW;
 END
@@ -89,9 +94,9 @@ CREATE INDEX IF NOT EXISTS turnstile_receipt_user
     WHERE payload ? 'user';
 
 -- turnstile_commit as in V1, with creates that respect tombstones: p_expected[i] is the version
--- the turn saw; 0 for "did not exist" (an older release: created at 1, raised above a tombstone);
--- -n for "did not exist, gone at n - 1" (this release: created at n exactly, or a conflict).
--- Returns the versions written, as read back.
+-- the turn saw; 0 for "did not exist" (an older release: created at 1, or a conflict over a
+-- tombstone); -n for "did not exist, gone at n - 1" (this release: created at n exactly, or a
+-- conflict). Returns the versions written, as read back.
 CREATE OR REPLACE FUNCTION turnstile_commit(
     p_keys text[],
     p_expected bigint[],

@@ -1457,71 +1457,71 @@ async fn group_commit_reports_a_lost_database_to_every_commit_of_a_batch() {
 }
 
 /// A replica of the release before tombstones, serving beside this one during a rolling upgrade,
-/// creates keys at version 1 (`turnstile_commit` with 0, or its group commit's plain insert):
-/// the database raises the create above the key's tombstone, so that an erased row's versions
-/// never come back, whoever writes.
+/// creates keys at version 1 (`turnstile_commit` with 0, or its group commit's plain insert) and
+/// checks that they landed there. Over a tombstone its create is refused — a conflict, which it
+/// retries and then gives up on with a status its caller retries elsewhere — rather than made at a
+/// version it would report as a failure after committing. Nor can it bring an erased row back.
+/// Where no key was deleted, it creates as before.
 #[tokio::test]
-async fn an_older_releases_create_lands_above_an_erased_rows_versions() {
+async fn an_older_releases_create_over_an_erased_row_conflicts() {
     let url = support::pg::fresh_database().await;
     postgres::migrate(&DatabaseUrl::new(url.clone()))
         .await
         .unwrap();
     let store = PostgresStore::connect(&DatabaseUrl::new(url.clone()), 2).unwrap();
-    let (ann, bob) = (user("ann"), private("c", "ann"));
-    for key in [&ann, &bob] {
+    let (ann, anns, fresh) = (user("ann"), private("c", "ann"), user("fresh"));
+    for key in [&ann, &anns] {
         committed(commit(&store, vec![write(key, Expected::Absent, json!({}))]).await);
-        committed(
-            commit(
-                &store,
-                vec![write(key, Expected::Version(Version::FIRST), json!({}))],
-            )
-            .await,
-        );
     }
     store
         .erase(&Erasure::User("test/ann".into()))
         .await
         .unwrap();
     let db = support::pg::session(&url).await;
-    // 0.1.0's turnstile_commit call, creating the user scope at "1".
-    let row = db
-        .query_one(
-            "SELECT conflict_key, versions FROM turnstile_commit($1, $2, $3, NULL, NULL)",
-            &[
-                &vec![ann.as_str()],
-                &vec![0_i64],
-                &vec![tokio_postgres::types::Json(json!({}))],
-            ],
-        )
-        .await
-        .unwrap();
-    assert_eq!(row.get::<_, Option<String>>(0), None);
-    assert_eq!(
-        row.get::<_, Vec<i64>>(1),
-        vec![3],
-        "created above version 2"
-    );
-    // 0.1.0's group commit's create.
-    let created: i64 = db
-        .query_one(
-            "INSERT INTO turnstile_state (key, state, version) VALUES ($1, '{}', 1) \
-             ON CONFLICT (key) DO NOTHING RETURNING version",
-            &[&bob.as_str()],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(created, 3);
-    // And a turn that read either at 2 conflicts.
-    for key in [&ann, &bob] {
-        conflict(
-            commit(
-                &store,
-                vec![write(key, Expected::Version(Version::new(2)), json!({}))],
+    let old_commit = |key: &StateKey| {
+        let key = key.as_str().to_owned();
+        let db = &db;
+        async move {
+            let row = db
+                .query_one(
+                    "SELECT conflict_key, versions FROM turnstile_commit($1, $2, $3, NULL, NULL)",
+                    &[
+                        &vec![key.as_str()],
+                        &vec![0_i64],
+                        &vec![tokio_postgres::types::Json(json!({}))],
+                    ],
+                )
+                .await
+                .unwrap();
+            (
+                row.get::<_, Option<String>>(0),
+                row.get::<_, Option<Vec<i64>>>(1),
             )
-            .await,
-        );
-    }
+        }
+    };
+    let old_insert = |key: &StateKey| {
+        let key = key.as_str().to_owned();
+        let db = &db;
+        async move {
+            db.query_opt(
+                "INSERT INTO turnstile_state (key, state, version) VALUES ($1, '{}', 1) \
+                 ON CONFLICT (key) DO NOTHING RETURNING version",
+                &[&key.as_str()],
+            )
+            .await
+            .unwrap()
+            .map(|row| row.get::<_, i64>(0))
+        }
+    };
+    assert_eq!(
+        old_commit(&ann).await,
+        (Some(ann.as_str().to_owned()), None)
+    );
+    assert_eq!(old_insert(&anns).await, None);
+    assert_eq!(version_of(&store, &ann).await, None);
+    // A key never deleted: created at 1, as that release expects.
+    assert_eq!(old_commit(&fresh).await, (None, Some(vec![1])));
+    assert_eq!(old_insert(&user("other")).await, Some(1));
 }
 
 /// Tombstones are pruned with the receipts, once a day old: no turn, nor cached guess, that read
@@ -1662,4 +1662,72 @@ async fn both_stores_expire_state_and_sweep_it() {
             .with_ttls(conversation_ttl()),
     ))
     .await;
+}
+
+/// A conversation's hold deleted with the conversation is taken again above its old fence: the
+/// turn that held it cannot renew, commit or release it any more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_deleted_with_its_conversation_is_taken_again_above_its_old_fence() {
+    let text_url = support::pg::fresh_database().await;
+    let url = DatabaseUrl::new(text_url.clone());
+    postgres::migrate(&url).await.unwrap();
+    let store = PostgresStore::connect(&url, 4).unwrap();
+    let c = conversation("held");
+    let keys = [c.clone()];
+    let hold = |store: &PostgresStore| {
+        let (store, c, keys) = (store.clone(), c.clone(), keys.clone());
+        async move {
+            match store
+                .hold_conversation(
+                    &c,
+                    &keys,
+                    None,
+                    std::time::Duration::from_secs(5),
+                    turnstile::store::Others::Wait,
+                )
+                .await
+                .unwrap()
+            {
+                turnstile::store::ConversationLock::Held { turn, .. } => turn,
+                other => panic!("not held: {other:?}"),
+            }
+        }
+    };
+    let first = hold(&store).await;
+    let deleted = store
+        .erase(&Erasure::Conversation("test/held".into()))
+        .await
+        .unwrap();
+    assert_eq!(deleted.rows.len(), 1, "the hold's row: {deleted:?}");
+    // The old holder's commit fails at its fence; the next turn takes the hold at once.
+    let stale = first
+        .commit(Commit::new(vec![write(
+            &c,
+            Expected::Absent,
+            json!({"stale": true}),
+        )]))
+        .await
+        .unwrap();
+    conflict(stale);
+    let second = hold(&store).await;
+    committed(
+        second
+            .commit(Commit::new(vec![write(
+                &c,
+                Expected::Absent,
+                json!({"n": 1}),
+            )]))
+            .await
+            .unwrap(),
+    );
+    let db = support::pg::session(&text_url).await;
+    let fence: i64 = db
+        .query_one(
+            "SELECT version FROM turnstile_state WHERE key = $1",
+            &[&StateKey::hold(&c).as_str()],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(fence > deleted.rows[0].1.get() as i64, "fence {fence}");
 }
