@@ -401,7 +401,8 @@ impl Engine {
             drafts,
             double_text,
             &self.sizes,
-        );
+        )
+        .with_ttls(self.store.ttls());
         // What a double text does to the turns of its conversation in flight here, before it
         // queues behind them; across replicas, the hold tells (`attempt_held`).
         let mut _in_flight = None;
@@ -1052,6 +1053,9 @@ struct TurnPlan<'a> {
     /// The user whose activity this is, as its receipt names them for erasure
     /// ([`StateKey::user_subject`]).
     subject: Option<String>,
+    /// How long each scope lives unwritten: a scope the turn only read is written again, as it
+    /// is, once past half of it, so that its time runs from its last use, not its last change.
+    ttls: crate::store::Ttls,
 }
 
 /// How a run of the bot ended, when it did not fail.
@@ -1138,7 +1142,14 @@ impl<'a> TurnPlan<'a> {
             drafts,
             interrupt: None,
             sizes,
+            ttls: crate::store::Ttls::NONE,
         }
+    }
+
+    /// The same plan, with the scopes' times to live ([`TurnPlan::ttls`]).
+    fn with_ttls(mut self, ttls: crate::store::Ttls) -> Self {
+        self.ttls = ttls;
+        self
     }
 
     /// The user whose activity this is ([`TurnPlan::subject`]).
@@ -1289,7 +1300,7 @@ impl<'a> TurnPlan<'a> {
         stopped: bool,
         batch: Option<&Batch>,
     ) -> Result<Ran, TurnError> {
-        let mut commit = commit_of(&self.keys, scopes, snapshot, self.sizes)?;
+        let mut commit = commit_of(&self.keys, scopes, snapshot, self.sizes, &self.ttls)?;
         let outcome = TurnOutcome {
             conversation_version: version_after(&commit, &self.keys.conversation, snapshot),
             activities,
@@ -1436,6 +1447,7 @@ fn commit_of(
     scopes: TurnScopes,
     snapshot: &Snapshot,
     sizes: &ScopeSizes,
+    ttls: &crate::store::Ttls,
 ) -> Result<Commit, TurnError> {
     let TurnScopes {
         conversation,
@@ -1463,7 +1475,13 @@ fn commit_of(
         if !(state.was_used() || state.is_changed()) {
             continue;
         }
-        let write = match state.is_changed() {
+        // A scope read, not changed, past half its time to live: written again as it is, so
+        // that a user who keeps talking is not expired for state that never changes.
+        let refresh = match (ttls.of(key), snapshot.expiry(key)) {
+            (Some(ttl), Some(Some(remaining))) => remaining < ttl / 2,
+            _ => false,
+        };
+        let write = match state.is_changed() || refresh {
             true => Some(Arc::new(sizes.check(scope, state.into_properties())?)),
             false => None,
         };

@@ -150,20 +150,34 @@ impl StateCache {
             return None;
         }
         let mut rows = KeyMap::with_capacity_and_hasher(keys.len(), KeyHasher::default());
+        let mut expiries = Vec::new();
         for key in keys {
             let now = std::time::Instant::now();
             let fresh = |cached: &Cached| {
                 now.duration_since(cached.at) < MAX_GUESS_AGE
                     && cached.until.is_none_or(|until| now < until)
             };
+            let expiry = |cached: &Cached| match (&cached.entry, self.ttls.of(key)) {
+                (Some(_), Some(_)) => Some((
+                    key.clone(),
+                    cached
+                        .until
+                        .map(|until| until.saturating_duration_since(now)),
+                )),
+                _ => None,
+            };
             let entry = match maps.young.get(key) {
-                Some(cached) if fresh(cached) => cached.entry.clone(),
+                Some(cached) if fresh(cached) => {
+                    expiries.extend(expiry(cached));
+                    cached.entry.clone()
+                }
                 Some(_) => return None,
                 None => {
                     let cached = maps.old.remove(key)?;
                     if !fresh(&cached) {
                         return None;
                     }
+                    expiries.extend(expiry(&cached));
                     let entry = cached.entry.clone();
                     maps.young_bytes += cached.bytes;
                     maps.young.insert(key.clone(), cached);
@@ -175,7 +189,14 @@ impl StateCache {
             }
         }
         self.rotate(&mut maps);
-        Some(Snapshot::new(rows, None))
+        // When each guessed row of a scope with a time to live expires, as its load said.
+        Some(
+            expiries
+                .into_iter()
+                .fold(Snapshot::new(rows, None), |snapshot, (key, remaining)| {
+                    snapshot.with_expiry(key, remaining)
+                }),
+        )
     }
 
     /// Remembers `entry` as the current row of `key`, just written: it expires after its scope's

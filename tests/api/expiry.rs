@@ -122,3 +122,47 @@ async fn an_idle_conversation_expires_in_memory_at_once_without_a_sweep() {
     idle_conversations_start_again(&server).await;
     server.stop().await.unwrap();
 }
+
+/// Remembers the user's name on `name X`, and says it back otherwise, reading the user scope only.
+struct Names;
+
+#[async_trait]
+impl Bot for Names {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        let text = turn.text().to_owned();
+        if let Some(name) = text.strip_prefix("name ") {
+            turn.user_state()?.set("name", &name)?;
+            turn.send_text("noted");
+        } else {
+            let name: Option<String> = turn.user_state()?.get("name")?;
+            turn.send_text(name.unwrap_or_else(|| "who?".into()));
+        }
+        Ok(())
+    }
+}
+
+/// The TTL counts from the scope's last use: a user who keeps talking keeps a user state that
+/// never changes, read again at least every half TTL; left alone longer than the TTL, it goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scope_only_read_lives_while_it_is_used() {
+    let url = support::pg::fresh_database().await;
+    let config = turnstile::Config {
+        ttls: turnstile::store::Ttls {
+            user: Some(TTL),
+            ..turnstile::store::Ttls::NONE
+        },
+        expiry_sweep_every: Duration::from_secs(3600),
+        ..postgres_config(&url)
+    };
+    let server = TestServer::start(config, BotRegistry::new("names", Names)).await;
+    let mut client = server.client().await;
+    assert_eq!(texts(&say(&mut client, "c", "name Ada").await), ["noted"]);
+    // Read every 0.6 s for twice the TTL: each read past half of it writes the scope again.
+    for _ in 0..7 {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert_eq!(texts(&say(&mut client, "c", "who am I").await), ["Ada"]);
+    }
+    tokio::time::sleep(TTL + Duration::from_millis(300)).await;
+    assert_eq!(texts(&say(&mut client, "c", "who am I").await), ["who?"]);
+    server.stop().await.unwrap();
+}
