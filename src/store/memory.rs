@@ -18,6 +18,9 @@ use super::{
 };
 use crate::state::StateKey;
 
+/// How long a deleted key's last version is kept.
+const TOMBSTONE_LIFE: Duration = Duration::from_secs(24 * 60 * 60);
+
 /// Turn state in this process's memory.
 #[derive(Debug, Default)]
 pub struct MemoryStore {
@@ -58,7 +61,7 @@ struct Tables {
     handed: KeyMap<Handed>,
     /// The last version of each key whose row was deleted (erased or expired): it is created
     /// again above it (`migrations/V4__erasure.sql` explains why).
-    gone: KeyMap<Version>,
+    gone: KeyMap<(Version, Instant)>,
 }
 
 impl MemoryStore {
@@ -98,7 +101,7 @@ impl Tables {
         }
         for change in commit.changes() {
             let current = self.rows.get(&change.key).map(|row| row.version);
-            let gone = self.gone.get(&change.key).copied();
+            let gone = self.gone.get(&change.key).map(|(version, _)| *version);
             let holds = match change.expected {
                 // A create must go above the key's deletion; a check for absence need not.
                 Expected::Absent => current.is_none() && (change.write.is_none() || gone.is_none()),
@@ -195,7 +198,7 @@ impl Store for MemoryStore {
             snapshot = snapshot.with_expiry(key, remaining);
         }
         for key in keys {
-            if let Some(version) = tables.gone.get(key) {
+            if let Some((version, _)) = tables.gone.get(key) {
                 snapshot = snapshot.with_gone(key.clone(), *version);
             }
         }
@@ -360,7 +363,7 @@ impl Store for MemoryStore {
             .collect();
         for key in &expired {
             if let Some(row) = rows.remove(key) {
-                gone.insert(key.clone(), row.version);
+                gone.insert(key.clone(), (row.version, Instant::now()));
             }
             written.remove(key);
         }
@@ -385,7 +388,7 @@ impl Store for MemoryStore {
         let mut erased = Vec::with_capacity(keys.len());
         for key in keys {
             if let Some(row) = rows.remove(&key) {
-                gone.insert(key.clone(), row.version);
+                gone.insert(key.clone(), (row.version, Instant::now()));
                 erased.push((key.clone(), row.version));
             }
             written.remove(&key);
@@ -439,8 +442,11 @@ impl Store for MemoryStore {
         let Tables {
             receipts,
             receipted,
+            gone,
             ..
         } = &mut *tables;
+        // Tombstones after a day, as PostgreSQL's (`migrations/V4__erasure.sql`).
+        gone.retain(|_, (_, at)| now.duration_since(*at) < TOMBSTONE_LIFE);
         receipts.retain(|key, (_, created)| {
             let kept = now.duration_since(*created) < age;
             if !kept {

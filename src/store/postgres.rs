@@ -130,11 +130,14 @@ const INSPECT: Sql = Sql {
              FROM turnstile_state WHERE key = ANY($1)",
     types: &[Type::TEXT_ARRAY],
 };
-/// The newest `$2` receipts whose keys start with `$1`, with when each was written. Not indexed
-/// by prefix: a scan, for operators' occasional calls.
+/// The newest `$2` receipts whose keys start with `$1` (a conversation's receipts' prefix), with
+/// when each was written: found by the conversation's index (`migrations/V4__erasure.sql`), then
+/// by the prefix (the bot).
 const INSPECT_RECEIPTS: Sql = Sql {
     text: "SELECT key, payload, extract(epoch FROM created_at)::float8 \
-             FROM turnstile_receipt WHERE starts_with(key, $1) \
+             FROM turnstile_receipt \
+            WHERE turnstile_key_conversation(key) = turnstile_key_conversation($1) \
+              AND starts_with(key, $1) \
             ORDER BY created_at DESC, key LIMIT $2",
     types: &[Type::TEXT, Type::INT8],
 };
