@@ -1,7 +1,9 @@
 //! `AdminService` over gRPC: what an operator needs to see of the state Turnstile keeps — a
 //! conversation's and a user's scopes, the recent receipts, a bot's conversations — without SQL
-//! against escaped keys. It reads the store directly, past the replica's cache: an operator sees
-//! what is stored, not what this replica last guessed.
+//! against escaped keys, and to erase a user's or a conversation's data. It reads the store
+//! directly, past the replica's cache: an operator sees what is stored, not what this replica
+//! last guessed. An erasure is the store's one statement ([`Store::erase`]); here it gets its
+//! record, and a log line that names no one.
 //!
 //! Off unless the server has admin tokens, and then only for a caller presenting one of them
 //! ([`AdminGate`]): these are not `TurnService`'s tokens, since a gateway that may run turns may
