@@ -23,8 +23,9 @@
 //! bot's change being applied again.
 //!
 //! Erasure, new in this release, meets the old release too: a conversation deleted through a new
-//! replica while an old one has it in its cache must start afresh on the old one, truthfully
-//! answered, and its deleted data must not come back.
+//! replica while an old one has it in its cache starts afresh, on the old replica or — refused
+//! there with a status a gateway retries, nothing committed — on a new one; never a failure that
+//! committed after all, and its deleted data does not come back.
 #![allow(clippy::unwrap_used)]
 
 use crate::support;
@@ -832,18 +833,21 @@ async fn old_and_new_replicas_serving_together_through_a_rollout_lose_and_double
 }
 
 /// Sends `text` to the pizza bot in the erasure test's conversation, through the replica at
-/// `to`: the toppings its reply names, or the status it failed with (and the activity's id).
-async fn order(to: SocketAddr, text: &str) -> (String, Result<Vec<String>, tonic::Status>) {
+/// `to`: the toppings its reply names, or the status it failed with.
+async fn order(to: SocketAddr, text: &str) -> Result<Vec<String>, tonic::Status> {
     let activity = support::message(ERASED, "user-erased", text);
-    let id = activity.id.clone().unwrap();
     let request = pb::ProcessTurnRequest::typed(activity, ERASED_BOT);
-    let toppings = try_process_on(to, request).await.map(|response| {
-        support::texts(&response)
-            .first()
-            .map(|reply| support::toppings(reply))
-            .unwrap_or_default()
-    });
-    (id, toppings)
+    try_process_on(to, request)
+        .await
+        .map(|response| toppings_of(&response))
+}
+
+/// The toppings a pizza bot's (first) reply names.
+fn toppings_of(response: &pb::ProcessTurnResponse) -> Vec<String> {
+    support::texts(response)
+        .first()
+        .map(|reply| support::toppings(reply))
+        .unwrap_or_default()
 }
 
 /// Adds a violation unless `said` is `expected`.
@@ -894,8 +898,13 @@ async fn erased_rows(url: &str, id: &str) -> String {
     format!("state row: {state:?}; receipt of {id}: {receipt:?}")
 }
 
+/// [`erased_rows`] when neither exists.
+fn erased_rows_none(id: &str) -> String {
+    format!("state row: None; receipt of {id}: None")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_conversation_deleted_through_a_new_replica_starts_afresh_on_an_old_one() {
+async fn a_conversation_deleted_mid_rollout_starts_afresh_whichever_release_serves_it() {
     let old_binary = tokio::task::spawn_blocking(|| release::last().binary())
         .await
         .unwrap();
@@ -912,13 +921,13 @@ async fn a_conversation_deleted_through_a_new_replica_starts_afresh_on_an_old_on
     expect(
         &mut violations,
         "old, before",
-        order(old, "add mushroom").await.1,
+        order(old, "add mushroom").await,
         &["mushroom"],
     );
     expect(
         &mut violations,
         "old, before",
-        order(old, "add cheese").await.1,
+        order(old, "add cheese").await,
         &["mushroom", "cheese"],
     );
     let mut admin = AdminServiceClient::connect(format!("http://{new}"))
@@ -943,45 +952,83 @@ async fn a_conversation_deleted_through_a_new_replica_starts_afresh_on_an_old_on
         "DeleteConversation found nothing to delete: {record:?}"
     );
 
-    // The old replica's next turn starts from nothing, and says so.
-    let (id, olives) = order(old, "add olives").await;
-    if let Err(status) = &olives {
-        // Evidence: whether the turn committed after all, and what its redelivery gets.
-        let rows = erased_rows(&url, &id).await;
-        let request = pb::ProcessTurnRequest::typed(
-            pb::Activity {
-                id: Some(id.clone()),
-                ..support::message(ERASED, "user-erased", "add olives")
-            },
-            ERASED_BOT,
-        );
-        let again = try_process_on(old, request).await;
-        violations.push(format!(
-            "after the deletion, the old replica failed `add olives` ({id}) with {:?} {:?}; the \
-             database then held {rows}; the same activity delivered again to it was answered {:?}",
-            status.code(),
-            status.message(),
-            again
-                .map(|r| answer(&r))
-                .map_err(|s| (s.code(), s.message().to_owned())),
-        ));
+    // The old replica's next turn either starts from nothing, or — since 0.1.0 cannot create a
+    // key above its tombstone — is refused with a status a gateway retries, nothing committed,
+    // and is then answered by a new replica. Never a failure that committed after all.
+    let activity = support::message(ERASED, "user-erased", "add olives");
+    let id = activity.id.clone().unwrap();
+    let request = pb::ProcessTurnRequest::typed(activity, ERASED_BOT);
+    let mut call = tonic::Request::new(request.clone());
+    call.set_timeout(Duration::from_secs(10));
+    let asked = Instant::now();
+    let outcome = client(old).await.process_turn(call).await;
+    eprintln!(
+        "[upgrade] after the deletion the old replica answered {:?} in {:.1?}",
+        outcome
+            .as_ref()
+            .map(|r| support::texts(r.get_ref()))
+            .map_err(|s| s.code()),
+        asked.elapsed()
+    );
+    match outcome {
+        Ok(response) => expect(
+            &mut violations,
+            "old, its cache holding the deleted state",
+            Ok(toppings_of(&response.into_inner())),
+            &["olives"],
+        ),
+        Err(status) if matches!(status.code(), Code::Aborted | Code::Unavailable) => {
+            let rows = erased_rows(&url, &id).await;
+            if rows != erased_rows_none(&id) {
+                violations.push(format!(
+                    "after the deletion, the old replica refused `add olives` ({id}) with {:?} \
+                     {:?}, yet the database holds {rows}",
+                    status.code(),
+                    status.message()
+                ));
+            }
+            // The gateway's retry, on another replica.
+            let retried = process_on(new, request).await;
+            if retried.redelivered {
+                violations.push(format!(
+                    "`add olives` ({id}), refused by the old replica, was then answered as a \
+                     redelivery: {}",
+                    answer(&retried)
+                ));
+            }
+            expect(
+                &mut violations,
+                "new, retrying what the old one refused",
+                Ok(toppings_of(&retried)),
+                &["olives"],
+            );
+        }
+        Err(status) => {
+            // Evidence: whether the turn committed after all, and what its redelivery gets.
+            let rows = erased_rows(&url, &id).await;
+            let again = try_process_on(old, request).await;
+            violations.push(format!(
+                "after the deletion, the old replica failed `add olives` ({id}) with {:?} {:?}, \
+                 which a gateway does not retry; the database then held {rows}; the same \
+                 activity delivered again to it was answered {:?}",
+                status.code(),
+                status.message(),
+                again
+                    .map(|r| answer(&r))
+                    .map_err(|s| (s.code(), s.message().to_owned())),
+            ));
+        }
     }
     expect(
         &mut violations,
-        "old, its cache holding the deleted state",
-        olives,
-        &["olives"],
-    );
-    expect(
-        &mut violations,
         "new, after the old one's turn",
-        order(new, "add ham").await.1,
+        order(new, "add ham").await,
         &["olives", "ham"],
     );
     expect(
         &mut violations,
         "old, after the new one's turn",
-        order(old, "show").await.1,
+        order(old, "show").await,
         &["olives", "ham"],
     );
     let resurrected: i64 = support::pg::session(&url)
