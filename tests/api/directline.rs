@@ -59,6 +59,8 @@ struct World {
     /// run on after the POST is answered.
     impatient: SocketAddr,
     http: reqwest::Client,
+    /// The database.
+    url: String,
     _server: TestServer,
     _stops: Vec<oneshot::Sender<()>>,
 }
@@ -109,6 +111,7 @@ impl World {
             slow_llm,
             impatient,
             http: reqwest::Client::new(),
+            url,
             _server: server,
             _stops: stops,
         }
@@ -700,7 +703,8 @@ async fn a_message_refused_while_the_bot_answers_shows_the_busy_text_and_commits
     let gw = world.slow_llm;
     let (conversation, token, _) = world.start_conversation(gw, Some(SECRET)).await;
     let double_text = async {
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Once the first message's turn runs, whatever the machine's load.
+        support::pg::until_held(&world.url, &conversation).await;
         world
             .say(gw, &conversation, &token, "wait, make it large")
             .await

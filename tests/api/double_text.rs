@@ -25,7 +25,7 @@ use turnstile::bot::BotRegistry;
 use turnstile::config::Config;
 use turnstile::grpc::pb;
 
-async fn replicas(policy: DoubleText) -> (TestServer, TestServer, Arc<Semaphore>) {
+async fn replicas(policy: DoubleText) -> (TestServer, TestServer, Arc<Semaphore>, String) {
     let url = support::pg::fresh_database().await;
     let gate = Arc::new(Semaphore::new(0));
     let bots = || {
@@ -42,6 +42,7 @@ async fn replicas(policy: DoubleText) -> (TestServer, TestServer, Arc<Semaphore>
         TestServer::start(postgres_config(&url), bots()).await,
         TestServer::start(postgres_config(&url), bots()).await,
         gate,
+        url,
     )
 }
 
@@ -79,11 +80,11 @@ fn assert_busy(status: &tonic::Status) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reject_refuses_a_double_text_on_every_replica_and_commits_nothing_for_it() {
-    let (a, b, gate) = replicas(DoubleText::Reject).await;
+    let (a, b, gate, url) = replicas(DoubleText::Reject).await;
     let first = message("busy", "ada", "wait");
     let running = send(&a, &first);
-    // The first message's turn runs its bot (it drafts nothing here: wait until it holds).
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The first message's turn runs its bot.
+    support::pg::until_held(&url, "busy").await;
 
     let mut a_client = a.client().await;
     let mut b_client = b.client().await;
@@ -127,9 +128,9 @@ async fn reject_refuses_a_double_text_on_every_replica_and_commits_nothing_for_i
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enqueue_lets_a_double_text_wait_and_run_after_the_turn() {
-    let (a, b, gate) = replicas(DoubleText::Enqueue).await;
+    let (a, b, gate, url) = replicas(DoubleText::Enqueue).await;
     let running = send(&a, &message("queue", "ada", "wait"));
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    support::pg::until_held(&url, "queue").await;
     let here = send(&a, &message("queue", "ada", "second"));
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!here.is_finished(), "it waits for the running turn");

@@ -394,3 +394,31 @@ fn try_run(command: &mut Command) -> Result<(), String> {
         String::from_utf8_lossy(&output.stderr)
     ))
 }
+
+/// Waits until a turn holds `conversation` (its hold row in the database names a holder whose
+/// time has not run out): the turn sent first is then running, whatever the machine's load.
+pub async fn until_held(url: &str, conversation: &str) {
+    let db = session(url).await;
+    let key = format!("%/conversations/{conversation}/%hold");
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        // (An error: the servers have not migrated the database yet.)
+        let held = db
+            .query_one(
+                "SELECT count(*) FROM turnstile_state WHERE key LIKE $1 \
+                    AND state ? 'holder' \
+                    AND (state->>'until')::float8 > extract(epoch FROM clock_timestamp())",
+                &[&key],
+            )
+            .await
+            .map(|row| row.get::<_, i64>(0));
+        if held.is_ok_and(|held| held > 0) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{conversation} never held"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
