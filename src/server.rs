@@ -186,178 +186,45 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let bots = with_policies(config.remote_bots.register(bots)?, &config)?;
     let (store, unmigrated) = open(&config).await?;
-    let listeners: Listeners = listeners.into();
     let Listeners {
         grpc: listener,
         metrics,
-    } = listeners;
+    } = listeners.into();
     let local_addr = listener.local_addr().ok();
-    // Scrapes go on while the gRPC side drains, and end with it.
-    let metrics_stop = Arc::new(Notify::new());
-    let metrics = match metrics {
-        Some(metrics_listener) => {
-            let handle = crate::telemetry::metrics::recorder()?;
-            tracing::info!(address = ?metrics_listener.local_addr().ok(), "serving /metrics");
-            let stop = Arc::clone(&metrics_stop);
-            Some(tokio::spawn(crate::telemetry::metrics::serve(
-                metrics_listener,
-                handle,
-                Arc::clone(&store),
-                async move { stop.notified().await },
-            )))
-        }
-        None => None,
-    };
-    let pruner = tokio::spawn(prune_receipts(Arc::clone(&store), config.receipt_retention));
-    let sweeper = config
-        .ttls
-        .any()
-        .then(|| tokio::spawn(sweep_expired(Arc::clone(&store), config.expiry_sweep_every)));
+    let metrics = MetricsEndpoint::start(metrics, &store)?;
+    let upkeep = Upkeep::start(&store, &config);
     let admin = AdminServiceServer::new(AdminApi::new(
         Arc::clone(&store),
         bots.clone(),
         admin_tokens(&config)?,
     ));
-    let engine = Engine::new(store, bots, config.retry)
-        .with_state_cache(crate::store::CacheSize {
-            entries: config.state_cache_entries,
-            bytes: config.state_cache_bytes,
-        })
-        .with_ttls(config.ttls)
-        .with_max_scope_bytes(config.max_scope_bytes);
-    let max_message = config
-        .limits
-        .max_activity_bytes
-        .saturating_mul(2)
-        .max(4 << 20);
     let max_in_flight = config.max_in_flight();
     tracing::info!(max_in_flight, "turns in flight beyond this are refused");
     let drain = Drain::new(max_in_flight);
-    let authenticate = authenticate(&config)?;
-    let turns = TurnServiceServer::new(TurnApi::new(engine, config.limits, Arc::clone(&drain)))
-        .max_decoding_message_size(max_message)
-        .max_encoding_message_size(max_message);
-
+    let turns = turn_service(engine(store, bots, &config), &config, Arc::clone(&drain))?;
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    // Ready to turn means a schema its statements were written for: until a check says so,
-    // `TurnService` is NOT_SERVING (the server as a whole, "", is up: liveness must not restart a
-    // replica that waits for its migration Job) and turns are refused at the store's gate.
-    let schema_watch = match unmigrated {
-        None => {
-            health_reporter
-                .set_serving::<TurnServiceServer<TurnApi>>()
-                .await;
-            None
-        }
-        Some(store) => {
-            store.hold_until_schema_checked();
-            health_reporter
-                .set_not_serving::<TurnServiceServer<TurnApi>>()
-                .await;
-            // The first check before the port answers, so that a replica whose migration Job
-            // has run serves its first turn rather than refusing it while a watcher starts.
-            let mut logged = String::new();
-            let first = tokio::time::timeout(FIRST_SCHEMA_CHECK, check_schema(&store, &mut logged));
-            if first.await.unwrap_or(false) {
-                health_reporter
-                    .set_serving::<TurnServiceServer<TurnApi>>()
-                    .await;
-                None
-            } else {
-                Some(tokio::spawn(watch_schema(
-                    store,
-                    health_reporter.clone(),
-                    logged,
-                )))
-            }
-        }
-    };
-    // The `google.rpc` error-detail types too: every error status carries them, and a client
-    // that learns the contract by reflection (grpcurl) decodes them only if it can look them up.
-    let reflection_v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
-    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()?;
+    let schema_watch = report_readiness(&health_reporter, unmigrated).await;
+    let (reflection_v1, reflection_v1alpha) = reflection()?;
 
-    let grace = config.shutdown_grace;
     let stopping = Arc::new(Notify::new());
-    let signal = {
-        let stopping = Arc::clone(&stopping);
-        async move {
-            shutdown.await;
-            drain.start();
-            if let Some(watch) = schema_watch {
-                // Stopped, not just told to stop, before NOT_SERVING: it must not report SERVING
-                // after that.
-                watch.abort();
-                let _ = watch.await;
-            }
-            health_reporter
-                .set_not_serving::<TurnServiceServer<TurnApi>>()
-                .await;
-            health_reporter
-                .set_service_status("", ServingStatus::NotServing)
-                .await;
-            tracing::info!(
-                in_flight = drain.in_flight(),
-                "shutting down: refusing new turns, finishing those in flight"
-            );
-            if tokio::time::timeout(grace, drain.idle()).await.is_err() {
-                tracing::warn!(
-                    ?grace,
-                    in_flight = drain.in_flight(),
-                    "in-flight turns did not finish within the grace period; abandoning them \
-                     (an abandoned turn commits all or nothing, and its caller gets an error)"
-                );
-            }
-            stopping.notify_one();
-        }
-    };
-    let connections = config.connections;
-    // GOAWAY at the age by tonic, the hard end after the grace by the socket: see
-    // `grpc::connection_age` for why not tonic's own grace.
-    let lifetime = connections
-        .max_age
-        .zip(connections.max_age_grace)
-        .map(|(age, grace)| age.saturating_add(grace));
-    let incoming = TcpIncoming::from(listener)
-        .with_nodelay(Some(true))
-        .map(move |accepted| accepted.map(|stream| Deadlined::new(stream, lifetime)));
-    let mut builder = Server::builder()
-        .http2_keepalive_interval(connections.keepalive_interval)
-        .http2_keepalive_timeout(Some(connections.keepalive_timeout));
-    if let Some(age) = connections.max_age {
-        builder = builder.max_connection_age(age);
-    }
-    if let Some(tls) = &config.tls {
-        builder = builder.tls_config(tls_config(tls)?)?;
-    }
-    // Without tokens the interceptor only lets every call through, after converting its request
-    // to tonic's and back (`bench/RESULTS.md`): then `TurnService` goes without it.
-    let turns = if authenticate.is_enabled() {
-        Either::Left(MapResponse::new(
-            TooLarge::new(InterceptedService::new(turns, authenticate), max_message),
-            |response: http::Response<ResponseBody<tonic::body::Body>>| {
-                response.map(tonic::body::Body::new)
-            },
-        ))
-    } else {
-        Either::Right(TooLarge::new(turns, max_message))
-    };
+    let signal = drain_on(
+        shutdown,
+        Drained {
+            drain,
+            schema_watch,
+            health: health_reporter,
+            grace: config.shutdown_grace,
+            stopping: Arc::clone(&stopping),
+        },
+    );
     let services = Services::new(TurnServiceServer::<TurnApi>::NAME, turns)
         .with(health)
         .with(admin)
         .with(reflection_v1)
         .with(reflection_v1alpha);
-    let server = builder
+    let server = server_builder(&config)?
         .layer(RpcTelemetryLayer::default())
-        .serve_with_incoming_shutdown(services, incoming, signal);
+        .serve_with_incoming_shutdown(services, incoming(listener, &config), signal);
     tracing::info!(address = ?local_addr, "serving TurnService");
 
     let served = tokio::select! {
@@ -369,28 +236,270 @@ pub async fn serve(
             Ok(())
         }
     };
-    pruner.abort();
-    if let Some(sweeper) = sweeper {
-        sweeper.abort();
+    upkeep.stop();
+    metrics.stop().await;
+    served?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// The engine over `store`, with this configuration's cache, expiry and limits.
+fn engine(store: Arc<dyn Store>, bots: BotRegistry, config: &Config) -> Engine {
+    Engine::new(store, bots, config.retry)
+        .with_state_cache(crate::store::CacheSize {
+            entries: config.state_cache_entries,
+            bytes: config.state_cache_bytes,
+        })
+        .with_ttls(config.ttls)
+        .with_max_scope_bytes(config.max_scope_bytes)
+}
+
+/// The largest gRPC message either way: twice the largest activity, at least 4 MiB.
+fn max_message(config: &Config) -> usize {
+    config
+        .limits
+        .max_activity_bytes
+        .saturating_mul(2)
+        .max(4 << 20)
+}
+
+/// `TurnService` as served: limited in message size, with the bearer-token check when tokens
+/// are configured.
+fn turn_service(
+    engine: Engine,
+    config: &Config,
+    drain: Arc<Drain>,
+) -> Result<TurnService, ServeError> {
+    let max_message = max_message(config);
+    let authenticate = authenticate(config)?;
+    let turns = TurnServiceServer::new(TurnApi::new(engine, config.limits, drain))
+        .max_decoding_message_size(max_message)
+        .max_encoding_message_size(max_message);
+    // Without tokens the interceptor only lets every call through, after converting its request
+    // to tonic's and back (`bench/RESULTS.md`): then `TurnService` goes without it.
+    Ok(if authenticate.is_enabled() {
+        Either::Left(MapResponse::new(
+            TooLarge::new(InterceptedService::new(turns, authenticate), max_message),
+            |response: http::Response<ResponseBody<tonic::body::Body>>| {
+                response.map(tonic::body::Body::new)
+            },
+        ))
+    } else {
+        Either::Right(TooLarge::new(turns, max_message))
+    })
+}
+
+/// [`turn_service`]'s service: with or without the token check.
+type TurnService = Either<
+    MapResponse<
+        TooLarge<InterceptedService<TurnServiceServer<TurnApi>, Authenticate>>,
+        fn(http::Response<ResponseBody<tonic::body::Body>>) -> http::Response<tonic::body::Body>,
+    >,
+    TooLarge<TurnServiceServer<TurnApi>>,
+>;
+
+/// Reports `TurnService` serving once the schema is one its statements were written for: at
+/// once for a store migrated on start; else after a first check, or when `watch_schema` (the
+/// returned task) finds it. Until then `TurnService` is NOT_SERVING (the server as a whole, "",
+/// is up: liveness must not restart a replica that waits for its migration Job) and turns are
+/// refused at the store's gate.
+async fn report_readiness(
+    health: &tonic_health::server::HealthReporter,
+    unmigrated: Option<PostgresStore>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let Some(store) = unmigrated else {
+        health.set_serving::<TurnServiceServer<TurnApi>>().await;
+        return None;
+    };
+    store.hold_until_schema_checked();
+    health.set_not_serving::<TurnServiceServer<TurnApi>>().await;
+    // The first check before the port answers, so that a replica whose migration Job has run
+    // serves its first turn rather than refusing it while a watcher starts.
+    let mut logged = String::new();
+    let first = tokio::time::timeout(FIRST_SCHEMA_CHECK, check_schema(&store, &mut logged));
+    if first.await.unwrap_or(false) {
+        health.set_serving::<TurnServiceServer<TurnApi>>().await;
+        None
+    } else {
+        Some(tokio::spawn(watch_schema(store, health.clone(), logged)))
     }
-    if let Some(mut metrics) = metrics {
-        metrics_stop.notify_one();
-        match tokio::time::timeout(CONNECTION_CLOSE_WAIT, &mut metrics).await {
+}
+
+/// gRPC reflection, v1 and v1alpha, describing the service's protos and the `google.rpc`
+/// error-detail types too: every error status carries them, and a client that learns the
+/// contract by reflection (grpcurl) decodes them only if it can look them up.
+#[allow(clippy::type_complexity)]
+fn reflection() -> Result<
+    (
+        tonic_reflection::server::v1::ServerReflectionServer<
+            impl tonic_reflection::server::v1::ServerReflection,
+        >,
+        tonic_reflection::server::v1alpha::ServerReflectionServer<
+            impl tonic_reflection::server::v1alpha::ServerReflection,
+        >,
+    ),
+    ServeError,
+> {
+    let builder = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
+    };
+    Ok((builder().build_v1()?, builder().build_v1alpha()?))
+}
+
+/// What a graceful shutdown goes through ([`drain_on`]).
+struct Drained {
+    drain: Arc<Drain>,
+    schema_watch: Option<tokio::task::JoinHandle<()>>,
+    health: tonic_health::server::HealthReporter,
+    grace: Duration,
+    /// Told when the turns in flight have finished or been abandoned.
+    stopping: Arc<Notify>,
+}
+
+/// The server's shutdown signal: once `shutdown` completes, refuses new turns, reports
+/// NOT_SERVING, and gives the turns in flight their grace before the server stops.
+async fn drain_on(shutdown: impl Future<Output = ()>, drained: Drained) {
+    let Drained {
+        drain,
+        schema_watch,
+        health,
+        grace,
+        stopping,
+    } = drained;
+    shutdown.await;
+    drain.start();
+    if let Some(watch) = schema_watch {
+        // Stopped, not just told to stop, before NOT_SERVING: it must not report SERVING after
+        // that.
+        watch.abort();
+        let _ = watch.await;
+    }
+    health.set_not_serving::<TurnServiceServer<TurnApi>>().await;
+    health
+        .set_service_status("", ServingStatus::NotServing)
+        .await;
+    tracing::info!(
+        in_flight = drain.in_flight(),
+        "shutting down: refusing new turns, finishing those in flight"
+    );
+    if tokio::time::timeout(grace, drain.idle()).await.is_err() {
+        tracing::warn!(
+            ?grace,
+            in_flight = drain.in_flight(),
+            "in-flight turns did not finish within the grace period; abandoning them \
+             (an abandoned turn commits all or nothing, and its caller gets an error)"
+        );
+    }
+    stopping.notify_one();
+}
+
+/// The connections `listener` accepts, each ended at the configured age plus its grace.
+fn incoming(
+    listener: TcpListener,
+    config: &Config,
+) -> impl futures::Stream<Item = std::io::Result<Deadlined>> + use<> {
+    let connections = config.connections;
+    // GOAWAY at the age by tonic, the hard end after the grace by the socket: see
+    // `grpc::connection_age` for why not tonic's own grace.
+    let lifetime = connections
+        .max_age
+        .zip(connections.max_age_grace)
+        .map(|(age, grace)| age.saturating_add(grace));
+    TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .map(move |accepted| accepted.map(|stream| Deadlined::new(stream, lifetime)))
+}
+
+/// The gRPC server with this configuration's keepalives, connection age and TLS.
+fn server_builder(config: &Config) -> Result<Server, ServeError> {
+    let connections = config.connections;
+    let mut builder = Server::builder()
+        .http2_keepalive_interval(connections.keepalive_interval)
+        .http2_keepalive_timeout(Some(connections.keepalive_timeout));
+    if let Some(age) = connections.max_age {
+        builder = builder.max_connection_age(age);
+    }
+    if let Some(tls) = &config.tls {
+        builder = builder.tls_config(tls_config(tls)?)?;
+    }
+    Ok(builder)
+}
+
+/// `/metrics` on a listener of its own, if the server has one. Scrapes go on while the gRPC side
+/// drains, and end with it.
+struct MetricsEndpoint {
+    task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    stop: Arc<Notify>,
+}
+
+impl MetricsEndpoint {
+    fn start(listener: Option<TcpListener>, store: &Arc<dyn Store>) -> Result<Self, ServeError> {
+        let stop = Arc::new(Notify::new());
+        let task = match listener {
+            Some(listener) => {
+                let handle = crate::telemetry::metrics::recorder()?;
+                tracing::info!(address = ?listener.local_addr().ok(), "serving /metrics");
+                let stopped = Arc::clone(&stop);
+                Some(tokio::spawn(crate::telemetry::metrics::serve(
+                    listener,
+                    handle,
+                    Arc::clone(store),
+                    async move { stopped.notified().await },
+                )))
+            }
+            None => None,
+        };
+        Ok(Self { task, stop })
+    }
+
+    /// Ends the endpoint, giving scrapes in progress a moment; its port is closed on return.
+    async fn stop(self) {
+        let Some(mut task) = self.task else {
+            return;
+        };
+        self.stop.notify_one();
+        match tokio::time::timeout(CONNECTION_CLOSE_WAIT, &mut task).await {
             Ok(Ok(Ok(()))) => {}
             Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the metrics endpoint failed"),
             Ok(Err(e)) => tracing::warn!(error = %e, "the metrics endpoint's task failed"),
             Err(_) => {
                 tracing::warn!("a scraper kept the metrics endpoint open; closing it");
-                metrics.abort();
+                task.abort();
                 // Until the aborted task is dropped its listener stays open: wait for that, so
                 // that the port is closed once `serve` returns.
-                let _ = metrics.await;
+                let _ = task.await;
             }
         }
     }
-    served?;
-    tracing::info!("stopped");
-    Ok(())
+}
+
+/// The store's upkeep, off the turns' path: the receipt pruner always, the expiry sweep with a
+/// time to live.
+struct Upkeep {
+    pruner: tokio::task::JoinHandle<()>,
+    sweeper: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Upkeep {
+    fn start(store: &Arc<dyn Store>, config: &Config) -> Self {
+        Self {
+            pruner: tokio::spawn(prune_receipts(Arc::clone(store), config.receipt_retention)),
+            sweeper: config
+                .ttls
+                .any()
+                .then(|| tokio::spawn(sweep_expired(Arc::clone(store), config.expiry_sweep_every))),
+        }
+    }
+
+    fn stop(self) {
+        self.pruner.abort();
+        if let Some(sweeper) = self.sweeper {
+            sweeper.abort();
+        }
+    }
 }
 
 /// The rustls configuration `tls` describes: the server's identity and, for mutual TLS, the CA
