@@ -210,7 +210,7 @@ replicas() { # NAME
 receipts() { # RESULT_JSON
     local id counts=()
     for id in $(node -e 'for (const id of JSON.parse(require("fs").readFileSync(process.argv[1], "utf8")).ids) console.log(id)' "$1"); do
-        counts+=("$(psql_ -c "SELECT count(*) FROM turnstile_receipt WHERE key LIKE '%$id'")")
+        counts+=("$(psql_ -c "SELECT count(*) FROM turnstile.turnstile_receipt WHERE key LIKE '%$id'")")
     done
     echo "   receipts per activity (commits): ${counts[*]}" >&2
 }

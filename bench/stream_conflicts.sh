@@ -61,4 +61,4 @@ echo "== the plain turns on B:" >&2
 cat "$WORK/plain.txt"
 psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -Atq -c \
     "SELECT 'streamed and plain activities receipted: ' || count(*) || ', receipts per activity at most: ' ||
-            coalesce(max(n), 0) FROM (SELECT key, count(*) AS n FROM turnstile_receipt GROUP BY key) r"
+            coalesce(max(n), 0) FROM (SELECT key, count(*) AS n FROM turnstile.turnstile_receipt GROUP BY key) r"

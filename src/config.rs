@@ -11,7 +11,7 @@ use crate::bots::remote::{RemoteBotSpec, RemoteBots, WorkerToken};
 use crate::engine::RetryPolicy;
 use crate::grpc::auth::{self, Token};
 use crate::grpc::limits::Limits;
-use crate::store::postgres::{DatabaseUrl, Statements};
+use crate::store::postgres::{DatabaseUrl, Schema, Statements};
 
 /// Where turn state is kept.
 #[derive(Debug, Clone)]
@@ -286,6 +286,11 @@ pub struct ServeArgs {
         env = "TURNSTILE_DATABASE_PASSWORD_FILE"
     )]
     pub database_password_file: Option<PathBuf>,
+    /// The PostgreSQL schema of Turnstile's tables, created if missing; a database an older
+    /// release laid out in `public` is moved into it by the migrations.
+    #[arg(help_heading = "Database", long, env = "TURNSTILE_DATABASE_SCHEMA", default_value = "turnstile",
+          value_parser = Schema::parse)]
+    pub database_schema: Schema,
     /// Most PostgreSQL connections this replica opens.
     #[arg(
         help_heading = "Database",
@@ -620,7 +625,8 @@ impl ServeArgs {
             store: match &self.database_url {
                 Some(url) => StoreConfig::Postgres {
                     url: DatabaseUrl::new(url.clone())
-                        .with_password_file(self.database_password_file.clone()),
+                        .with_password_file(self.database_password_file.clone())
+                        .with_schema(self.database_schema.clone()),
                     pool_size: self.pool_size,
                     commits_in_flight: self.commits_in_flight.map(usize::from),
                 },
@@ -628,7 +634,9 @@ impl ServeArgs {
             },
             migrate_on_start: self.migrate_on_start,
             migration_url: self.migration_database_url.clone().map(|url| {
-                DatabaseUrl::new(url).with_password_file(self.database_password_file.clone())
+                DatabaseUrl::new(url)
+                    .with_password_file(self.database_password_file.clone())
+                    .with_schema(self.database_schema.clone())
             }),
             statements: if self.prepared_statements {
                 Statements::Prepared
@@ -771,6 +779,13 @@ pub struct MigrateArgs {
     /// File holding the PostgreSQL password, used when the URL has none.
     #[arg(long, env = "TURNSTILE_DATABASE_PASSWORD_FILE")]
     pub database_password_file: Option<PathBuf>,
+    /// The PostgreSQL schema of Turnstile's tables (as `serve`'s).
+    #[arg(long, env = "TURNSTILE_DATABASE_SCHEMA", default_value = "turnstile", value_parser = Schema::parse)]
+    pub database_schema: Schema,
+    /// Instead of migrating, remove the views and the function a migration from 0.1.0 left in
+    /// `public` for that release's replicas: run once none of them is left.
+    #[arg(long)]
+    pub drop_compat: bool,
 }
 
 impl MigrateArgs {
@@ -778,6 +793,7 @@ impl MigrateArgs {
     pub fn database_url(&self) -> DatabaseUrl {
         DatabaseUrl::new(self.database_url.clone())
             .with_password_file(self.database_password_file.clone())
+            .with_schema(self.database_schema.clone())
     }
 }
 
@@ -919,6 +935,43 @@ mod server_flags {
             crate::server::with_policies(cli.serve.bots(), &cli.serve.config()).is_err(),
             "an unknown bot is refused"
         );
+    }
+
+    #[test]
+    fn the_database_schema_defaults_to_turnstile_and_refuses_what_is_not_a_plain_name() {
+        let cli = Cli::try_parse_from(["turnstile", "--database-url", "postgres://db/x"])
+            .expect("valid arguments");
+        let StoreConfig::Postgres { url, .. } = cli.serve.config().store else {
+            panic!("a PostgreSQL store");
+        };
+        assert_eq!(url.schema().as_str(), "turnstile");
+        for bad in [
+            "",
+            "Turnstile",
+            "turn-stile",
+            "1st",
+            "pg_catalog",
+            "a;drop",
+            "x y",
+        ] {
+            let err = Cli::try_parse_from(["turnstile", "--database-schema", bad])
+                .expect_err("refused")
+                .to_string();
+            assert!(err.contains("--database-schema"), "{bad}: {err}");
+        }
+        let cli = Cli::try_parse_from([
+            "turnstile",
+            "migrate",
+            "--database-url",
+            "postgres://db/x",
+            "--database-schema",
+            "bots_state",
+        ])
+        .expect("valid arguments");
+        let Some(Command::Migrate(args)) = cli.command else {
+            panic!("migrate");
+        };
+        assert_eq!(args.database_url().schema().as_str(), "bots_state");
     }
 
     #[test]

@@ -50,6 +50,11 @@ async fn main() -> anyhow::Result<()> {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Some(Command::Migrate(args)) if args.drop_compat => {
+            postgres::drop_compat(&args.database_url()).await?;
+            tracing::info!("removed what public kept for replicas of 0.1.0");
+            Ok(())
+        }
         Some(Command::Migrate(args)) => {
             let applied = postgres::migrate(&args.database_url()).await?;
             tracing::info!(applied, "migrations applied");

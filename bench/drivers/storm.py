@@ -77,7 +77,7 @@ class Watcher:
 
     def __init__(self, psql, key, interval):
         sql = (
-            "SELECT version, state::text FROM turnstile_state "
+            "SELECT version, state::text FROM turnstile.turnstile_state "
             f"WHERE key = '{key}' \\watch {interval}\n"
         )
         self.proc = subprocess.Popen(
@@ -236,18 +236,18 @@ async def main():
     def query(sql):
         return subprocess.run(psql + ["-c", sql], check=True, capture_output=True, text=True).stdout
 
-    state_text = query(f"SELECT state::text FROM turnstile_state WHERE key = '{conv_key}'").strip()
+    state_text = query(f"SELECT state::text FROM turnstile.turnstile_state WHERE key = '{conv_key}'").strip()
     state = json.loads(state_text) if state_text else {}
     transcript = state.get("transcript", [])
     receipts = {}
     for line in query(
-        "SELECT key, payload::text FROM turnstile_receipt "
+        "SELECT key, payload::text FROM turnstile.turnstile_receipt "
         f"WHERE key LIKE '{conv_key}/activities/%'"
     ).splitlines():
         key, _, payload = line.partition("|")
         activity = key.rsplit("/", 1)[-1]
         receipts.setdefault(activity, []).append(json.loads(payload))
-    hold = query(f"SELECT version, state::text FROM turnstile_state WHERE key = '{conv_key}/%hold'")
+    hold = query(f"SELECT version, state::text FROM turnstile.turnstile_state WHERE key = '{conv_key}/%hold'")
 
     # --- checks ---------------------------------------------------------------------------------
     users = [e for e in transcript if e.get("role") == "user"]

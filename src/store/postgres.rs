@@ -39,6 +39,7 @@ mod diagnose;
 mod group_commit;
 pub mod hold;
 mod jsonb;
+mod layout;
 mod lock;
 pub mod schema;
 pub mod tls;
@@ -50,7 +51,7 @@ pub use group_commit::GroupCommitStats;
 use group_commit::{GroupCommit, SingleWrite};
 pub use lock::lock_table;
 pub use schema::{SchemaBehind, SchemaStatus};
-pub use url::{DatabaseUrl, ParsedUrl, UrlError};
+pub use url::{DatabaseUrl, ParsedUrl, Schema, UrlError};
 
 mod embedded {
     refinery::embed_migrations!("migrations");
@@ -419,11 +420,20 @@ impl DatabaseUrl {
         if config.get_application_name().is_none() {
             config.application_name("turnstile");
         }
-        if config.get_options().is_none() && statements == Statements::Prepared {
-            config.options(format!(
-                "-c statement_timeout={}",
-                STATEMENT_TIMEOUT.as_millis()
-            ));
+        if statements == Statements::Prepared {
+            // Turnstile's schema first (`migrate` sets the same for the role, in this database,
+            // for sessions through a pooler, which cannot carry options), after any options the
+            // URL gives.
+            let search_path = format!("-c search_path={},public", self.schema());
+            let options = match config.get_options() {
+                None => format!(
+                    "-c statement_timeout={} {search_path}",
+                    STATEMENT_TIMEOUT.as_millis()
+                ),
+                Some(given) if given.contains("search_path") => given.to_owned(),
+                Some(given) => format!("{given} {search_path}"),
+            };
+            config.options(options);
         }
         if config.get_tcp_user_timeout().is_none() {
             // Unacknowledged data this long means the peer is gone: fail the connection.
@@ -504,14 +514,17 @@ pub async fn migrate(url: &DatabaseUrl) -> Result<usize, DatabaseError> {
     // A session of its own, straight to PostgreSQL: the advisory lock and refinery's
     // transactions need one, so this URL must not go through a transaction-mode pooler.
     let (mut client, connection) = url.connector(Statements::Prepared)?.connect().await?;
-    let applied = migrate_on(&mut client).await;
+    let applied = migrate_on(&mut client, url.schema()).await;
     // Closing the session releases the advisory lock, even if the migration failed.
     drop(client);
     let _ = connection.await;
     applied
 }
 
-async fn migrate_on(client: &mut tokio_postgres::Client) -> Result<usize, DatabaseError> {
+async fn migrate_on(
+    client: &mut tokio_postgres::Client,
+    schema: &Schema,
+) -> Result<usize, DatabaseError> {
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
         .await
@@ -519,6 +532,20 @@ async fn migrate_on(client: &mut tokio_postgres::Client) -> Result<usize, Databa
             doing: "taking the migration lock",
             source,
         })?;
+    let adopted =
+        layout::prepare(client, schema)
+            .await
+            .map_err(|source| DatabaseError::Session {
+                doing: "moving Turnstile's tables into their schema",
+                source,
+            })?;
+    if adopted {
+        tracing::info!(
+            %schema,
+            "moved Turnstile's tables from public into their schema, leaving views in public for \
+             replicas of 0.1.0 (`turnstile migrate --drop-compat` removes them once none is left)"
+        );
+    }
     let found = schema::applied_version(client)
         .await
         .map_err(|source| DatabaseError::Session {
@@ -534,7 +561,32 @@ async fn migrate_on(client: &mut tokio_postgres::Client) -> Result<usize, Databa
         .run_async(client)
         .await
         .map_err(DatabaseError::Migration)?;
+    layout::settle(client, schema)
+        .await
+        .map_err(|source| DatabaseError::Session {
+            doing: "pointing Turnstile's functions and role at its schema",
+            source,
+        })?;
     Ok(report.applied_migrations().len())
+}
+
+/// Removes the views and the function that a migration from a release before 0.2 left in
+/// `public` for that release's replicas (`layout`): run once the rollout has replaced them all.
+///
+/// # Errors
+/// [`DatabaseError`]: the database cannot be reached, or a statement failed.
+pub async fn drop_compat(url: &DatabaseUrl) -> Result<(), DatabaseError> {
+    let (client, connection) = url.connector(Statements::Prepared)?.connect().await?;
+    let dropped = client
+        .batch_execute(&layout::compat_removal())
+        .await
+        .map_err(|source| DatabaseError::Session {
+            doing: "removing the views left for older replicas",
+            source,
+        });
+    drop(client);
+    let _ = connection.await;
+    dropped
 }
 
 /// Turn state in PostgreSQL, shared by every replica.

@@ -34,6 +34,7 @@ mod held_turns;
 mod hot_conversations;
 mod idempotency;
 mod json_activities;
+mod layout;
 mod metrics;
 mod overload;
 mod pizza_race;

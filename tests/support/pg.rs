@@ -295,6 +295,11 @@ pub async fn session(url: &str) -> tokio_postgres::Client {
         .await
         .unwrap_or_else(|e| panic!("connecting to the test PostgreSQL server: {e}"));
     tokio::spawn(connection);
+    // Turnstile's tables are in their own schema (its default).
+    client
+        .batch_execute("SET search_path TO turnstile, public")
+        .await
+        .unwrap_or_else(|e| panic!("setting the search path: {e}"));
     client
 }
 

@@ -86,6 +86,14 @@ DATABASE_URL taken from the existing Secret, for the server and the migration Jo
 {{- end }}
 
 {{/*
+The schema of Turnstile's tables, for the server and the migration Job alike.
+*/}}
+{{- define "turnstile.databaseSchemaEnv" -}}
+- name: TURNSTILE_DATABASE_SCHEMA
+  value: {{ required "database.schema is required" .Values.database.schema | quote }}
+{{- end }}
+
+{{/*
 PGSSLMODE and PGSSLROOTCERT for the server and the migration Job: libpq's variables, used when the
 URL names no sslmode or sslrootcert.
 */}}

@@ -22,6 +22,56 @@ use super::tls::{self, TlsSettings};
 pub struct DatabaseUrl {
     text: String,
     password_file: Option<PathBuf>,
+    schema: Schema,
+}
+
+/// The PostgreSQL schema that holds Turnstile's tables (`--database-schema`, default
+/// `turnstile`): a plain identifier, so that it goes into SQL as it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Schema(String);
+
+impl Schema {
+    /// The schema's name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// `name` as a schema: lower-case letters, digits and `_`, not starting with a digit, at
+    /// most 63 bytes (PostgreSQL's limit), and not one of PostgreSQL's own (`pg_…`,
+    /// `information_schema`).
+    ///
+    /// # Errors
+    /// A message saying what is wrong with the name.
+    pub fn parse(name: &str) -> Result<Self, String> {
+        let valid = !name.is_empty()
+            && name.len() <= 63
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+            && !name.as_bytes()[0].is_ascii_digit();
+        if !valid {
+            return Err(format!(
+                "`{name}` is not a plain schema name: lower-case letters, digits and `_`, \
+                 not starting with a digit, at most 63 characters"
+            ));
+        }
+        if name.starts_with("pg_") || name == "information_schema" {
+            return Err(format!("`{name}` is PostgreSQL's own schema"));
+        }
+        Ok(Self(name.to_owned()))
+    }
+}
+
+impl Default for Schema {
+    fn default() -> Self {
+        Self("turnstile".to_owned())
+    }
+}
+
+impl std::fmt::Display for Schema {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
 impl std::fmt::Debug for DatabaseUrl {
@@ -36,7 +86,19 @@ impl DatabaseUrl {
         Self {
             text: url.into(),
             password_file: None,
+            schema: Schema::default(),
         }
+    }
+
+    /// This URL, its tables in `schema` (the default: `turnstile`).
+    #[must_use]
+    pub fn with_schema(self, schema: Schema) -> Self {
+        Self { schema, ..self }
+    }
+
+    /// The schema of Turnstile's tables.
+    pub fn schema(&self) -> &Schema {
+        &self.schema
     }
 
     /// This URL with its password read from `path` when the URL has none (as libpq's password

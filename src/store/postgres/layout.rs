@@ -1,0 +1,178 @@
+//! Where Turnstile's objects live: a schema of their own (`--database-schema`, default
+//! `turnstile`), so that the tables of the application sharing the database — `\dt` in its
+//! schema — are not buried under Turnstile's 1,028.
+//!
+//! Releases up to 0.1.0 created everything in `public`. `migrate` adopts such a database before
+//! it applies migrations: in one transaction, under the migration lock, it moves the tables (the
+//! rows stay where they are: a move renames, nothing is copied), the functions and the migration
+//! history into the schema, and leaves behind in `public`, for the replicas of the older release
+//! that serve until the rollout ends, views of the same names and a `turnstile_commit` that calls
+//! the moved one. Those replicas' statements — inserts with `ON CONFLICT`, updates, `FOR
+//! UPDATE`, `LOCK TABLE` — work through the views as on the tables (PostgreSQL's simple views
+//! are updatable, and locking one locks its table). `turnstile migrate --drop-compat` removes
+//! them once no such replica is left.
+//!
+//! A session finds the schema by its `search_path`: a pooled connection sets it at startup, and
+//! for sessions through a transaction-mode pooler, which cannot carry startup options, `migrate`
+//! sets it for the role in this database, unless the role has a setting there already.
+
+use tokio_postgres::Client;
+
+use super::Schema;
+
+/// The tables Turnstile creates, besides its 1,024 lock tables.
+const TABLES: [&str; 4] = [
+    "turnstile_state",
+    "turnstile_receipt",
+    "turnstile_tombstone",
+    "refinery_schema_history",
+];
+
+/// Its functions, with their arguments.
+const FUNCTIONS: [&str; 5] = [
+    "turnstile_commit(text[], bigint[], jsonb[], text, jsonb)",
+    "turnstile_state_created()",
+    "turnstile_key_hash(text)",
+    "turnstile_key_conversation(text)",
+    "turnstile_key_user(text)",
+];
+
+/// Its functions that read tables, whose names they must find whoever calls them.
+const READING: [&str; 2] = [
+    "turnstile_commit(text[], bigint[], jsonb[], text, jsonb)",
+    "turnstile_state_created()",
+];
+
+/// Prepares `schema` before the migrations run: creates it, adopts a database laid out in
+/// `public` by an older release, and points this session at it. Returns whether it adopted.
+///
+/// # Errors
+/// A statement failed; an adoption is undone whole.
+pub(super) async fn prepare(
+    client: &mut Client,
+    schema: &Schema,
+) -> Result<bool, tokio_postgres::Error> {
+    client
+        .batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
+        .await?;
+    let legacy = schema.as_str() != "public"
+        && client
+            .query_opt(
+                "SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+                  WHERE n.nspname = 'public' AND c.relname = 'turnstile_state' AND c.relkind = 'r'",
+                &[],
+            )
+            .await?
+            .is_some();
+    if legacy {
+        let transaction = client.transaction().await?;
+        transaction.batch_execute(&adoption(schema)).await?;
+        transaction.commit().await?;
+    }
+    client
+        .batch_execute(&format!("SET search_path TO {schema}, public"))
+        .await?;
+    Ok(legacy)
+}
+
+/// Once the migrations ran: the functions that read tables find them in `schema` whoever calls
+/// them (an older replica through `public`), and the role finds them without startup options.
+///
+/// # Errors
+/// A statement failed.
+pub(super) async fn settle(client: &Client, schema: &Schema) -> Result<(), tokio_postgres::Error> {
+    let mut sql = String::new();
+    for function in READING {
+        sql.push_str(&format!(
+            "ALTER FUNCTION {schema}.{function} SET search_path = {schema}, public;\n"
+        ));
+    }
+    // For the role, in this database only, and only where nothing is set: an operator's own
+    // setting wins.
+    sql.push_str(&format!(
+        "DO $$ BEGIN
+           IF NOT EXISTS (
+               SELECT 1 FROM pg_db_role_setting s JOIN pg_roles r ON r.oid = s.setrole
+                 JOIN pg_database d ON d.oid = s.setdatabase
+                WHERE r.rolname = current_user AND d.datname = current_database()
+                  AND EXISTS (SELECT 1 FROM unnest(s.setconfig) c WHERE c LIKE 'search_path=%'))
+           THEN
+               EXECUTE format('ALTER ROLE %I IN DATABASE %I SET search_path = {schema}, public',
+                              current_user, current_database());
+           END IF;
+         END $$;"
+    ));
+    client.batch_execute(&sql).await
+}
+
+/// The statements that move an older release's objects from `public` into `schema` and leave
+/// views and a wrapper behind for its replicas.
+fn adoption(schema: &Schema) -> String {
+    let mut sql = String::new();
+    // The lock tables first, in the order a turn takes its locks: a turn holding a lock table
+    // then reads and writes the state, so a move that held the state while it waited for a
+    // lock table would deadlock with it. Once the move holds every lock table, no turn holds
+    // one, and the state's turns are short.
+    let mut tables: Vec<String> = (0..1024)
+        .map(|i| format!("turnstile_lock_{i:04}"))
+        .collect();
+    tables.extend(TABLES.iter().map(|t| (*t).to_owned()));
+    for table in &tables {
+        sql.push_str(&format!(
+            "ALTER TABLE IF EXISTS public.{table} SET SCHEMA {schema};\n"
+        ));
+    }
+    for function in FUNCTIONS {
+        // A function of a release after 0.1.0 may be missing (the database's migrations stop
+        // before it): moved if there.
+        sql.push_str(&format!(
+            "DO $$ BEGIN
+               IF to_regprocedure('public.{function}') IS NOT NULL THEN
+                   ALTER FUNCTION public.{function} SET SCHEMA {schema};
+               END IF;
+             END $$;\n"
+        ));
+    }
+    // What an older replica uses, by the names it uses: not the tombstones (new), nor the history
+    // (an older release that migrates on start refuses this database's newer migrations anyway).
+    for table in tables.iter().filter(|t| {
+        !matches!(
+            t.as_str(),
+            "refinery_schema_history" | "turnstile_tombstone"
+        )
+    }) {
+        sql.push_str(&format!(
+            "CREATE VIEW public.{table} AS SELECT * FROM {schema}.{table};\n"
+        ));
+    }
+    sql.push_str(&format!(
+        "CREATE FUNCTION public.turnstile_commit(
+             p_keys text[], p_expected bigint[], p_states jsonb[], p_receipt_key text,
+             p_receipt jsonb, OUT conflict_key text, OUT versions bigint[])
+         LANGUAGE sql AS $$
+             SELECT * FROM {schema}.turnstile_commit(p_keys, p_expected, p_states, p_receipt_key,
+                                                     p_receipt)
+         $$;\n"
+    ));
+    sql
+}
+
+/// The statements that remove what [`adoption`] left in `public` for an older release.
+pub(super) fn compat_removal() -> String {
+    let mut sql = String::from(
+        "DROP FUNCTION IF EXISTS public.turnstile_commit(text[], bigint[], jsonb[], text, jsonb);\n",
+    );
+    let mut tables: Vec<String> = TABLES[..2].iter().map(|t| (*t).to_owned()).collect();
+    tables.extend((0..1024).map(|i| format!("turnstile_lock_{i:04}")));
+    for table in tables {
+        // Views only: a table of that name is an application's, or a release's that never
+        // moved, and is left alone.
+        sql.push_str(&format!(
+            "DO $$ BEGIN
+               IF EXISTS (SELECT 1 FROM pg_views WHERE schemaname = 'public' AND viewname = '{table}')
+               THEN DROP VIEW public.{table}; END IF;
+             END $$;\n"
+        ));
+    }
+    sql
+}

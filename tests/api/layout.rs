@@ -1,0 +1,149 @@
+//! Turnstile's tables in a schema of their own: a fresh database keeps `public` empty; a database
+//! an older release laid out in `public` is moved by the migrations with every row, redeliveries
+//! answered across the move, and views left behind that such a release's statements still work
+//! through, until `migrate --drop-compat` removes them. On real PostgreSQL.
+#![allow(clippy::unwrap_used)]
+
+use crate::support;
+
+use serde_json::json;
+use support::{TestServer, message, postgres_config, say, texts};
+use turnstile::config::{Config, StoreConfig};
+use turnstile::grpc::pb;
+use turnstile::store::postgres::{self, DatabaseUrl, Schema};
+
+/// Tables (and views) of `schema`, by kind: `r` tables, `v` views.
+async fn relations(url: &str, schema: &str, kind: &str) -> i64 {
+    support::pg::session(url)
+        .await
+        .query_one(
+            "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+              WHERE n.nspname = $1 AND c.relkind::text = $2",
+            &[&schema, &kind],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+fn in_schema(url: &str, schema: &str) -> Config {
+    Config {
+        store: StoreConfig::Postgres {
+            url: DatabaseUrl::new(url).with_schema(Schema::parse(schema).unwrap()),
+            pool_size: 4,
+            commits_in_flight: None,
+        },
+        ..Config::default()
+    }
+}
+
+#[tokio::test]
+async fn a_fresh_database_keeps_public_clean() {
+    let url = support::pg::fresh_database().await;
+    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
+    assert_eq!(relations(&url, "public", "r").await, 0);
+    assert_eq!(relations(&url, "public", "v").await, 0);
+    // The state, receipts, tombstones, the history and the 1,024 lock tables.
+    assert_eq!(relations(&url, "turnstile", "r").await, 1028);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_laid_out_in_public_moves_with_every_row_and_keeps_serving_older_statements() {
+    let url = support::pg::fresh_database().await;
+    // An older release's layout: everything in public.
+    let server = TestServer::start(in_schema(&url, "public"), turnstile::bots::samples()).await;
+    let mut client = server.client().await;
+    let first = message("moving", "ada", "add ham");
+    let answered = client
+        .process_turn(pb::ProcessTurnRequest::typed(first.clone(), ""))
+        .await
+        .unwrap()
+        .into_inner();
+    say(&mut client, "moving", "add olives").await;
+    server.stop().await.unwrap();
+    assert!(relations(&url, "public", "r").await > 1000);
+
+    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
+    assert_eq!(relations(&url, "public", "r").await, 0, "every table moved");
+    assert_eq!(relations(&url, "turnstile", "r").await, 1028);
+
+    // This release, in the schema: the rows came along, and a redelivery is answered from its
+    // receipt.
+    let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
+    let mut client = server.client().await;
+    let again = client
+        .process_turn(pb::ProcessTurnRequest::typed(first, ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(again.redelivered);
+    assert_eq!(texts(&again), texts(&answered));
+    let next = say(&mut client, "moving", "add cheese").await;
+    assert!(
+        texts(&next)[0].ends_with("ham, olives, cheese."),
+        "{next:?}"
+    );
+
+    // The older release's statements, by their names in public, through the views.
+    let old = support::pg::session(&url).await;
+    old.batch_execute("SET search_path TO public")
+        .await
+        .unwrap();
+    let key = "pizza/test/conversations/old-release";
+    let created: i64 = old
+        .query_one(
+            "INSERT INTO turnstile_state (key, state, version) VALUES ($1, '{}', 1) \
+             ON CONFLICT (key) DO NOTHING RETURNING version",
+            &[&key],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(created, 1);
+    let row = old
+        .query_one(
+            "SELECT conflict_key, versions FROM turnstile_commit($1, $2, $3, $4, $5)",
+            &[
+                &vec![key],
+                &vec![1_i64],
+                &vec![tokio_postgres::types::Json(json!({"order": ["ham"]}))],
+                &format!("{key}/activities/a1"),
+                &tokio_postgres::types::Json(json!({"activities": []})),
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, Option<String>>(0), None);
+    assert_eq!(row.get::<_, Vec<i64>>(1), vec![2]);
+    old.batch_execute("BEGIN; LOCK TABLE turnstile_lock_0007 IN EXCLUSIVE MODE; COMMIT;")
+        .await
+        .unwrap();
+    let receipts: i64 = old
+        .query_one(
+            "SELECT count(*) FROM turnstile_receipt WHERE key = $1",
+            &[&format!("{key}/activities/a1")],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(receipts, 1);
+
+    // Once no older replica is left, what was kept for them goes; this release serves on.
+    postgres::drop_compat(&DatabaseUrl::new(&url))
+        .await
+        .unwrap();
+    assert_eq!(relations(&url, "public", "v").await, 0);
+    let functions: i64 = old
+        .query_one(
+            "SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+              WHERE n.nspname = 'public' AND p.proname LIKE 'turnstile%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(functions, 0);
+    let last = say(&mut client, "moving", "add mushroom").await;
+    assert!(texts(&last)[0].ends_with("cheese, mushroom."), "{last:?}");
+    server.stop().await.unwrap();
+}
