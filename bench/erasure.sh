@@ -89,6 +89,9 @@ trap cleanup EXIT
 start_pg erasure
 DB=postgres://postgres@127.0.0.1:$PORT/postgres
 PSQL="psql -h 127.0.0.1 -p $PORT -U postgres -d postgres -Atq -v ON_ERROR_STOP=1"
+# Turnstile's tables are in their schema (--database-schema, default turnstile); psql here and in
+# the driver finds them by this.
+export PGOPTIONS="-c search_path=turnstile,public"
 "$BIN/turnstile" migrate --database-url "$DB" >/dev/null 2>&1
 
 wait_port() { # PORT PID LOG

@@ -100,35 +100,21 @@ pub enum StateCommand {
     },
 }
 
+/// What adds the admin token to a call.
+type WithToken =
+    Box<dyn FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Send>;
+
+/// The admin client, with the admin token on every call.
+type Client = AdminServiceClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, WithToken>,
+>;
+
 /// Runs `args` against its server, printing the answer to stdout.
 ///
 /// # Errors
 /// When the server cannot be reached or refuses the call (its status is in the error).
 pub async fn run(args: &StateArgs) -> anyhow::Result<()> {
-    let tls = ClientTls {
-        ca_cert: args.ca_cert.clone(),
-        ..ClientTls::default()
-    };
-    let channel = endpoint(&args.address, &tls)?
-        .timeout(Duration::from_secs(args.timeout_secs))
-        .connect()
-        .await
-        .with_context(|| format!("connecting to {}", args.address))?;
-    let bearer: Option<MetadataValue<_>> = args
-        .token
-        .as_deref()
-        .map(|token| format!("Bearer {token}").parse())
-        .transpose()
-        .context("the admin token is not a valid header value")?;
-    let mut client =
-        AdminServiceClient::with_interceptor(channel, move |mut request: tonic::Request<()>| {
-            if let Some(bearer) = &bearer {
-                request
-                    .metadata_mut()
-                    .insert("authorization", bearer.clone());
-            }
-            Ok(request)
-        });
+    let mut client = connect(args).await?;
     match &args.command {
         StateCommand::Get {
             channel,
@@ -155,42 +141,7 @@ pub async fn run(args: &StateArgs) -> anyhow::Result<()> {
             prefix,
             bot,
             limit,
-        } => {
-            let mut token = String::new();
-            let mut printed = 0;
-            loop {
-                let page = client
-                    .list_conversations(pb::ListConversationsRequest {
-                        bot: bot.clone(),
-                        channel_id: channel.clone(),
-                        conversation_prefix: prefix.clone(),
-                        page_size: 0,
-                        page_token: token,
-                    })
-                    .await
-                    .map_err(status)?
-                    .into_inner();
-                for conversation in &page.conversations {
-                    if limit.is_some_and(|limit| printed >= limit) {
-                        return Ok(());
-                    }
-                    println!(
-                        "{}",
-                        json!({
-                            "conversationId": conversation.conversation_id,
-                            "version": conversation.version,
-                            "updatedAt": conversation.updated_at.as_ref().map(ToString::to_string),
-                            "stateBytes": conversation.state_bytes,
-                        })
-                    );
-                    printed += 1;
-                }
-                if page.next_page_token.is_empty() {
-                    return Ok(());
-                }
-                token = page.next_page_token;
-            }
-        }
+        } => list(&mut client, channel, prefix, bot, *limit).await?,
         StateCommand::EraseUser { channel, user } => {
             let record = client
                 .erase_user(pb::EraseUserRequest {
@@ -228,6 +179,84 @@ pub async fn run(args: &StateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The admin client for `args`' server, TLS and token.
+async fn connect(args: &StateArgs) -> anyhow::Result<Client> {
+    let tls = ClientTls {
+        ca_cert: args.ca_cert.clone(),
+        ..ClientTls::default()
+    };
+    let channel = endpoint(&args.address, &tls)?
+        .timeout(Duration::from_secs(args.timeout_secs))
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {}", args.address))?;
+    let bearer: Option<MetadataValue<_>> = args
+        .token
+        .as_deref()
+        .map(|token| format!("Bearer {token}").parse())
+        .transpose()
+        .context("the admin token is not a valid header value")?;
+    let with_token: WithToken = Box::new(move |mut request: tonic::Request<()>| {
+        if let Some(bearer) = &bearer {
+            request
+                .metadata_mut()
+                .insert("authorization", bearer.clone());
+        }
+        Ok(request)
+    });
+    Ok(AdminServiceClient::with_interceptor(channel, with_token))
+}
+
+/// Prints a bot's conversations on `channel`, one JSON line each, page after page, at most
+/// `limit`.
+async fn list(
+    client: &mut Client,
+    channel: &str,
+    prefix: &str,
+    bot: &str,
+    limit: Option<usize>,
+) -> anyhow::Result<()> {
+    let mut token = String::new();
+    let mut printed = 0;
+    loop {
+        let page = client
+            .list_conversations(pb::ListConversationsRequest {
+                bot: bot.to_owned(),
+                channel_id: channel.to_owned(),
+                conversation_prefix: prefix.to_owned(),
+                page_size: 0,
+                page_token: token,
+            })
+            .await
+            .map_err(status)?
+            .into_inner();
+        for conversation in &page.conversations {
+            if limit.is_some_and(|limit| printed >= limit) {
+                return Ok(());
+            }
+            println!(
+                "{}",
+                json!({
+                    "conversationId": conversation.conversation_id,
+                    "version": conversation.version,
+                    "updatedAt": conversation.updated_at.as_ref().map(ToString::to_string),
+                    "stateBytes": conversation.state_bytes,
+                })
+            );
+            printed += 1;
+        }
+        if page.next_page_token.is_empty() {
+            return Ok(());
+        }
+        token = page.next_page_token;
+    }
+}
+
+/// A refused call as an error naming its code and the server's message.
+fn status(status: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{:?}: {}", status.code(), status.message())
+}
+
 /// An erasure record as JSON.
 fn record_json(record: Option<&pb::ErasureRecord>) -> Value {
     let Some(record) = record else {
@@ -244,11 +273,6 @@ fn record_json(record: Option<&pb::ErasureRecord>) -> Value {
         })).collect::<Vec<_>>(),
         "receipts": record.receipts,
     })
-}
-
-/// A refused call as an error naming its code and the server's message.
-fn status(status: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{:?}: {}", status.code(), status.message())
 }
 
 /// `GetState`'s answer as JSON, each stored JSON text parsed back into its object.

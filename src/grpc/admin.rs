@@ -218,7 +218,11 @@ impl AdminApi {
         erasure: Erasure,
         kind: &'static str,
     ) -> Result<pb::ErasureRecord, AdminError> {
-        let erased = self.store.erase(&erasure).await?;
+        let started = std::time::Instant::now();
+        let erased = self.store.erase(&erasure).await;
+        metrics::histogram!(crate::telemetry::metrics::STORE_DURATION, "op" => "erase")
+            .record(started.elapsed().as_secs_f64());
+        let erased = erased?;
         let erasure_id = format!("{:032x}", rand::random::<u128>());
         let scopes: Vec<pb::ErasedScope> = erased
             .rows
@@ -247,6 +251,7 @@ impl AdminApi {
             private_conversation_scopes = count("private_conversation"),
             holds = count("hold"),
             receipts = erased.receipts,
+            took_ms = started.elapsed().as_millis(),
             "erased"
         );
         Ok(pb::ErasureRecord {
