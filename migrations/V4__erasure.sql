@@ -19,29 +19,19 @@ CREATE OR REPLACE FUNCTION turnstile_key_hash(p_key text) RETURNS bytea
 LANGUAGE sql IMMUTABLE PARALLEL SAFE STRICT
 AS $$ SELECT sha256(convert_to(p_key, 'UTF8')) $$;
 
--- Every insert into turnstile_state passes here, whoever wrote it (this release's commits and
--- holds, or an older release's replica during a rolling upgrade):
--- - a negative version -n is a strict create, by a replica that knows tombstones: it read the
---   key as gone at n - 1 (0: never written), and the row is created at n only if that still
---   holds; otherwise nothing is inserted, which the writer reads as a conflict and reloads;
--- - version 0 is this release's hold, created at 1 or above the key's tombstone;
--- - version 1 is an older release's create, which knows nothing of tombstones and checks that its
---   row landed at 1: over a tombstone nothing is inserted, a conflict (it retries, and gives up
---   with a status its caller retries elsewhere) rather than a row it would report as a failure.
+-- Every insert into turnstile_state passes here, whoever wrote it. This release's creates check
+-- the key's tombstone themselves and create it above it (the statements say how; they would do
+-- without this trigger, as on a distributed database that has none). An older release's create,
+-- at version 1, knows nothing of tombstones and checks that its row landed at 1: over a tombstone
+-- nothing is inserted, a conflict (it retries, and gives up with a status its caller retries
+-- elsewhere) rather than a row at a version a turn that read the deleted row could find again.
 CREATE OR REPLACE FUNCTION turnstile_state_created() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
     gone bigint;
 BEGIN
     SELECT version INTO gone FROM turnstile_tombstone WHERE key_hash = turnstile_key_hash(NEW.key);
-    IF NEW.version < 0 THEN
-        IF coalesce(gone, 0) + 1 <> -NEW.version THEN
-            RETURN NULL;
-        END IF;
-        NEW.version := -NEW.version;
-    ELSIF NEW.version = 0 THEN
-        NEW.version := coalesce(gone, 0) + 1;
-    ELSIF gone IS NOT NULL AND NEW.version <= gone THEN
+    IF gone IS NOT NULL AND NEW.version <= gone THEN
         RETURN NULL;
     END IF;
     RETURN NEW;
@@ -96,7 +86,9 @@ CREATE INDEX IF NOT EXISTS turnstile_receipt_user
 -- turnstile_commit as in V1, with creates that respect tombstones: p_expected[i] is the version
 -- the turn saw; 0 for "did not exist" (an older release: created at 1, or a conflict over a
 -- tombstone); -n for "did not exist, gone at n - 1" (this release: created at n exactly, or a
--- conflict). Returns the versions written, as read back.
+-- conflict). Returns the versions written, as read back. Each key's values are copied into
+-- scalar variables before the statements use them: Citus 13.2 crashes on an element of an array
+-- parameter in a distributed UPDATE's SET (../shared/citus/README.md), and a scalar works.
 CREATE OR REPLACE FUNCTION turnstile_commit(
     p_keys text[],
     p_expected bigint[],
@@ -111,19 +103,24 @@ DECLARE
     n integer := coalesce(array_length(p_keys, 1), 0);
     seen bigint;
     wrote boolean := false;
+    k text;
+    expected bigint;
+    new_state jsonb;
 BEGIN
     FOR i IN 1 .. n LOOP
         CONTINUE WHEN p_states[i] IS NOT NULL;
-        IF p_expected[i] <= 0 THEN
-            PERFORM 1 FROM turnstile_state WHERE key = p_keys[i];
+        k := p_keys[i];
+        expected := p_expected[i];
+        IF expected <= 0 THEN
+            PERFORM 1 FROM turnstile_state WHERE key = k;
             IF FOUND THEN
-                conflict_key := p_keys[i];
+                conflict_key := k;
                 RETURN;
             END IF;
         ELSE
-            SELECT version INTO seen FROM turnstile_state WHERE key = p_keys[i] FOR SHARE;
-            IF NOT FOUND OR seen <> p_expected[i] THEN
-                conflict_key := p_keys[i];
+            SELECT version INTO seen FROM turnstile_state WHERE key = k FOR SHARE;
+            IF NOT FOUND OR seen <> expected THEN
+                conflict_key := k;
                 RETURN;
             END IF;
         END IF;
@@ -131,31 +128,42 @@ BEGIN
 
     versions := '{}';
     FOR i IN 1 .. n LOOP
-        IF p_states[i] IS NULL THEN
-            versions := versions || greatest(p_expected[i], 0);
+        k := p_keys[i];
+        expected := p_expected[i];
+        new_state := p_states[i];
+        IF new_state IS NULL THEN
+            versions := versions || greatest(expected, 0);
             CONTINUE;
         END IF;
-        IF p_expected[i] <= 0 THEN
+        IF expected < 0 THEN
+            -- Created at -expected, if the key's tombstone (none: 0) is the version before.
             INSERT INTO turnstile_state (key, state, version)
-            VALUES (p_keys[i], p_states[i], CASE WHEN p_expected[i] = 0 THEN 1 ELSE p_expected[i] END)
+            SELECT k, new_state, -expected
+             WHERE coalesce((SELECT t.version FROM turnstile_tombstone t
+                              WHERE t.key_hash = turnstile_key_hash(k)), 0) = -expected - 1
+            ON CONFLICT (key) DO NOTHING
+            RETURNING version INTO seen;
+        ELSIF expected = 0 THEN
+            INSERT INTO turnstile_state (key, state, version)
+            VALUES (k, new_state, 1)
             ON CONFLICT (key) DO NOTHING
             RETURNING version INTO seen;
         ELSE
             UPDATE turnstile_state
-               SET state = p_states[i], version = version + 1, updated_at = now()
-             WHERE key = p_keys[i] AND version = p_expected[i]
+               SET state = new_state, version = version + 1, updated_at = now()
+             WHERE key = k AND version = expected
             RETURNING version INTO seen;
         END IF;
         IF NOT FOUND THEN
             IF NOT wrote THEN
-                conflict_key := p_keys[i];
+                conflict_key := k;
                 versions := NULL;
                 RETURN;
             END IF;
             RAISE EXCEPTION USING
                 ERRCODE = 'TS409',
                 MESSAGE = 'turnstile commit conflict: a key moved after another was written',
-                DETAIL = p_keys[i];
+                DETAIL = k;
         END IF;
         wrote := true;
         versions := versions || seen;

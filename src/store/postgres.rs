@@ -167,7 +167,7 @@ macro_rules! erase {
                SELECT turnstile_key_hash(key), version FROM gone \
                ON CONFLICT (key_hash) DO UPDATE \
                   SET version = greatest(turnstile_tombstone.version, excluded.version), \
-                      erased_at = now()), \
+                      erased_at = excluded.erased_at), \
              receipts AS (DELETE FROM turnstile_receipt WHERE ",
             $receipts,
             " RETURNING 1) \
@@ -221,7 +221,7 @@ const SWEEP: Sql = Sql {
              SELECT turnstile_key_hash(key), version FROM gone \
              ON CONFLICT (key_hash) DO UPDATE \
                 SET version = greatest(turnstile_tombstone.version, excluded.version), \
-                    erased_at = now()) \
+                    erased_at = excluded.erased_at) \
            SELECT (SELECT max(key) FROM batch), (SELECT count(*) FROM batch), \
                   (SELECT count(*) FROM gone)",
     types: &[
@@ -1233,10 +1233,10 @@ impl PostgresStore {
 }
 
 /// What a commit expects of a key, as `turnstile_commit` and the group commit's statements take
-/// it: the version it read, or for a key it found absent a negative number, `-n`, a strict create
-/// at version `n`: 1 for a key never written, the version after its deletion for a key gone. The
-/// database creates it at exactly that version or not at all (`migrations/V4__erasure.sql`); 0,
-/// a create at 1 raised above any deletion, is what releases before 0.2 send.
+/// it: the version it read, or for a key it found absent a negative number, `-n`: create it at
+/// version `n` (1 for a key never written, the version after its deletion for a key gone) if its
+/// tombstone is still the version before, else nothing (`migrations/V4__erasure.sql`). 0, a
+/// create at 1 refused over any tombstone, is what releases before 0.2 send.
 pub(super) fn expected_param(expected: Expected) -> Result<i64, StoreError> {
     let param = match expected {
         Expected::Absent => Ok(-1),

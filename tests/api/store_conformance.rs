@@ -1731,3 +1731,24 @@ async fn a_hold_deleted_with_its_conversation_is_taken_again_above_its_old_fence
         .get(0);
     assert!(fence > deleted.rows[0].1.get() as i64, "fence {fence}");
 }
+
+/// This release's creates check a key's tombstone themselves: without the trigger that guards an
+/// older release's creates (a distributed database has none), erasure keeps its contract.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn erasure_holds_without_the_trigger() {
+    for statements in [Statements::Prepared, Statements::Unprepared] {
+        let url = support::pg::fresh_database().await;
+        postgres::migrate(&DatabaseUrl::new(url.clone()))
+            .await
+            .unwrap();
+        support::pg::session(&url)
+            .await
+            .batch_execute("DROP TRIGGER turnstile_state_created ON turnstile_state")
+            .await
+            .unwrap();
+        erasure(Arc::new(
+            PostgresStore::connect_with(&DatabaseUrl::new(url), 4, statements).unwrap(),
+        ))
+        .await;
+    }
+}

@@ -83,11 +83,14 @@ const UPDATE_ONE: Sql = Sql {
     ),
     types: &[Type::TEXT, Type::JSONB, Type::INT8, Type::TEXT, Type::JSONB],
 };
-/// [`UPDATE_ONE`] for a key the turn found absent: created at the version `$5` encodes (a
-/// strict create, [`expected_version`]), or no row when it appeared, or was deleted, meanwhile.
+/// [`UPDATE_ONE`] for a key the turn found absent: created at the version `$5` encodes
+/// ([`expected_version`]) if the key's tombstone is still the one before it; no row when the key
+/// appeared, or was deleted again, meanwhile.
 const CREATE_ONE: Sql = Sql {
     text: write_one!(
-        "INSERT INTO turnstile_state (key, state, version) VALUES ($1, $2, $5) \
+        "INSERT INTO turnstile_state (key, state, version) SELECT $1, $2, -$5::int8 \
+          WHERE coalesce((SELECT t.version FROM turnstile_tombstone t \
+                           WHERE t.key_hash = turnstile_key_hash($1)), 0) = -$5::int8 - 1 \
          ON CONFLICT (key) DO NOTHING RETURNING version",
         "$3",
         "$4"
@@ -118,7 +121,10 @@ WITH input AS ( \
   RETURNING i.ord, t.version \
 ), created AS ( \
   INSERT INTO turnstile_state (key, state, version) \
-  SELECT key, state, expected FROM input WHERE expected < 0 ORDER BY key \
+  SELECT key, state, -expected FROM input i WHERE expected < 0 \
+     AND coalesce((SELECT t.version FROM turnstile_tombstone t \
+                    WHERE t.key_hash = turnstile_key_hash(i.key)), 0) = -expected - 1 \
+   ORDER BY key \
   ON CONFLICT (key) DO NOTHING RETURNING key, version \
 ), written AS ( \
   SELECT ord, version FROM updated \

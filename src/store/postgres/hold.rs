@@ -77,14 +77,16 @@ const MAX_PAUSE: Duration = Duration::from_millis(250);
 /// turns before left to the next ([`Handed`]: kept across holders until a commit consumes it;
 /// pending activities answered already are left out); or, when someone has it — or ticket `$6`
 /// is not first in the line of the turns waiting for it ([`QUEUE`]) that asked within `$5`
-/// seconds — no fence and the activity its holder runs. Created at version 0, which the
-/// database makes 1, or the version after the key's tombstone if a deletion left one
-/// (`migrations/V4__erasure.sql`): a holder of the deleted row's fence can never match it.
+/// seconds — no fence and the activity its holder runs. Created at version 1, or the version after
+/// the key's tombstone if a deletion left one (`migrations/V4__erasure.sql`): a holder of the
+/// deleted row's fence can never match it.
 const TAKE: Sql = Sql {
     text: "WITH taken AS ( \
              INSERT INTO turnstile_state AS s (key, state, version) \
              VALUES ($1, jsonb_build_object('holder', $2::text, 'activity', $4::text, \
-                     'until', extract(epoch FROM clock_timestamp()) + $3::float8), 0) \
+                     'until', extract(epoch FROM clock_timestamp()) + $3::float8), \
+                     coalesce((SELECT t.version FROM turnstile_tombstone t \
+                                WHERE t.key_hash = turnstile_key_hash($1)), 0) + 1) \
              ON CONFLICT (key) DO UPDATE \
                 SET state = excluded.state || jsonb_build_object( \
                       'superseded', coalesce(s.state->'superseded', '[]'), \
@@ -214,7 +216,9 @@ const INTERRUPT: Sql = Sql {
 /// unless it is there; the hold itself (its holder, time and fence) is left as it is.
 const ADD_PENDING: Sql = Sql {
     text: "INSERT INTO turnstile_state AS s (key, state, version) \
-           VALUES ($1, jsonb_build_object('until', 0, 'pending', jsonb_build_array($2::jsonb)), 0) \
+           VALUES ($1, jsonb_build_object('until', 0, 'pending', jsonb_build_array($2::jsonb)), \
+                   coalesce((SELECT t.version FROM turnstile_tombstone t \
+                              WHERE t.key_hash = turnstile_key_hash($1)), 0) + 1) \
            ON CONFLICT (key) DO UPDATE \
               SET state = jsonb_set(s.state, '{pending}', \
                   coalesce(s.state->'pending', '[]') || jsonb_build_array($2::jsonb)) \
