@@ -143,37 +143,21 @@ pub async fn run(args: &StateArgs) -> anyhow::Result<()> {
             limit,
         } => list(&mut client, channel, prefix, bot, *limit).await?,
         StateCommand::EraseUser { channel, user } => {
-            let record = client
-                .erase_user(pb::EraseUserRequest {
-                    channel_id: channel.clone(),
-                    user_id: user.clone(),
-                })
-                .await
-                .map_err(status)?
-                .into_inner()
-                .record;
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&record_json(record.as_ref()))?
-            );
+            let erased = client.erase_user(pb::EraseUserRequest {
+                channel_id: channel.clone(),
+                user_id: user.clone(),
+            });
+            print_record(erased.await.map_err(status)?.into_inner().record)?;
         }
         StateCommand::DeleteConversation {
             channel,
             conversation,
         } => {
-            let record = client
-                .delete_conversation(pb::DeleteConversationRequest {
-                    channel_id: channel.clone(),
-                    conversation_id: conversation.clone(),
-                })
-                .await
-                .map_err(status)?
-                .into_inner()
-                .record;
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&record_json(record.as_ref()))?
-            );
+            let deleted = client.delete_conversation(pb::DeleteConversationRequest {
+                channel_id: channel.clone(),
+                conversation_id: conversation.clone(),
+            });
+            print_record(deleted.await.map_err(status)?.into_inner().record)?;
         }
     }
     Ok(())
@@ -255,6 +239,15 @@ async fn list(
 /// A refused call as an error naming its code and the server's message.
 fn status(status: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{:?}: {}", status.code(), status.message())
+}
+
+/// Prints an erasure record as JSON.
+fn print_record(record: Option<pb::ErasureRecord>) -> anyhow::Result<()> {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&record_json(record.as_ref()))?
+    );
+    Ok(())
 }
 
 /// An erasure record as JSON.
