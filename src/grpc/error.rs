@@ -323,69 +323,85 @@ impl From<TurnError> for Status {
                 None,
                 HashMap::new(),
             ),
-            TurnError::Bot(e) if e.kind() == BotErrorKind::Unavailable => {
-                tracing::warn!(error = %e, "bot worker unavailable; nothing was committed");
-                with_details(
-                    Code::Unavailable,
-                    format!("{}; the turn was not committed, retry later", e.message()),
-                    Reason::BotUnavailable,
-                    Some(RETRY_BOT_UNAVAILABLE),
-                    HashMap::new(),
-                )
-            }
-            TurnError::Bot(e) if e.kind() == BotErrorKind::DeadlineExceeded => {
-                tracing::warn!(error = %e, "bot worker missed the deadline; nothing was committed");
-                with_details(
-                    Code::DeadlineExceeded,
-                    format!("{}; nothing was committed", e.message()),
-                    Reason::DeadlineExceeded,
-                    None,
-                    HashMap::new(),
-                )
-            }
-            TurnError::Bot(e) if e.kind() == BotErrorKind::WorkerFailed => {
-                tracing::error!(error = %e, "bot worker failed; nothing was committed");
-                with_details(
-                    Code::Internal,
-                    format!("{}; state is untouched", e.message()),
-                    Reason::BotFailed,
-                    None,
-                    HashMap::new(),
-                )
-            }
-            TurnError::Bot(e) => {
-                tracing::error!(error = %e, "bot failed; nothing was committed");
-                with_details(
-                    Code::Internal,
-                    "the bot failed to handle the activity; state is untouched",
-                    Reason::BotFailed,
-                    None,
-                    HashMap::new(),
-                )
-            }
-            TurnError::Store(StoreError::Unavailable(e)) if e.is::<SchemaBehind>() => {
-                schema_behind(e.downcast_ref::<SchemaBehind>())
-            }
-            TurnError::Store(e @ StoreError::Unavailable(_)) => {
-                tracing::warn!(error = ?anyhow_chain(&e), "state store unavailable");
-                with_details(
-                    Code::Unavailable,
-                    "the state store is unavailable; the turn was not committed, retry later",
-                    Reason::StoreUnavailable,
-                    Some(RETRY_STORE_UNAVAILABLE),
-                    HashMap::new(),
-                )
-            }
-            TurnError::Store(e @ StoreError::Unexpected(_)) => {
-                tracing::error!(error = ?anyhow_chain(&e), "state store failed");
-                with_details(
-                    Code::Internal,
-                    "the state store failed; the turn was not committed",
-                    Reason::StoreFailed,
-                    None,
-                    HashMap::new(),
-                )
-            }
+            TurnError::Bot(e) => bot_failed(&e),
+            TurnError::Store(e) => store_failed(e),
+        }
+    }
+}
+
+/// The status for a turn whose bot failed, logged as the kind of failure deserves; nothing was
+/// committed.
+fn bot_failed(e: &crate::bot::BotError) -> Status {
+    match e.kind() {
+        BotErrorKind::Unavailable => {
+            tracing::warn!(error = %e, "bot worker unavailable; nothing was committed");
+            with_details(
+                Code::Unavailable,
+                format!("{}; the turn was not committed, retry later", e.message()),
+                Reason::BotUnavailable,
+                Some(RETRY_BOT_UNAVAILABLE),
+                HashMap::new(),
+            )
+        }
+        BotErrorKind::DeadlineExceeded => {
+            tracing::warn!(error = %e, "bot worker missed the deadline; nothing was committed");
+            with_details(
+                Code::DeadlineExceeded,
+                format!("{}; nothing was committed", e.message()),
+                Reason::DeadlineExceeded,
+                None,
+                HashMap::new(),
+            )
+        }
+        BotErrorKind::WorkerFailed => {
+            tracing::error!(error = %e, "bot worker failed; nothing was committed");
+            with_details(
+                Code::Internal,
+                format!("{}; state is untouched", e.message()),
+                Reason::BotFailed,
+                None,
+                HashMap::new(),
+            )
+        }
+        _ => {
+            tracing::error!(error = %e, "bot failed; nothing was committed");
+            with_details(
+                Code::Internal,
+                "the bot failed to handle the activity; state is untouched",
+                Reason::BotFailed,
+                None,
+                HashMap::new(),
+            )
+        }
+    }
+}
+
+/// The status for a turn the store could not commit: unavailable (retry later), its schema
+/// behind, or failed.
+fn store_failed(e: StoreError) -> Status {
+    match e {
+        StoreError::Unavailable(e) if e.is::<SchemaBehind>() => {
+            schema_behind(e.downcast_ref::<SchemaBehind>())
+        }
+        e @ StoreError::Unavailable(_) => {
+            tracing::warn!(error = ?anyhow_chain(&e), "state store unavailable");
+            with_details(
+                Code::Unavailable,
+                "the state store is unavailable; the turn was not committed, retry later",
+                Reason::StoreUnavailable,
+                Some(RETRY_STORE_UNAVAILABLE),
+                HashMap::new(),
+            )
+        }
+        e @ StoreError::Unexpected(_) => {
+            tracing::error!(error = ?anyhow_chain(&e), "state store failed");
+            with_details(
+                Code::Internal,
+                "the state store failed; the turn was not committed",
+                Reason::StoreFailed,
+                None,
+                HashMap::new(),
+            )
         }
     }
 }
