@@ -622,22 +622,12 @@ impl ServeArgs {
     /// The configuration these arguments describe.
     pub fn config(&self) -> Config {
         Config {
-            store: match &self.database_url {
-                Some(url) => StoreConfig::Postgres {
-                    url: DatabaseUrl::new(url.clone())
-                        .with_password_file(self.database_password_file.clone())
-                        .with_schema(self.database_schema.clone()),
-                    pool_size: self.pool_size,
-                    commits_in_flight: self.commits_in_flight.map(usize::from),
-                },
-                None => StoreConfig::Memory,
-            },
+            store: self.store(),
             migrate_on_start: self.migrate_on_start,
-            migration_url: self.migration_database_url.clone().map(|url| {
-                DatabaseUrl::new(url)
-                    .with_password_file(self.database_password_file.clone())
-                    .with_schema(self.database_schema.clone())
-            }),
+            migration_url: self
+                .migration_database_url
+                .as_ref()
+                .map(|url| self.database(url)),
             statements: if self.prepared_statements {
                 Statements::Prepared
             } else {
@@ -678,23 +668,11 @@ impl ServeArgs {
                 .map(|t| auth::parse_tokens(t, ','))
                 .unwrap_or_default(),
             admin_tokens_file: self.admin_tokens_file.clone(),
-            tls: match (&self.tls_cert, &self.tls_key) {
-                (Some(cert), Some(key)) => Some(TlsFiles {
-                    cert: cert.clone(),
-                    key: key.clone(),
-                    client_ca: self.tls_client_ca.clone(),
-                }),
-                _ => None,
-            },
+            tls: self.tls(),
             max_in_flight: self
                 .max_in_flight
                 .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
-            connections: Connections {
-                max_age: seconds_or_off(self.max_connection_age_secs),
-                max_age_grace: seconds_or_off(self.max_connection_age_grace_secs),
-                keepalive_interval: seconds_or_off(self.http2_keepalive_interval_secs),
-                keepalive_timeout: Duration::from_secs(self.http2_keepalive_timeout_secs),
-            },
+            connections: self.connections(),
             remote_bots: RemoteBots {
                 bots: self.remote_bots.clone(),
                 token: self.remote_bot_token.clone().map(WorkerToken::new),
@@ -707,6 +685,47 @@ impl ServeArgs {
                 .filter(|n| !n.is_empty())
                 .collect(),
             double_text: self.double_text.clone(),
+        }
+    }
+
+    /// Where state is kept: PostgreSQL when a URL is given, else this process's memory.
+    fn store(&self) -> StoreConfig {
+        match &self.database_url {
+            Some(url) => StoreConfig::Postgres {
+                url: self.database(url),
+                pool_size: self.pool_size,
+                commits_in_flight: self.commits_in_flight.map(usize::from),
+            },
+            None => StoreConfig::Memory,
+        }
+    }
+
+    /// The database at `url`, with these arguments' password file and schema.
+    fn database(&self, url: &str) -> DatabaseUrl {
+        DatabaseUrl::new(url.to_owned())
+            .with_password_file(self.database_password_file.clone())
+            .with_schema(self.database_schema.clone())
+    }
+
+    /// The server's TLS files, when both a certificate and a key are given.
+    fn tls(&self) -> Option<TlsFiles> {
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Some(TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: self.tls_client_ca.clone(),
+            }),
+            _ => None,
+        }
+    }
+
+    /// How long client connections live, and their keepalives.
+    fn connections(&self) -> Connections {
+        Connections {
+            max_age: seconds_or_off(self.max_connection_age_secs),
+            max_age_grace: seconds_or_off(self.max_connection_age_grace_secs),
+            keepalive_interval: seconds_or_off(self.http2_keepalive_interval_secs),
+            keepalive_timeout: Duration::from_secs(self.http2_keepalive_timeout_secs),
         }
     }
 }
