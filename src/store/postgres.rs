@@ -1196,40 +1196,45 @@ impl PostgresStore {
                 .query(client, statements, &params)
                 .await
         };
-        let rows = match queried {
-            Ok(rows) => rows,
-            Err(e) if is_conflict(&e) => return Ok(conflict_from(&e, commit)),
-            Err(e) => return Err(classify(e)),
-        };
-        let [row] = rows.as_slice() else {
-            return Err(StoreError::Unexpected(anyhow!(
-                "turnstile_commit returned {} rows",
-                rows.len()
-            )));
-        };
-        let conflict_key: Option<String> = row.try_get(0).map_err(unexpected)?;
-        if let Some(key) = conflict_key {
-            return Ok(CommitOutcome::Conflict {
-                key: StateKey::from_stored(key),
-            });
+        match queried {
+            Ok(rows) => outcome_of(&rows, commit.changes()),
+            Err(e) if is_conflict(&e) => Ok(conflict_from(&e, commit)),
+            Err(e) => Err(classify(e)),
         }
-        let versions: Vec<i64> = row.try_get(1).map_err(unexpected)?;
-        if versions.len() != changes.len() {
-            return Err(StoreError::Unexpected(anyhow!(
-                "turnstile_commit returned {} versions for {} keys",
-                versions.len(),
-                changes.len()
-            )));
-        }
-        let versions = changes
-            .iter()
-            .zip(versions)
-            .filter(|(_, v)| *v > 0)
-            .map(|(c, v)| Ok((c.key.clone(), Version::new(u64::try_from(v)?))))
-            .collect::<Result<Versions, std::num::TryFromIntError>>()
-            .map_err(|e| StoreError::Unexpected(e.into()))?;
-        Ok(CommitOutcome::Committed(versions))
     }
+}
+
+/// What `turnstile_commit`'s one row says of a commit of `changes`: the key that conflicted, or
+/// every written or checked key's version.
+fn outcome_of(rows: &[Row], changes: &[super::KeyChange]) -> Result<CommitOutcome, StoreError> {
+    let [row] = rows else {
+        return Err(StoreError::Unexpected(anyhow!(
+            "turnstile_commit returned {} rows",
+            rows.len()
+        )));
+    };
+    let conflict_key: Option<String> = row.try_get(0).map_err(unexpected)?;
+    if let Some(key) = conflict_key {
+        return Ok(CommitOutcome::Conflict {
+            key: StateKey::from_stored(key),
+        });
+    }
+    let versions: Vec<i64> = row.try_get(1).map_err(unexpected)?;
+    if versions.len() != changes.len() {
+        return Err(StoreError::Unexpected(anyhow!(
+            "turnstile_commit returned {} versions for {} keys",
+            versions.len(),
+            changes.len()
+        )));
+    }
+    let versions = changes
+        .iter()
+        .zip(versions)
+        .filter(|(_, v)| *v > 0)
+        .map(|(c, v)| Ok((c.key.clone(), Version::new(u64::try_from(v)?))))
+        .collect::<Result<Versions, std::num::TryFromIntError>>()
+        .map_err(|e| StoreError::Unexpected(e.into()))?;
+    Ok(CommitOutcome::Committed(versions))
 }
 
 /// What a commit expects of a key, as `turnstile_commit` and the group commit's statements take
