@@ -270,31 +270,7 @@ impl Target {
     pub(super) async fn diagnose(&self, e: tokio_postgres::Error) -> ConnectError {
         let at = self.at.clone();
         if let Some(db) = e.as_db_error() {
-            let code = db.code();
-            return if *code == SqlState::INVALID_PASSWORD {
-                ConnectError::WrongPassword {
-                    at,
-                    user: self.user.clone(),
-                }
-            } else if *code == SqlState::INVALID_AUTHORIZATION_SPECIFICATION {
-                ConnectError::NotAuthorized {
-                    at,
-                    user: self.user.clone(),
-                    tried: self.tried.clone(),
-                    message: db.message().to_owned(),
-                }
-            } else if *code == SqlState::INVALID_CATALOG_NAME {
-                ConnectError::UnknownDatabase {
-                    at,
-                    database: self.database.clone(),
-                }
-            } else {
-                ConnectError::Server {
-                    at,
-                    code: code.code().to_owned(),
-                    message: db.message().to_owned(),
-                }
-            };
+            return self.refused_by_server(db);
         }
         if let Some(tls_error) = rustls_error(&e) {
             return match tls_error {
@@ -313,41 +289,14 @@ impl Target {
                 },
             };
         }
-        use std::io::ErrorKind;
         let kind = io_error(&e).map(std::io::Error::kind);
-        match kind {
-            Some(ErrorKind::ConnectionRefused) => return ConnectError::Refused { at, source: e },
-            Some(ErrorKind::TimedOut) => {
-                return ConnectError::TimedOut {
-                    at,
-                    timeout: self.connect_timeout.unwrap_or_default(),
-                };
-            }
-            Some(
-                ErrorKind::HostUnreachable
-                | ErrorKind::NetworkUnreachable
-                | ErrorKind::NetworkDown
-                | ErrorKind::AddrNotAvailable,
-            ) => {
-                let source = io_error(&e).map_or_else(
-                    || std::io::Error::other("unreachable"),
-                    |io| std::io::Error::new(io.kind(), io.to_string()),
-                );
-                return ConnectError::Unreachable { at, source };
-            }
-            // Garbage where PostgreSQL's messages should be, or the connection closed before the
-            // server said anything.
-            Some(
-                ErrorKind::UnexpectedEof
-                | ErrorKind::InvalidData
-                | ErrorKind::InvalidInput
-                | ErrorKind::Other
-                | ErrorKind::ConnectionReset
-                | ErrorKind::ConnectionAborted
-                | ErrorKind::BrokenPipe,
-            ) => return ConnectError::NotPostgres { at, source: e },
-            _ => {}
-        }
+        let e = match kind {
+            Some(kind) => match self.io_failure(kind, e) {
+                Ok(found) => return found,
+                Err(e) => e,
+            },
+            None => e,
+        };
         if e.is_closed() {
             return ConnectError::NotPostgres { at, source: e };
         }
@@ -378,6 +327,73 @@ impl Target {
             tried: self.tried.clone(),
             source: e,
         }
+    }
+
+    /// The server answered, and refused: by its SQLSTATE.
+    fn refused_by_server(&self, db: &tokio_postgres::error::DbError) -> ConnectError {
+        let at = self.at.clone();
+        let code = db.code();
+        if *code == SqlState::INVALID_PASSWORD {
+            ConnectError::WrongPassword {
+                at,
+                user: self.user.clone(),
+            }
+        } else if *code == SqlState::INVALID_AUTHORIZATION_SPECIFICATION {
+            ConnectError::NotAuthorized {
+                at,
+                user: self.user.clone(),
+                tried: self.tried.clone(),
+                message: db.message().to_owned(),
+            }
+        } else if *code == SqlState::INVALID_CATALOG_NAME {
+            ConnectError::UnknownDatabase {
+                at,
+                database: self.database.clone(),
+            }
+        } else {
+            ConnectError::Server {
+                at,
+                code: code.code().to_owned(),
+                message: db.message().to_owned(),
+            }
+        }
+    }
+
+    /// An I/O error of a `kind` that says what happened, or `e` back when its kind does not.
+    fn io_failure(
+        &self,
+        kind: std::io::ErrorKind,
+        e: tokio_postgres::Error,
+    ) -> Result<ConnectError, tokio_postgres::Error> {
+        use std::io::ErrorKind;
+        let at = self.at.clone();
+        Ok(match kind {
+            ErrorKind::ConnectionRefused => ConnectError::Refused { at, source: e },
+            ErrorKind::TimedOut => ConnectError::TimedOut {
+                at,
+                timeout: self.connect_timeout.unwrap_or_default(),
+            },
+            ErrorKind::HostUnreachable
+            | ErrorKind::NetworkUnreachable
+            | ErrorKind::NetworkDown
+            | ErrorKind::AddrNotAvailable => {
+                let source = io_error(&e).map_or_else(
+                    || std::io::Error::other("unreachable"),
+                    |io| std::io::Error::new(io.kind(), io.to_string()),
+                );
+                ConnectError::Unreachable { at, source }
+            }
+            // Garbage where PostgreSQL's messages should be, or the connection closed before the
+            // server said anything.
+            ErrorKind::UnexpectedEof
+            | ErrorKind::InvalidData
+            | ErrorKind::InvalidInput
+            | ErrorKind::Other
+            | ErrorKind::ConnectionReset
+            | ErrorKind::ConnectionAborted
+            | ErrorKind::BrokenPipe => ConnectError::NotPostgres { at, source: e },
+            _ => return Err(e),
+        })
     }
 }
 
