@@ -498,37 +498,9 @@ impl Engine {
                 Mode::Locked | Mode::Held => false,
                 Mode::Leased => HeldLease::serves(lease, attempt),
             };
-            // One span per run of the bot, so that a trace shows what each replay cost and why
-            // it ended; its store calls and the bot run are its children.
-            let attempt_span = tracing::debug_span!(
-                "attempt",
-                attempt,
-                mode = mode.name(),
-                outcome = tracing::field::Empty,
-                version = tracing::field::Empty
-            );
-            let ended = match mode {
-                Mode::Optimistic => {
-                    self.attempt(plan, attempt)
-                        .instrument(attempt_span.clone())
-                        .await
-                }
-                Mode::Locked => {
-                    self.attempt_serialized(plan, attempt, deadline)
-                        .instrument(attempt_span.clone())
-                        .await
-                }
-                Mode::Held => {
-                    self.attempt_held(plan, attempt, deadline)
-                        .instrument(attempt_span.clone())
-                        .await
-                }
-                Mode::Leased => {
-                    self.attempt_leased(plan, attempt, deadline, lease, last)
-                        .instrument(attempt_span.clone())
-                        .await
-                }
-            };
+            let (ended, attempt_span) = self
+                .run_attempt(plan, mode, attempt, deadline, lease, last)
+                .await;
             attempt_span.record("outcome", attempt_name(&ended));
             let lost = match ended? {
                 AttemptOutcome::Answered(mut outcome) => {
@@ -545,21 +517,7 @@ impl Engine {
                     return Ok(outcome);
                 }
                 AttemptOutcome::Conflict(key) => {
-                    self.metrics.conflicts.increment(1);
-                    tracing::debug!(attempt, %key, "conflict; replaying the turn under the lock");
-                    self.hot.contended(&plan.keys.conversation);
-                    if mode == Mode::Held && !key.is_hold() {
-                        // A writer that holds nothing (a plain turn of another replica) beat a
-                        // held turn: the hold cannot keep it out, the lock's row lock can. The
-                        // replay locks, as an optimistic turn's does, and then wins.
-                        mode = Mode::Locked;
-                    }
-                    if unlocked {
-                        // The lock is the queue now: no blind wait before it.
-                        if mode == Mode::Optimistic {
-                            mode = Mode::Leased;
-                        }
-                        self.give_up_if_spent(attempt, None)?;
+                    if self.after_conflict(plan, &key, &mut mode, unlocked, attempt)? {
                         continue;
                     }
                     None
@@ -572,6 +530,80 @@ impl Engine {
             };
             self.back_off(attempt, deadline, lost).await?;
         }
+    }
+
+    /// Runs attempt `attempt` of `plan` the way `mode` says, in a span of its own (one per run of
+    /// the bot, so that a trace shows what each replay cost and why it ended; its store calls and
+    /// the bot run are its children), which is returned for the outcome to be recorded in.
+    async fn run_attempt(
+        &self,
+        plan: &TurnPlan<'_>,
+        mode: Mode,
+        attempt: u32,
+        deadline: Option<Instant>,
+        lease: &mut Option<HeldLease>,
+        last: bool,
+    ) -> (Result<AttemptOutcome, TurnError>, tracing::Span) {
+        let attempt_span = tracing::debug_span!(
+            "attempt",
+            attempt,
+            mode = mode.name(),
+            outcome = tracing::field::Empty,
+            version = tracing::field::Empty
+        );
+        let ended = match mode {
+            Mode::Optimistic => {
+                self.attempt(plan, attempt)
+                    .instrument(attempt_span.clone())
+                    .await
+            }
+            Mode::Locked => {
+                self.attempt_serialized(plan, attempt, deadline)
+                    .instrument(attempt_span.clone())
+                    .await
+            }
+            Mode::Held => {
+                self.attempt_held(plan, attempt, deadline)
+                    .instrument(attempt_span.clone())
+                    .await
+            }
+            Mode::Leased => {
+                self.attempt_leased(plan, attempt, deadline, lease, last)
+                    .instrument(attempt_span.clone())
+                    .await
+            }
+        };
+        (ended, attempt_span)
+    }
+
+    /// Counts a conflict on `key` and chooses how the replay holds its conversation (`mode`).
+    /// True: replay at once, the lock being the queue now, without a blind wait (an attempt that
+    /// ran `unlocked`); false: back off first.
+    fn after_conflict(
+        &self,
+        plan: &TurnPlan<'_>,
+        key: &StateKey,
+        mode: &mut Mode,
+        unlocked: bool,
+        attempt: u32,
+    ) -> Result<bool, TurnError> {
+        self.metrics.conflicts.increment(1);
+        tracing::debug!(attempt, %key, "conflict; replaying the turn under the lock");
+        self.hot.contended(&plan.keys.conversation);
+        if *mode == Mode::Held && !key.is_hold() {
+            // A writer that holds nothing (a plain turn of another replica) beat a held turn:
+            // the hold cannot keep it out, the lock's row lock can. The replay locks, as an
+            // optimistic turn's does, and then wins.
+            *mode = Mode::Locked;
+        }
+        if !unlocked {
+            return Ok(false);
+        }
+        if *mode == Mode::Optimistic {
+            *mode = Mode::Leased;
+        }
+        self.give_up_if_spent(attempt, None)?;
+        Ok(true)
     }
 
     /// Waits for the turns of the same conversation queued before this one on this replica,
