@@ -405,40 +405,7 @@ impl Engine {
         .with_ttls(self.store.ttls());
         // What a double text does to the turns of its conversation in flight here, before it
         // queues behind them; across replicas, the hold tells (`attempt_held`).
-        let mut _in_flight = None;
-        match double_text {
-            DoubleText::Enqueue => {}
-            // Refused at once while another message's turn is in flight.
-            DoubleText::Reject => {
-                _in_flight = Some(
-                    self.in_flight
-                        .admit(&plan.keys.conversation, plan.receipt.as_ref())
-                        .ok_or_else(|| TurnError::ConversationBusy {
-                            bot: bot_name.to_owned(),
-                        })?,
-                );
-            }
-            // Those turns are asked to stop.
-            DoubleText::Interrupt => {
-                let in_flight = self
-                    .in_flight
-                    .enter(&plan.keys.conversation, plan.receipt.as_ref());
-                plan.interrupt = Some(Arc::clone(in_flight.signal()));
-                _in_flight = Some(in_flight);
-            }
-            // The message joins the ones waiting for the next run.
-            DoubleText::Coalesce => {
-                if let Some(receipt) = &plan.receipt {
-                    let pending = Pending {
-                        receipt: receipt.clone(),
-                        activity: activity_json(incoming.activity()),
-                    };
-                    self.store
-                        .add_pending(&plan.keys.conversation, &pending)
-                        .await?;
-                }
-            }
-        }
+        let _in_flight = self.double_text(&mut plan, double_text).await?;
         // A streamed turn can be stopped from its first moment, queued or running.
         let _stoppable = plan
             .receipt
@@ -469,6 +436,48 @@ impl Engine {
             *lease = None;
         }
         result
+    }
+
+    /// What the bot's double-text `policy` does here with `plan`'s message while turns of its
+    /// conversation are in flight on this replica: refuse it, ask them to stop, or add it to the
+    /// messages waiting for the next run. The registration returned lasts the turn.
+    async fn double_text(
+        &self,
+        plan: &mut TurnPlan<'_>,
+        policy: DoubleText,
+    ) -> Result<Option<in_flight::Registered>, TurnError> {
+        Ok(match policy {
+            DoubleText::Enqueue => None,
+            // Refused at once while another message's turn is in flight.
+            DoubleText::Reject => Some(
+                self.in_flight
+                    .admit(&plan.keys.conversation, plan.receipt.as_ref())
+                    .ok_or_else(|| TurnError::ConversationBusy {
+                        bot: plan.bot_name.to_owned(),
+                    })?,
+            ),
+            // Those turns are asked to stop.
+            DoubleText::Interrupt => {
+                let in_flight = self
+                    .in_flight
+                    .enter(&plan.keys.conversation, plan.receipt.as_ref());
+                plan.interrupt = Some(Arc::clone(in_flight.signal()));
+                Some(in_flight)
+            }
+            // The message joins the ones waiting for the next run.
+            DoubleText::Coalesce => {
+                if let Some(receipt) = &plan.receipt {
+                    let pending = Pending {
+                        receipt: receipt.clone(),
+                        activity: activity_json(plan.incoming.activity()),
+                    };
+                    self.store
+                        .add_pending(&plan.keys.conversation, &pending)
+                        .await?;
+                }
+                None
+            }
+        })
     }
 
     /// Attempts `plan` until an attempt ends the turn, the first in `mode`; `last` when no other
