@@ -351,50 +351,104 @@ struct Queue {
 /// that batch on the same connection. Whatever queued meanwhile joins the batch.
 async fn committer(
     shared: Arc<Shared>,
-    mut queue: mpsc::UnboundedReceiver<Queued>,
+    queue: mpsc::UnboundedReceiver<Queued>,
     waiting: Arc<AtomicUsize>,
 ) {
-    // Commits that could not join the previous batch (a key or receipt it already had), and
-    // those taken from the queue while waiting for room.
-    let mut held: VecDeque<Queued> = VecDeque::new();
-    // The keys and receipts of the batch being formed, kept from batch to batch: a set made
-    // anew for each grew its table two or three times per batch (`bench/RESULTS.md`).
-    let mut keys = KeySet::default();
-    // The lane of the batch sent last, and how many commits that batch holds.
-    let mut last: Option<(Weak<Lane>, usize)> = None;
-    let mut open = true;
     // Behind a pooler in transaction mode, which may hand the connection to another client at
     // the first batch's end, a batch waits for a lane of its own.
     let pipelines = shared.db.statements == Statements::Prepared;
-    loop {
-        let first = match held.pop_front() {
-            Some(first) => first,
-            None if open => match queue.recv().await {
-                Some(first) => first,
-                None => return,
-            },
-            None => return,
-        };
+    let mut committer = Committer {
+        shared,
+        queue,
+        waiting,
+        held: VecDeque::new(),
+        keys: KeySet::default(),
+        last: None,
+        open: true,
+        pipelines,
+    };
+    while let Some(first) = committer.next_first().await {
         // `first` was queued before everything else pending: its deadline is the earliest.
-        let room = loop {
-            if let Ok(slot) = Arc::clone(&shared.slots).try_acquire_owned() {
-                break Some((Lane::new(slot), false));
+        let room = match committer.wait_for_room(&first).await {
+            Room::Closed => return,
+            Room::Late => {
+                committer.waiting.fetch_sub(1, Ordering::AcqRel);
+                let _ = first.outcome.send(Err(super::no_answer()));
+                continue;
             }
-            let last_lane = last
-                .as_ref()
-                .filter(|_| pipelines)
-                .and_then(|(lane, size)| {
-                    let lane = lane.upgrade()?;
-                    let running = lane.batches.load(Ordering::Acquire);
-                    Some((lane, running, *size))
-                });
+            Room::Lane(lane, behind) => (lane, behind),
+        };
+        let batch = committer.form_batch(first);
+        if !batch.is_empty() {
+            committer.dispatch(batch, room);
+        }
+    }
+}
+
+/// Where a batch can go, once [`Committer::wait_for_room`] has waited.
+enum Room {
+    /// On this lane: a free one, or (`true`) behind the batch running on the last one.
+    Lane(Arc<Lane>, bool),
+    /// Nowhere before the first commit's deadline: PostgreSQL did not answer.
+    Late,
+    /// The store is gone.
+    Closed,
+}
+
+/// The committer task's state between batches.
+struct Committer {
+    shared: Arc<Shared>,
+    queue: mpsc::UnboundedReceiver<Queued>,
+    waiting: Arc<AtomicUsize>,
+    /// Commits that could not join the previous batch (a key or receipt it already had), and
+    /// those taken from the queue while waiting for room.
+    held: VecDeque<Queued>,
+    /// The keys and receipts of the batch being formed, kept from batch to batch: a set made
+    /// anew for each grew its table two or three times per batch (`bench/RESULTS.md`).
+    keys: KeySet,
+    /// The lane of the batch sent last, and how many commits that batch holds.
+    last: Option<(Weak<Lane>, usize)>,
+    /// Whether the queue may still bring commits.
+    open: bool,
+    /// Whether a batch may be sent behind the running one on its connection.
+    pipelines: bool,
+}
+
+impl Committer {
+    /// The next batch's first commit: one held back, else the next queued; `None` once the
+    /// queue is closed and drained.
+    async fn next_first(&mut self) -> Option<Queued> {
+        match self.held.pop_front() {
+            Some(first) => Some(first),
+            None if self.open => self.queue.recv().await,
+            None => None,
+        }
+    }
+
+    /// Waits for room for a batch: a free slot, or — while every slot is taken — as many
+    /// commits as the batch running on the last lane holds, to send behind it; until `first`'s
+    /// deadline. Commits queued meanwhile are held for the batch.
+    async fn wait_for_room(&mut self, first: &Queued) -> Room {
+        loop {
+            if let Ok(slot) = Arc::clone(&self.shared.slots).try_acquire_owned() {
+                return Room::Lane(Lane::new(slot), false);
+            }
+            let last_lane =
+                self.last
+                    .as_ref()
+                    .filter(|_| self.pipelines)
+                    .and_then(|(lane, size)| {
+                        let lane = lane.upgrade()?;
+                        let running = lane.batches.load(Ordering::Acquire);
+                        Some((lane, running, *size))
+                    });
             let wants_more = match &last_lane {
-                Some((lane, 1, size)) if waiting.load(Ordering::Acquire) >= *size => {
-                    break Some((Arc::clone(lane), true));
+                Some((lane, 1, size)) if self.waiting.load(Ordering::Acquire) >= *size => {
+                    return Room::Lane(Arc::clone(lane), true);
                 }
                 // One batch runs on the last lane: more commits may make the next worth sending
                 // behind it.
-                Some((_, 1, _)) => open,
+                Some((_, 1, _)) => self.open,
                 _ => false,
             };
             let watches_lane = last_lane.is_some();
@@ -402,60 +456,64 @@ async fn committer(
             drop(last_lane);
             tokio::select! {
                 biased;
-                slot = timeout_at(first.deadline, Arc::clone(&shared.slots).acquire_owned()) => {
-                    match slot {
-                        Ok(Ok(slot)) => break Some((Lane::new(slot), false)),
-                        Ok(Err(_closed)) => return,
+                slot = timeout_at(first.deadline, Arc::clone(&self.shared.slots).acquire_owned()) => {
+                    return match slot {
+                        Ok(Ok(slot)) => Room::Lane(Lane::new(slot), false),
+                        Ok(Err(_closed)) => Room::Closed,
                         // Every slot stayed busy past its time: PostgreSQL did not answer.
-                        Err(_elapsed) => break None,
-                    }
+                        Err(_elapsed) => Room::Late,
+                    };
                 }
-                () = shared.answered.notified(), if watches_lane => {}
-                queued = queue.recv(), if wants_more => match queued {
-                    Some(queued) => held.push_back(queued),
-                    None => open = false,
+                () = self.shared.answered.notified(), if watches_lane => {}
+                queued = self.queue.recv(), if wants_more => match queued {
+                    Some(queued) => self.held.push_back(queued),
+                    None => self.open = false,
                 },
             }
-        };
-        let Some((lane, behind)) = room else {
-            waiting.fetch_sub(1, Ordering::AcqRel);
-            let _ = first.outcome.send(Err(super::no_answer()));
-            continue;
-        };
-        keys.clear();
-        let expected = 1 + held.len() + waiting.load(Ordering::Acquire);
+        }
+    }
+
+    /// The batch of `first`, the commits held, and whatever else is queued, up to
+    /// [`MAX_BATCH`]: each commit whose key or receipt the batch has already is held for the
+    /// next one, and each past its deadline is answered instead.
+    fn form_batch(&mut self, first: Queued) -> Vec<Queued> {
+        self.keys.clear();
+        let expected = 1 + self.held.len() + self.waiting.load(Ordering::Acquire);
         let mut batch = Batch {
             commits: Vec::with_capacity(expected.min(MAX_BATCH)),
-            keys: &mut keys,
+            keys: &mut self.keys,
             now: Instant::now(),
             expired: 0,
         };
         let mut next_held = VecDeque::new();
         batch.add_or_hold(first, &mut next_held);
-        for queued in held.drain(..) {
+        for queued in self.held.drain(..) {
             batch.add_or_hold(queued, &mut next_held);
         }
-        while open && batch.len() < MAX_BATCH {
-            match queue.try_recv() {
+        while self.open && batch.len() < MAX_BATCH {
+            match self.queue.try_recv() {
                 Ok(queued) => batch.add_or_hold(queued, &mut next_held),
                 Err(_) => break,
             }
         }
         let expired = batch.expired;
         let batch = batch.commits;
-        held = next_held;
-        waiting.fetch_sub(batch.len() + expired, Ordering::AcqRel);
-        if batch.is_empty() {
-            // Every commit it would have held was past its deadline.
-            continue;
-        }
-        shared.counts.record(batch.len());
+        self.held = next_held;
+        self.waiting
+            .fetch_sub(batch.len() + expired, Ordering::AcqRel);
+        batch
+    }
+
+    /// Sends `batch` on its lane (behind the batch running there, when `room` says so), on a
+    /// task of its own.
+    fn dispatch(&mut self, batch: Vec<Queued>, (lane, behind): (Arc<Lane>, bool)) {
+        self.shared.counts.record(batch.len());
         if behind {
-            shared.counts.pipelined.fetch_add(1, Ordering::Relaxed);
+            self.shared.counts.pipelined.fetch_add(1, Ordering::Relaxed);
         }
         lane.batches.fetch_add(1, Ordering::AcqRel);
-        last = Some((Arc::downgrade(&lane), batch.len()));
-        let shared = Arc::clone(&shared);
+        self.last = Some((Arc::downgrade(&lane), batch.len()));
+        let shared = Arc::clone(&self.shared);
         tokio::spawn(async move { Batch::run(batch, &shared, lane).await });
     }
 }
