@@ -674,6 +674,10 @@ impl Ttls {
     /// The time to live of `key`'s scope; `None` for a key of no scope (a hold) or a scope
     /// that does not expire.
     pub fn of(&self, key: &StateKey) -> Option<std::time::Duration> {
+        if !self.any() {
+            // Every turn asks, for every key: without expiry, at no cost.
+            return None;
+        }
         if key.is_conversation() {
             self.conversation
         } else if key.is_hold() {
