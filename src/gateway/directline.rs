@@ -662,6 +662,42 @@ impl DirectLine {
     ) -> Result<(), DirectLineError> {
         let text = activity.to_string();
         echo.park(activity);
+        let mut livestream = Livestream::default();
+        let response = match self
+            .process_or_stream(conversation_id, id, &text, &mut livestream)
+            .await
+        {
+            // Refused, nothing committed: the user's message and why, in the transcript.
+            Err(status) if super::turns::is_busy(&status) => pb::ProcessTurnResponse {
+                activities_json: vec![
+                    json!({"type": "message", "text": self.busy_text}).to_string(),
+                ],
+                ..pb::ProcessTurnResponse::default()
+            },
+            response => response.map_err(DirectLineError::Turn)?,
+        };
+        let mut appended = self.addressed_replies(conversation_id, id, response)?;
+        if let Some(stream_id) = &livestream.id {
+            let last_text = appended.iter_mut().rev().find(|reply| {
+                reply["type"] == "message" && reply["text"].as_str().is_some_and(|t| !t.is_empty())
+            });
+            match last_text {
+                Some(reply) => end_livestream(reply, stream_id),
+                // Nothing takes the draft's place: erase it.
+                None => self.show(conversation_id, id, &mut livestream, Shown::Void),
+            }
+        }
+        self.append_turn(conversation_id, appended, echo)
+    }
+
+    /// Runs the turn of `text`, its drafts pushed to `livestream` when a WebSocket is open.
+    async fn process_or_stream(
+        &self,
+        conversation_id: &str,
+        id: &str,
+        text: &str,
+        livestream: &mut Livestream,
+    ) -> Result<pb::ProcessTurnResponse, tonic::Status> {
         let turn_conversation = Some((CHANNEL_ID, conversation_id));
         // Nobody could see a draft without an open stream: polling clients ignore livestreams.
         let watched = self
@@ -669,38 +705,31 @@ impl DirectLine {
             .by_id
             .get(conversation_id)
             .is_some_and(|c| c.live.receiver_count() > 0);
-        let id = id.to_owned();
-        let mut livestream = Livestream::default();
-        let response = if watched {
-            if let Some(conversation) = self.conversations().by_id.get_mut(conversation_id) {
-                conversation.streaming.insert(id.clone(), String::new());
-            }
-            let response = self
-                .turns
-                .stream(&text, turn_conversation, |shown| {
-                    self.show(conversation_id, &id, &mut livestream, shown);
-                })
-                .await;
-            if let Some(conversation) = self.conversations().by_id.get_mut(conversation_id) {
-                conversation.streaming.remove(&id);
-            }
-            response
-        } else {
-            self.turns.process(&text, turn_conversation).await
+        if !watched {
+            return self.turns.process(text, turn_conversation).await;
         }
-        .map_err(DirectLineError::Turn);
-        let response = match response {
-            // Refused, nothing committed: the user's message and why, in the transcript.
-            Err(DirectLineError::Turn(status)) if super::turns::is_busy(&status) => {
-                pb::ProcessTurnResponse {
-                    activities_json: vec![
-                        json!({"type": "message", "text": self.busy_text}).to_string(),
-                    ],
-                    ..pb::ProcessTurnResponse::default()
-                }
-            }
-            response => response?,
-        };
+        if let Some(conversation) = self.conversations().by_id.get_mut(conversation_id) {
+            conversation.streaming.insert(id.to_owned(), String::new());
+        }
+        let response = self
+            .turns
+            .stream(text, turn_conversation, |shown| {
+                self.show(conversation_id, id, livestream, shown);
+            })
+            .await;
+        if let Some(conversation) = self.conversations().by_id.get_mut(conversation_id) {
+            conversation.streaming.remove(id);
+        }
+        response
+    }
+
+    /// The turn's replies, but `trace`, addressed as Direct Line's replies to activity `id`.
+    fn addressed_replies(
+        &self,
+        conversation_id: &str,
+        id: &str,
+        response: pb::ProcessTurnResponse,
+    ) -> Result<Vec<Value>, DirectLineError> {
         let mut appended = Vec::with_capacity(response.activities_json.len() + 1);
         for json in response.activities_json {
             let mut reply: Value = serde_json::from_str(&json)
@@ -723,16 +752,16 @@ impl DirectLine {
             fields.entry("replyToId").or_insert_with(|| json!(id));
             appended.push(reply);
         }
-        if let Some(stream_id) = &livestream.id {
-            let last_text = appended.iter_mut().rev().find(|reply| {
-                reply["type"] == "message" && reply["text"].as_str().is_some_and(|t| !t.is_empty())
-            });
-            match last_text {
-                Some(reply) => end_livestream(reply, stream_id),
-                // Nothing takes the draft's place: erase it.
-                None => self.show(conversation_id, &id, &mut livestream, Shown::Void),
-            }
-        }
+        Ok(appended)
+    }
+
+    /// Appends a committed turn's replies, `appended`, to the transcript, each given its id.
+    fn append_turn(
+        &self,
+        conversation_id: &str,
+        mut appended: Vec<Value>,
+        echo: &Echo,
+    ) -> Result<(), DirectLineError> {
         let mut all = self.conversations();
         // Forgotten while the turn ran: the turn committed, but nobody can read it here.
         let conversation = all
@@ -1087,34 +1116,11 @@ async fn push_activities(
     loop {
         // Interim activities first: a turn's drafts are all pushed before its commit appends
         // the final reply, so they reach the client before it.
-        loop {
-            let interim = match live.try_recv() {
-                Ok(interim) => interim,
-                Err(broadcast::error::TryRecvError::Lagged(_)) => continue,
-                Err(_) => break,
-            };
-            if !send_interim(&mut socket, interim).await {
-                return;
-            }
+        if !send_waiting_interims(&mut live, &mut socket).await {
+            return;
         }
-        loop {
-            let page = dl.conversations().by_id.get(&id).map(|c| c.page(from));
-            let Some((activities, watermark)) = page else {
-                let _ = socket.send(Message::Close(None)).await;
-                return;
-            };
-            if activities.is_empty() {
-                break;
-            }
-            from = watermark;
-            let group = json!({"activities": activities, "watermark": watermark.to_string()});
-            if socket
-                .send(Message::Text(group.to_string().into()))
-                .await
-                .is_err()
-            {
-                return;
-            }
+        if !send_appended(&dl, &id, &mut from, &mut socket).await {
+            return;
         }
         tokio::select! {
             interim = live.recv() => match interim {
@@ -1151,6 +1157,47 @@ async fn push_activities(
                 Some(Ok(Message::Close(_)) | Err(_)) | None => return,
                 Some(Ok(_)) => {}
             },
+        }
+    }
+}
+
+/// Sends the interim activities already waiting in `live`; false when the client is gone.
+async fn send_waiting_interims(
+    live: &mut broadcast::Receiver<Value>,
+    socket: &mut WebSocket,
+) -> bool {
+    loop {
+        let interim = match live.try_recv() {
+            Ok(interim) => interim,
+            Err(broadcast::error::TryRecvError::Lagged(_)) => continue,
+            Err(_) => return true,
+        };
+        if !send_interim(socket, interim).await {
+            return false;
+        }
+    }
+}
+
+/// Sends the transcript from `from` on, moving `from` past it; false when the client is gone or
+/// the conversation was forgotten (the socket then closed).
+async fn send_appended(dl: &DirectLine, id: &str, from: &mut u64, socket: &mut WebSocket) -> bool {
+    loop {
+        let page = dl.conversations().by_id.get(id).map(|c| c.page(*from));
+        let Some((activities, watermark)) = page else {
+            let _ = socket.send(Message::Close(None)).await;
+            return false;
+        };
+        if activities.is_empty() {
+            return true;
+        }
+        *from = watermark;
+        let group = json!({"activities": activities, "watermark": watermark.to_string()});
+        if socket
+            .send(Message::Text(group.to_string().into()))
+            .await
+            .is_err()
+        {
+            return false;
         }
     }
 }

@@ -60,6 +60,7 @@ pub use config::{
 };
 
 use crate::activity::{Activity, types};
+use crate::grpc::pb;
 use auth::{AuthError, ChannelAuth};
 use connector::{Connector, DeliveryError, ReplyAddress};
 use teams::{Drafting, Stream};
@@ -134,29 +135,89 @@ pub async fn serve(
 ) -> Result<(), GatewayError> {
     let Listeners {
         http: listener,
-        metrics: metrics_listener,
+        metrics,
     } = listeners.into();
     // Scrapes go on while the calls in flight finish, and end with them.
-    let metrics_stop = Arc::new(tokio::sync::Notify::new());
-    let scrapes = match metrics_listener {
-        Some(metrics_listener) => {
-            let handle = crate::telemetry::metrics::recorder()?;
-            metrics::describe();
-            tracing::info!(address = ?metrics_listener.local_addr().ok(), "serving /metrics");
-            let stop = Arc::clone(&metrics_stop);
-            let app = crate::telemetry::metrics::routes(handle);
-            Some(tokio::spawn(async move {
-                axum::serve(metrics_listener, app)
-                    .with_graceful_shutdown(async move { stop.notified().await })
-                    .await
-            }))
+    let metrics = MetricsEndpoint::start(metrics)?;
+    let http = http_client()?;
+    let auth = channel_auth(&config, &http);
+    let turns = Turns::new(&config)?;
+    let readiness = Arc::new(health::Readiness::new(&config).map_err(TurnsError::from)?);
+    let background = background::Background::new(config.max_background_turns);
+    let direct_line = direct_line(&config, &turns, &background);
+    let gateway = Arc::new(Gateway {
+        bot_turns: turns.with_timeout(config.bot_turn_timeout),
+        turns,
+        connector: Connector::new(config.credentials.as_ref(), http, config.delivery),
+        auth,
+        background: Arc::clone(&background),
+        busy_text: config.busy_text.clone(),
+        superseded_text: config.superseded_text.clone(),
+    });
+    let app = routes(gateway, direct_line.clone(), readiness, &listener);
+    tracing::info!(address = ?listener.local_addr().ok(), "serving the Bot Framework endpoint");
+    let served = axum::serve(listener, app)
+        .with_graceful_shutdown(stop_streams_after(shutdown, direct_line))
+        .await
+        .map_err(GatewayError::Serve);
+    finish_background(&background, config.shutdown_grace).await;
+    metrics.stop().await;
+    served?;
+    tracing::info!("gateway stopped");
+    Ok(())
+}
+
+/// `/metrics` on a port of its own, when one was given.
+struct MetricsEndpoint {
+    task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    stop: Arc<tokio::sync::Notify>,
+}
+
+impl MetricsEndpoint {
+    /// Installs the metrics recorder and serves its scrapes on `listener`, if any.
+    fn start(listener: Option<TcpListener>) -> Result<Self, GatewayError> {
+        let stop = Arc::new(tokio::sync::Notify::new());
+        let task = match listener {
+            Some(listener) => {
+                let handle = crate::telemetry::metrics::recorder()?;
+                metrics::describe();
+                tracing::info!(address = ?listener.local_addr().ok(), "serving /metrics");
+                let stopped = Arc::clone(&stop);
+                let app = crate::telemetry::metrics::routes(handle);
+                Some(tokio::spawn(async move {
+                    axum::serve(listener, app)
+                        .with_graceful_shutdown(async move { stopped.notified().await })
+                        .await
+                }))
+            }
+            None => None,
+        };
+        Ok(Self { task, stop })
+    }
+
+    /// Ends the endpoint once its scrapes in progress are answered.
+    async fn stop(self) {
+        self.stop.notify_one();
+        if let Some(task) = self.task {
+            match task.await {
+                Ok(Err(e)) => tracing::warn!(error = %e, "serving /metrics failed"),
+                Err(e) => tracing::warn!(error = %e, "the /metrics task failed"),
+                Ok(Ok(())) => {}
+            }
         }
-        None => None,
-    };
-    let http = reqwest::Client::builder()
+    }
+}
+
+/// The HTTP client for keys, tokens and delivery.
+fn http_client() -> Result<reqwest::Client, GatewayError> {
+    reqwest::Client::builder()
         .timeout(std::time::Duration::from_secs(10))
         .build()
-        .map_err(GatewayError::Http)?;
+        .map_err(GatewayError::Http)
+}
+
+/// The check of the channels' JWTs, when an app id is configured; else a loud warning.
+fn channel_auth(config: &GatewayConfig, http: &reqwest::Client) -> Option<ChannelAuth> {
     let auth = config
         .credentials
         .as_ref()
@@ -169,12 +230,18 @@ pub async fn serve(
              it anywhere"
         );
     }
-    let turns = Turns::new(&config)?;
-    let readiness = Arc::new(health::Readiness::new(&config).map_err(TurnsError::from)?);
-    let background = background::Background::new(config.max_background_turns);
+    auth
+}
+
+/// Direct Line, when `config` enables it, running its turns among `background`'s.
+fn direct_line(
+    config: &GatewayConfig,
+    turns: &Turns,
+    background: &Arc<background::Background>,
+) -> Option<Arc<directline::DirectLine>> {
     // Direct Line's turns have the bot's budget too: a POST answers within the channel's, and
     // the turn runs on among the background turns (see `directline`).
-    let direct_line = config.direct_line_enabled().then(|| {
+    config.direct_line_enabled().then(|| {
         Arc::new(
             directline::DirectLine::new(
                 config.direct_line_secrets.clone(),
@@ -182,22 +249,21 @@ pub async fn serve(
                 &config.bot,
             )
             .with_busy_text(&config.busy_text)
-            .running_in(Arc::clone(&background), config.turn_timeout),
+            .running_in(Arc::clone(background), config.turn_timeout),
         )
-    });
-    let gateway = Arc::new(Gateway {
-        bot_turns: turns.with_timeout(config.bot_turn_timeout),
-        turns,
-        connector: Connector::new(config.credentials.as_ref(), http, config.delivery),
-        auth,
-        background: Arc::clone(&background),
-        busy_text: config.busy_text.clone(),
-        superseded_text: config.superseded_text.clone(),
-    });
+    })
+}
+
+/// `/api/messages`, Direct Line and the chat page when on, and the probes; counted in metrics.
+fn routes(
+    gateway: Arc<Gateway>,
+    direct_line: Option<Arc<directline::DirectLine>>,
+    readiness: Arc<health::Readiness>,
+    listener: &TcpListener,
+) -> Router {
     let mut app = Router::new()
         .route("/api/messages", post(messages))
         .with_state(gateway);
-    let streams = direct_line.clone();
     match direct_line {
         Some(direct_line) => {
             if direct_line.is_open() {
@@ -218,46 +284,38 @@ pub async fn serve(
         ),
     }
     // Last, so that every route and the fallback (`_OTHER`) are counted; but the probes.
-    let app = app
-        .merge(health::routes(readiness))
-        .layer(axum::middleware::from_fn(metrics::track));
-    tracing::info!(address = ?listener.local_addr().ok(), "serving the Bot Framework endpoint");
-    let shutdown = async move {
-        shutdown.await;
-        // Direct Line streams are upgraded connections, which the graceful shutdown does not
-        // track: they get a Close frame, and their tasks end, instead of outliving `serve`.
-        if let Some(direct_line) = streams {
-            direct_line.stop();
-        }
-    };
-    let served = axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(GatewayError::Serve);
+    app.merge(health::routes(readiness))
+        .layer(axum::middleware::from_fn(metrics::track))
+}
+
+/// The server's shutdown signal: `shutdown`, then Direct Line's streams told to close.
+async fn stop_streams_after(
+    shutdown: impl Future<Output = ()>,
+    streams: Option<Arc<directline::DirectLine>>,
+) {
+    shutdown.await;
+    // Direct Line streams are upgraded connections, which the graceful shutdown does not
+    // track: they get a Close frame, and their tasks end, instead of outliving `serve`.
+    if let Some(direct_line) = streams {
+        direct_line.stop();
+    }
+}
+
+/// Waits, up to `grace`, for the turns running in the background.
+async fn finish_background(background: &background::Background, grace: std::time::Duration) {
     // The channels were answered `202` for these: their replies are still owed.
     let in_flight = background.in_flight();
     if in_flight > 0 {
         tracing::info!(in_flight, "finishing the turns running in the background");
     }
-    if !background.finish(config.shutdown_grace).await {
+    if !background.finish(grace).await {
         tracing::warn!(
-            grace = ?config.shutdown_grace,
+            ?grace,
             in_flight = background.in_flight(),
             "background turns did not finish within the grace period; abandoning them: their \
              channels were answered 202 and will not redeliver, so their replies are lost"
         );
     }
-    metrics_stop.notify_one();
-    if let Some(scrapes) = scrapes {
-        match scrapes.await {
-            Ok(Err(e)) => tracing::warn!(error = %e, "serving /metrics failed"),
-            Err(e) => tracing::warn!(error = %e, "the /metrics task failed"),
-            Ok(Ok(())) => {}
-        }
-    }
-    served?;
-    tracing::info!("gateway stopped");
-    Ok(())
 }
 
 /// Why a call was not answered with the bot's replies.
@@ -447,43 +505,7 @@ impl Gateway {
     /// Runs `call`'s turn within the bot's budget and delivers its replies, in order; in a Teams
     /// one-on-one chat its drafts are streamed meanwhile and the last text reply ends the stream.
     async fn deliver_turn(&self, call: &Call) -> Result<(), Refusal> {
-        let (response, stream) = if teams::streams(&call.inbound) {
-            let to = ReplyAddress {
-                service_url: call.inbound.service_url.as_deref().unwrap_or_default(),
-                conversation_id: call.inbound.conversation_id().unwrap_or_default(),
-                reply_to_id: call.inbound.id.as_deref(),
-            };
-            let (drafts, drafting) = tokio::sync::watch::channel(Drafting::Waiting);
-            let turn = async {
-                let response = self
-                    .bot_turns
-                    .stream(&call.text, call.conversation(), |shown| {
-                        drafts.send_replace(Drafting::Latest(shown));
-                    })
-                    .await;
-                drafts.send_replace(Drafting::Ended);
-                response
-            };
-            let shown = async {
-                let stream =
-                    teams::send_drafts(&self.connector, to, &call.template, drafting).await;
-                // Teams closed the stream while the turn runs: stop it at what Teams shows.
-                if let (Stream::Closed(shown), Some(conversation), Some(id)) =
-                    (&stream, call.conversation(), call.inbound.id.as_deref())
-                {
-                    self.bot_turns.stop(conversation, id, shown.clone()).await;
-                }
-                stream
-            };
-            tokio::join!(turn, shown)
-        } else {
-            (
-                self.bot_turns
-                    .process(&call.text, call.conversation())
-                    .await,
-                Stream::None,
-            )
-        };
+        let (response, stream) = self.run_turn(call).await;
         let response = match response {
             Err(status) if turns::is_busy(&status) => {
                 // Refused, nothing committed: the user is told so, as a reply of its own.
@@ -508,17 +530,7 @@ impl Gateway {
             return Ok(());
         }
         if response.superseded {
-            // A later message interrupted the turn: nothing of it is delivered, but a Teams
-            // stream its drafts opened is ended, saying why, or Teams would show the void drafts
-            // until it times the stream out.
-            if let Stream::Open(stream_id) = &stream {
-                let (note, plain) = self.note(call, &self.superseded_text);
-                if let Some(last) = teams::end_stream(&plain, stream_id) {
-                    self.deliver(&call.inbound, &[(note, last)], Some((0, plain)))
-                        .await?;
-                }
-            }
-            return Ok(());
+            return self.end_superseded(call, &stream).await;
         }
         if response.stopped && teams::streams(&call.inbound) {
             // Stopped by Teams' 403: what the turn committed is what the closed stream shows the
@@ -526,19 +538,76 @@ impl Gateway {
             return Ok(());
         }
         let mut replies = replies(call, response)?;
-        // The reply that takes the stream's place ends it; plain, should Teams refuse that.
-        let mut fallback = None;
-        if let Stream::Open(stream_id) = &stream
-            && let Some(at) = replies.iter().rposition(|(a, _)| {
-                a.is_type(types::MESSAGE) && a.text.as_deref().is_some_and(|t| !t.is_empty())
-            })
-            && let Some(last) = teams::end_stream(&replies[at].1, stream_id)
-        {
-            fallback = Some((at, std::mem::replace(&mut replies[at].1, last)));
-        }
+        let fallback = end_stream_with_last_text(&mut replies, &stream);
         self.deliver(&call.inbound, &replies, fallback).await?;
         if let Some(key) = &key {
             self.background.delivered(key);
+        }
+        Ok(())
+    }
+
+    /// Runs `call`'s turn within the bot's budget, streamed in a Teams one-on-one chat.
+    async fn run_turn(
+        &self,
+        call: &Call,
+    ) -> (Result<pb::ProcessTurnResponse, tonic::Status>, Stream) {
+        if teams::streams(&call.inbound) {
+            self.stream_to_teams(call).await
+        } else {
+            (
+                self.bot_turns
+                    .process(&call.text, call.conversation())
+                    .await,
+                Stream::None,
+            )
+        }
+    }
+
+    /// Runs `call`'s turn with its drafts sent to Teams; answers how the stream stands too.
+    async fn stream_to_teams(
+        &self,
+        call: &Call,
+    ) -> (Result<pb::ProcessTurnResponse, tonic::Status>, Stream) {
+        let to = ReplyAddress {
+            service_url: call.inbound.service_url.as_deref().unwrap_or_default(),
+            conversation_id: call.inbound.conversation_id().unwrap_or_default(),
+            reply_to_id: call.inbound.id.as_deref(),
+        };
+        let (drafts, drafting) = tokio::sync::watch::channel(Drafting::Waiting);
+        let turn = async {
+            let response = self
+                .bot_turns
+                .stream(&call.text, call.conversation(), |shown| {
+                    drafts.send_replace(Drafting::Latest(shown));
+                })
+                .await;
+            drafts.send_replace(Drafting::Ended);
+            response
+        };
+        let shown = async {
+            let stream = teams::send_drafts(&self.connector, to, &call.template, drafting).await;
+            // Teams closed the stream while the turn runs: stop it at what Teams shows.
+            if let (Stream::Closed(shown), Some(conversation), Some(id)) =
+                (&stream, call.conversation(), call.inbound.id.as_deref())
+            {
+                self.bot_turns.stop(conversation, id, shown.clone()).await;
+            }
+            stream
+        };
+        tokio::join!(turn, shown)
+    }
+
+    /// Ends the Teams stream, if any, of a turn a later message interrupted.
+    async fn end_superseded(&self, call: &Call, stream: &Stream) -> Result<(), Refusal> {
+        // A later message interrupted the turn: nothing of it is delivered, but a Teams
+        // stream its drafts opened is ended, saying why, or Teams would show the void drafts
+        // until it times the stream out.
+        if let Stream::Open(stream_id) = stream {
+            let (note, plain) = self.note(call, &self.superseded_text);
+            if let Some(last) = teams::end_stream(&plain, stream_id) {
+                self.deliver(&call.inbound, &[(note, last)], Some((0, plain)))
+                    .await?;
+            }
         }
         Ok(())
     }
@@ -622,11 +691,28 @@ fn draft_template(inbound: &Value) -> Value {
     template
 }
 
+/// Makes the last text reply end an open Teams stream; answers its plain form, the fallback.
+fn end_stream_with_last_text(
+    replies: &mut [(Activity, String)],
+    stream: &Stream,
+) -> Option<(usize, String)> {
+    // The reply that takes the stream's place ends it; plain, should Teams refuse that.
+    if let Stream::Open(stream_id) = stream
+        && let Some(at) = replies.iter().rposition(|(a, _)| {
+            a.is_type(types::MESSAGE) && a.text.as_deref().is_some_and(|t| !t.is_empty())
+        })
+        && let Some(last) = teams::end_stream(&replies[at].1, stream_id)
+    {
+        return Some((at, std::mem::replace(&mut replies[at].1, last)));
+    }
+    None
+}
+
 /// The turn's replies for `call`'s channel, each parsed and as the bot sent it; `trace` replies
 /// only for the Emulator.
 fn replies(
     call: &Call,
-    response: crate::grpc::pb::ProcessTurnResponse,
+    response: pb::ProcessTurnResponse,
 ) -> Result<Vec<(Activity, String)>, Refusal> {
     let mut replies = Vec::with_capacity(response.activities_json.len());
     for json in response.activities_json {
