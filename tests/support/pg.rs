@@ -427,3 +427,30 @@ pub async fn until_held(url: &str, conversation: &str) {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }
+
+/// Waits until no turn holds `conversation` any more (its hold row's time is over, or it has
+/// none): a hold is released on a task of its own after its turn's commit.
+pub async fn until_released(url: &str, conversation: &str) {
+    let db = session(url).await;
+    let key = format!("%/conversations/{conversation}/%hold");
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let held: i64 = db
+            .query_one(
+                "SELECT count(*) FROM turnstile_state WHERE key LIKE $1 \
+                    AND (state->>'until')::float8 > extract(epoch FROM clock_timestamp())",
+                &[&key],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if held == 0 {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{conversation} never released"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
