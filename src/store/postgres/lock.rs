@@ -274,6 +274,17 @@ async fn hold(
             wait + CALL_TIMEOUT
         )));
     };
+    held(turn, locked, loaded, limited).await
+}
+
+/// What the lock's three answers came to: the lock (`locked`, whose last row says whether it was
+/// waited for), the load under it, and the idle limit.
+async fn held(
+    turn: Box<PgLockedTurn>,
+    locked: Result<Vec<SimpleQueryMessage>, tokio_postgres::Error>,
+    loaded: Result<Snapshot, StoreError>,
+    limited: Result<(), tokio_postgres::Error>,
+) -> Result<Held, StoreError> {
     match locked {
         Ok(answer) => {
             let waited = answer.iter().any(|message| {
