@@ -832,23 +832,9 @@ fn report(
     let ok = sorted.len() as f64;
     let throughput = ok / elapsed.as_secs_f64().max(f64::EPSILON);
     let latency = percentiles(&sorted);
-    let stream = args.stream.then(|| {
-        let s = &tally.stream;
-        let mut first = s.first_drafts.clone();
-        first.sort_unstable();
-        let streams: u64 = tally.statuses.values().sum();
-        json!({
-            "first_draft_ms": percentiles(&first),
-            "drafts": s.drafts,
-            "drafts_per_turn": s.drafts as f64 / streams.max(1) as f64,
-            "resets": s.resets,
-            "outcomes": s.outcomes,
-            "without_draft": s.without_draft,
-            "malformed": s.malformed,
-        })
-    });
+    let stream = args.stream.then(|| stream_summary(tally));
     if args.json {
-        let out = json!({
+        let mut out = json!({
             "targets": args.targets,
             "concurrency": args.concurrency,
             "conversations": args.conversations,
@@ -864,7 +850,6 @@ fn report(
             "cpu_us_per_turn": cpu,
             "verification": verification,
         });
-        let mut out = out;
         if let Some(stream) = &stream {
             out["stream"] = stream.clone();
         }
@@ -877,55 +862,99 @@ fn report(
             elapsed.as_secs_f64(),
             total_elapsed.as_secs_f64()
         )?;
-        let line = |name: &str, l: &serde_json::Value| {
-            format!(
-                "{name} ms: p50 {:.2}  p90 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
-                l["p50"].as_f64().unwrap_or(0.0),
-                l["p90"].as_f64().unwrap_or(0.0),
-                l["p99"].as_f64().unwrap_or(0.0),
-                l["p99.9"].as_f64().unwrap_or(0.0),
-                l["max"].as_f64().unwrap_or(0.0),
-            )
-        };
-        match &stream {
-            None => writeln!(stdout, "{}", line("latency", &latency))?,
-            Some(s) => {
-                writeln!(stdout, "{}", line("first draft", &s["first_draft_ms"]))?;
-                writeln!(stdout, "{}", line("whole turn", &latency))?;
-                writeln!(
-                    stdout,
-                    "streams: {} outcomes, {} drafts ({:.1} per turn), {} resets, {} without a \
-                     draft, {} malformed",
-                    s["outcomes"],
-                    s["drafts"],
-                    s["drafts_per_turn"].as_f64().unwrap_or(0.0),
-                    s["resets"],
-                    s["without_draft"],
-                    s["malformed"],
-                )?;
-            }
-        }
-        writeln!(stdout, "statuses: {:?}", tally.statuses)?;
-        writeln!(stdout, "attempts: {:?}", tally.attempts)?;
-        if !args.stream {
+        write_latencies(&mut stdout, &latency, stream.as_ref())?;
+        write_counts(&mut stdout, args, tally, cpu, verification)?;
+    }
+    check(args, tally, verification)
+}
+
+/// The streamed turns' figures: drafts, the time to the first, resets and outcomes.
+fn stream_summary(tally: &Tally) -> serde_json::Value {
+    let s = &tally.stream;
+    let mut first = s.first_drafts.clone();
+    first.sort_unstable();
+    let streams: u64 = tally.statuses.values().sum();
+    json!({
+        "first_draft_ms": percentiles(&first),
+        "drafts": s.drafts,
+        "drafts_per_turn": s.drafts as f64 / streams.max(1) as f64,
+        "resets": s.resets,
+        "outcomes": s.outcomes,
+        "without_draft": s.without_draft,
+        "malformed": s.malformed,
+    })
+}
+
+/// The latency lines of the text report: the turns', and for streams the first draft's too.
+fn write_latencies(
+    out: &mut impl std::io::Write,
+    latency: &serde_json::Value,
+    stream: Option<&serde_json::Value>,
+) -> anyhow::Result<()> {
+    let line = |name: &str, l: &serde_json::Value| {
+        format!(
+            "{name} ms: p50 {:.2}  p90 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
+            l["p50"].as_f64().unwrap_or(0.0),
+            l["p90"].as_f64().unwrap_or(0.0),
+            l["p99"].as_f64().unwrap_or(0.0),
+            l["p99.9"].as_f64().unwrap_or(0.0),
+            l["max"].as_f64().unwrap_or(0.0),
+        )
+    };
+    match stream {
+        None => writeln!(out, "{}", line("latency", latency))?,
+        Some(s) => {
+            writeln!(out, "{}", line("first draft", &s["first_draft_ms"]))?;
+            writeln!(out, "{}", line("whole turn", latency))?;
             writeln!(
-                stdout,
-                "gateway retries: {}, redelivered answers: {}",
-                tally.retries, tally.redelivered
-            )?;
-        }
-        if !cpu.is_empty() {
-            let per: Vec<String> = cpu.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();
-            writeln!(stdout, "CPU µs per turn: {}", per.join(", "))?;
-        }
-        if let Some(v) = verification {
-            writeln!(
-                stdout,
-                "verified {} conversations: {} acknowledged, {} unacknowledged, {} lost, {} doubled",
-                v.conversations, v.acknowledged, v.unacknowledged, v.lost, v.doubled
+                out,
+                "streams: {} outcomes, {} drafts ({:.1} per turn), {} resets, {} without a \
+                 draft, {} malformed",
+                s["outcomes"],
+                s["drafts"],
+                s["drafts_per_turn"].as_f64().unwrap_or(0.0),
+                s["resets"],
+                s["without_draft"],
+                s["malformed"],
             )?;
         }
     }
+    Ok(())
+}
+
+/// The counting lines of the text report: statuses, attempts, retries, CPU, verification.
+fn write_counts(
+    out: &mut impl std::io::Write,
+    args: &Args,
+    tally: &Tally,
+    cpu: &BTreeMap<String, f64>,
+    verification: Option<&Verification>,
+) -> anyhow::Result<()> {
+    writeln!(out, "statuses: {:?}", tally.statuses)?;
+    writeln!(out, "attempts: {:?}", tally.attempts)?;
+    if !args.stream {
+        writeln!(
+            out,
+            "gateway retries: {}, redelivered answers: {}",
+            tally.retries, tally.redelivered
+        )?;
+    }
+    if !cpu.is_empty() {
+        let per: Vec<String> = cpu.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();
+        writeln!(out, "CPU µs per turn: {}", per.join(", "))?;
+    }
+    if let Some(v) = verification {
+        writeln!(
+            out,
+            "verified {} conversations: {} acknowledged, {} unacknowledged, {} lost, {} doubled",
+            v.conversations, v.acknowledged, v.unacknowledged, v.lost, v.doubled
+        )?;
+    }
+    Ok(())
+}
+
+/// Fails the run when a stream ended wrong, or a verified turn was lost or applied twice.
+fn check(args: &Args, tally: &Tally, verification: Option<&Verification>) -> anyhow::Result<()> {
     if args.stream {
         let s = &tally.stream;
         let failed: u64 = tally
