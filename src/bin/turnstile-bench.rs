@@ -190,12 +190,7 @@ static ALLOCATOR: turnstile::allocator::Mimalloc = turnstile::allocator::Mimallo
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    if !(0.0..=1.0).contains(&args.hot_share) {
-        bail!("--hot-share must be between 0 and 1");
-    }
-    if args.concurrency == 0 || args.conversations == 0 {
-        bail!("--concurrency and --conversations must be at least 1");
-    }
+    args.check()?;
     let channels = connect(&args).await?;
     if args.health {
         return health_checks(&args, &channels).await;
@@ -215,31 +210,20 @@ async fn main() -> anyhow::Result<()> {
         prefilled = prefill(&args, &channels, &run, &next_id).await?;
     }
 
-    // One HTTP/1.1 client: a pool of keep-alive connections, as a channel's would be.
-    let gateway = match &args.gateway {
-        Some(url) => Some((
-            reqwest::Client::builder()
-                .pool_max_idle_per_host(args.concurrency)
-                .build()
-                .context("building the HTTP client")?,
-            format!("{}/api/messages", url.trim_end_matches('/')),
-        )),
-        None => None,
+    let worker = Worker {
+        gateway: gateway_client(&args)?,
+        args: Arc::clone(&args),
+        run: run.clone(),
+        next_id: Arc::clone(&next_id),
+        measuring: Arc::clone(&measuring),
+        stop: Arc::clone(&stop),
+        budget: Arc::clone(&budget),
     };
     let started = Instant::now();
     let workers: Vec<_> = (0..args.concurrency)
         .map(|w| {
             let client = TurnServiceClient::new(channels[w % channels.len()].clone());
-            let ctx = Worker {
-                gateway: gateway.clone(),
-                args: Arc::clone(&args),
-                run: run.clone(),
-                next_id: Arc::clone(&next_id),
-                measuring: Arc::clone(&measuring),
-                stop: Arc::clone(&stop),
-                budget: Arc::clone(&budget),
-            };
-            tokio::spawn(ctx.run(client))
+            tokio::spawn(worker.clone().run(client))
         })
         .collect();
 
@@ -265,12 +249,11 @@ async fn main() -> anyhow::Result<()> {
     let total_elapsed = started.elapsed();
     let measured_calls = tally.statuses.values().sum();
     let cpu = cpu::Usage::now(&args.cpu_of).per_call_since(&cpu_start, measured_calls);
-
     // The streamed bot (`llm`) does not count: there is nothing to verify.
-    let verification = if args.no_verify || args.stream {
-        None
-    } else {
-        Some(verify(&args, &channels, &run, &tally).await?)
+    let verify_it = !(args.no_verify || args.stream);
+    let verification = match verify_it {
+        true => Some(verify(&args, &channels, &run, &tally).await?),
+        false => None,
     };
     report(
         &args,
@@ -280,6 +263,59 @@ async fn main() -> anyhow::Result<()> {
         &cpu,
         verification.as_ref(),
     )
+}
+
+impl Args {
+    /// Refuses arguments that make no run.
+    fn check(&self) -> anyhow::Result<()> {
+        if !(0.0..=1.0).contains(&self.hot_share) {
+            bail!("--hot-share must be between 0 and 1");
+        }
+        if self.concurrency == 0 || self.conversations == 0 {
+            bail!("--concurrency and --conversations must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+/// One `ProcessTurn` call: the turn's attempts and whether it was a redelivery, or its status
+/// and whether that is final (no retry helps).
+async fn process(
+    client: &mut TurnServiceClient<Channel>,
+    request: &pb::ProcessTurnRequest,
+    timeout: Duration,
+) -> Result<(u32, bool), (String, bool)> {
+    let mut call = tonic::Request::new(request.clone());
+    call.set_timeout(timeout);
+    match client.process_turn(call).await {
+        Ok(response) => {
+            let response = response.into_inner();
+            Ok((response.attempts, response.redelivered))
+        }
+        Err(status) => Err((
+            format!("{:?}", status.code()),
+            matches!(
+                status.code(),
+                tonic::Code::InvalidArgument | tonic::Code::NotFound | tonic::Code::Internal
+            ),
+        )),
+    }
+}
+
+/// With `--gateway`, one HTTP/1.1 client — a pool of keep-alive connections, as a channel's
+/// would be — and the gateway's `/api/messages`.
+fn gateway_client(args: &Args) -> anyhow::Result<Option<(reqwest::Client, String)>> {
+    let Some(url) = &args.gateway else {
+        return Ok(None);
+    };
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(args.concurrency)
+        .build()
+        .context("building the HTTP client")?;
+    Ok(Some((
+        client,
+        format!("{}/api/messages", url.trim_end_matches('/')),
+    )))
 }
 
 /// --health: `--turns` health checks, `concurrency` at a time over the connections; fails on the
@@ -395,6 +431,8 @@ async fn connect(args: &Args) -> anyhow::Result<Vec<Channel>> {
     Ok(channels)
 }
 
+/// One caller of the load: what it shares with the others (cloned for each).
+#[derive(Clone)]
 struct Worker {
     args: Arc<Args>,
     /// The HTTP client and `/api/messages` URL, with --gateway.
@@ -441,25 +479,7 @@ impl Worker {
                 let sent = Instant::now();
                 let outcome = match &self.gateway {
                     Some((http, url)) => post(http, url, &request, timeout).await,
-                    None => {
-                        let mut call = tonic::Request::new(request.clone());
-                        call.set_timeout(timeout);
-                        match client.process_turn(call).await {
-                            Ok(response) => {
-                                let response = response.into_inner();
-                                Ok((response.attempts, response.redelivered))
-                            }
-                            Err(status) => Err((
-                                format!("{:?}", status.code()),
-                                matches!(
-                                    status.code(),
-                                    tonic::Code::InvalidArgument
-                                        | tonic::Code::NotFound
-                                        | tonic::Code::Internal
-                                ),
-                            )),
-                        }
-                    }
+                    None => process(&mut client, &request, timeout).await,
                 };
                 match outcome {
                     Ok((attempts, redelivered)) => {
