@@ -535,7 +535,7 @@ fn write_value(value: &Value, out: &mut String) {
 
 /// Appends `s` as a JSON string, with serde_json's escapes: a string with nothing to escape,
 /// checked a block at a time, is copied whole.
-fn write_str(s: &str, out: &mut String) {
+pub(crate) fn write_str(s: &str, out: &mut String) {
     out.reserve(s.len() + 2);
     out.push('"');
     if scan::needs_escape(s.as_bytes()) {

@@ -43,7 +43,7 @@ pub(super) fn encode(outcome: &TurnOutcome, user: Option<&str>) -> Receipt {
     }
     if let Some(user) = user {
         text.push_str(",\"user\":");
-        text.push_str(&Value::from(user).to_string());
+        crate::activity::json::write_str(user, &mut text);
     }
     if !outcome.coalesced.is_empty() {
         text.push_str(",\"coalesced\":");

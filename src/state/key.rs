@@ -187,13 +187,24 @@ impl StateKey {
     /// for a user scope's or a private conversation scope's key; `None` for any other. The same
     /// as the database's `turnstile_key_user` (`migrations/V4__erasure.sql`).
     pub fn user_subject(&self) -> Option<String> {
-        let parts: Vec<&str> = self.text.split('/').collect();
-        match parts.as_slice() {
-            [_, channel, "users", user] | [_, channel, "conversations", _, "users", user] => {
-                Some(format!("{channel}/{user}"))
+        // Every turn with a user asks (its receipt names them): read in place, one allocation.
+        let (_bot, rest) = self.text.split_once('/')?;
+        let (channel, rest) = rest.split_once('/')?;
+        let user = match rest.strip_prefix("users/") {
+            Some(user) => user,
+            None => {
+                let (_conversation, rest) = rest.strip_prefix("conversations/")?.split_once('/')?;
+                rest.strip_prefix("users/")?
             }
-            _ => None,
+        };
+        if user.contains('/') {
+            return None;
         }
+        let mut subject = String::with_capacity(channel.len() + 1 + user.len());
+        subject.push_str(channel);
+        subject.push('/');
+        subject.push_str(user);
+        Some(subject)
     }
 
     /// The conversation whose data this key holds: `{channelId}/{conversationId}`, escaped, for a

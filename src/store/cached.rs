@@ -151,8 +151,8 @@ impl StateCache {
         }
         let mut rows = KeyMap::with_capacity_and_hasher(keys.len(), KeyHasher::default());
         let mut expiries = Vec::new();
+        let now = std::time::Instant::now();
         for key in keys {
-            let now = std::time::Instant::now();
             let fresh = |cached: &Cached| {
                 now.duration_since(cached.at) < MAX_GUESS_AGE
                     && cached.until.is_none_or(|until| now < until)
