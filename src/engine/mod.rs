@@ -1177,7 +1177,11 @@ impl<'a> TurnPlan<'a> {
             incoming,
             key_list: keys.all().map(|(_, k)| k.clone()).collect(),
             receipt: incoming.id().map(|id| keys.receipt(id)),
-            subject: keys.user.as_ref().and_then(StateKey::user_subject),
+            // Only a turn with a receipt needs it.
+            subject: incoming
+                .id()
+                .and(keys.user.as_ref())
+                .and_then(StateKey::user_subject),
             keys,
             deadline,
             drafts,
