@@ -635,10 +635,12 @@ async fn sweep_expired(store: Arc<dyn Store>, every: Duration) {
     }
 }
 
-/// Deletes receipts older than `retention`, a few times per retention period (at most every five
-/// minutes), off the turns' path. Every replica prunes; the store lets them share the work.
+/// Removes receipts older than `retention`, eight times per retention period (at most every five
+/// minutes), off the turns' path: PostgreSQL's slots can be emptied during a quarter of it
+/// (`store::postgres::receipts`), so each gets two passes at least. Every replica prunes; the
+/// store lets them share the work.
 async fn prune_receipts(store: Arc<dyn Store>, retention: Duration) {
-    let period = (retention / 4).clamp(Duration::from_secs(1), Duration::from_secs(300));
+    let period = (retention / 8).clamp(Duration::from_secs(1), Duration::from_secs(300));
     let mut ticks = tokio::time::interval(period);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

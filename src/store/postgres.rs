@@ -41,6 +41,7 @@ pub mod hold;
 mod jsonb;
 mod layout;
 mod lock;
+mod receipts;
 pub mod schema;
 pub mod tls;
 mod url;
@@ -68,7 +69,10 @@ const LOAD: Sql = Sql {
            SELECT 2::int2, k, NULL, t.version, NULL FROM unnest($1::text[]) AS k \
              JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k) \
            UNION ALL \
-           SELECT 1::int2, key, payload, 0, NULL FROM turnstile_receipt WHERE key = $2",
+           SELECT 1::int2, key, payload, 0, NULL FROM ( \
+             SELECT key, payload FROM turnstile_receipt WHERE key = $2 \
+             UNION ALL \
+             SELECT key, payload FROM turnstile_receipt_legacy WHERE key = $2 LIMIT 1) r",
     types: &[Type::TEXT_ARRAY, Type::TEXT],
 };
 /// [`LOAD`] for a turn holding its conversation lock, which also locks the conversation's row
@@ -86,7 +90,10 @@ const LOAD_HOLDING: Sql = Sql {
            SELECT 2::int2, k, NULL, t.version, NULL FROM unnest($1::text[]) AS k \
              JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k) \
            UNION ALL \
-           SELECT 1::int2, key, payload, 0, NULL FROM turnstile_receipt WHERE key = $2",
+           SELECT 1::int2, key, payload, 0, NULL FROM ( \
+             SELECT key, payload FROM turnstile_receipt WHERE key = $2 \
+             UNION ALL \
+             SELECT key, payload FROM turnstile_receipt_legacy WHERE key = $2 LIMIT 1) r",
     types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
 };
 /// What a row of [`LOAD`] is: a state row.
@@ -110,10 +117,10 @@ const COMMIT: Sql = Sql {
 const COMMIT_WITH_RECEIPTS: Sql = Sql {
     text: "WITH c AS (SELECT conflict_key, versions FROM turnstile_commit($1, $2, $3, $4, $5)), \
                 also AS ( \
-             INSERT INTO turnstile_receipt (key, payload) \
-             SELECT r.key, r.payload FROM unnest($6::text[], $7::jsonb[]) AS r(key, payload), c \
-              WHERE c.conflict_key IS NULL \
-             ON CONFLICT (key) DO NOTHING) \
+             INSERT INTO turnstile_receipt (slot, key, payload) \
+             SELECT unnest(turnstile_receipt_slots(r.key, true)), r.key, r.payload \
+               FROM unnest($6::text[], $7::jsonb[]) AS r(key, payload), c \
+              WHERE c.conflict_key IS NULL) \
            SELECT conflict_key, versions FROM c",
     types: &[
         Type::TEXT_ARRAY,
@@ -133,12 +140,19 @@ const INSPECT: Sql = Sql {
 };
 /// The newest `$2` receipts whose keys start with `$1` (a conversation's receipts' prefix), with
 /// when each was written: found by the conversation's index (`migrations/V4__erasure.sql`), then
-/// by the prefix (the bot).
+/// by the prefix (the bot); each once (a receipt may be in two slots,
+/// `migrations/V5__receipt_slots.sql`).
 const INSPECT_RECEIPTS: Sql = Sql {
-    text: "SELECT key, payload, extract(epoch FROM created_at)::float8 \
-             FROM turnstile_receipt \
-            WHERE turnstile_key_conversation(key) = turnstile_key_conversation($1) \
-              AND starts_with(key, $1) \
+    text: "SELECT key, payload, extract(epoch FROM created_at)::float8 FROM ( \
+             SELECT DISTINCT ON (key) key, payload, created_at FROM ( \
+               SELECT key, payload, created_at FROM turnstile_receipt \
+                WHERE turnstile_key_conversation(key) = turnstile_key_conversation($1) \
+                  AND starts_with(key, $1) \
+               UNION ALL \
+               SELECT key, payload, created_at FROM turnstile_receipt_legacy \
+                WHERE turnstile_key_conversation(key) = turnstile_key_conversation($1) \
+                  AND starts_with(key, $1)) r \
+             ORDER BY key, created_at) d \
             ORDER BY created_at DESC, key LIMIT $2",
     types: &[Type::TEXT, Type::INT8],
 };
@@ -170,10 +184,15 @@ macro_rules! erase {
                       erased_at = excluded.erased_at), \
              receipts AS (DELETE FROM turnstile_receipt WHERE ",
             $receipts,
-            " RETURNING 1) \
+            " RETURNING key), \
+             legacy AS (DELETE FROM turnstile_receipt_legacy WHERE ",
+            $receipts,
+            " RETURNING key) \
              SELECT coalesce((SELECT array_agg(key ORDER BY key) FROM gone), '{}'), \
                     coalesce((SELECT array_agg(version ORDER BY key) FROM gone), '{}'), \
-                    (SELECT count(*) FROM receipts), extract(epoch FROM now())::float8"
+                    (SELECT count(DISTINCT key) FROM \
+                       (SELECT key FROM receipts UNION ALL SELECT key FROM legacy) r), \
+                    extract(epoch FROM now())::float8"
         )
     };
 }
@@ -233,16 +252,9 @@ const SWEEP: Sql = Sql {
     ],
 };
 /// The receipt table's primary key: violating it means the activity has committed already.
+/// `turnstile_receipt_slots` raises it by this name; each slot's own is `turnstile_receipt_N_pkey`
+/// (`migrations/V5__receipt_slots.sql`).
 const RECEIPT_KEY_CONSTRAINT: &str = "turnstile_receipt_pkey";
-/// Deletes one batch of old receipts. Small batches keep each delete short, and SKIP LOCKED lets
-/// replicas pruning at the same time share the work instead of queueing on each other.
-const PRUNE: Sql = Sql {
-    text: "DELETE FROM turnstile_receipt WHERE ctid IN ( \
-             SELECT ctid FROM turnstile_receipt \
-              WHERE created_at < now() - make_interval(secs => $1) \
-              LIMIT 1000 FOR UPDATE SKIP LOCKED)",
-    types: &[Type::FLOAT8],
-};
 const PRUNE_BATCH: u64 = 1000;
 /// Deletes one batch of tombstones older than a day (`migrations/V4__erasure.sql`): no turn
 /// lives that long, nor does a cached guess (`cached::MAX_GUESS_AGE`).
@@ -997,18 +1009,8 @@ impl Store for PostgresStore {
     #[tracing::instrument(level = "debug", skip_all)]
     async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
         self.schema.admit()?;
+        let pruned = receipts::prune(self, age).await?;
         let client = self.client().await?;
-        let mut pruned = 0;
-        loop {
-            let deleted = PRUNE
-                .execute(&client, self.statements, &[&age.as_secs_f64()])
-                .await
-                .map_err(classify)?;
-            pruned += deleted;
-            if deleted < PRUNE_BATCH {
-                break;
-            }
-        }
         // Tombstones, on the same schedule: few, and usually none.
         while PRUNE_TOMBSTONES
             .execute(&client, self.statements, &[])
@@ -1306,7 +1308,14 @@ fn taken_receipt<'a>(
 
 /// Whether `db` says the receipt being created exists already.
 fn is_receipt_taken(db: &tokio_postgres::error::DbError) -> bool {
-    *db.code() == SqlState::UNIQUE_VIOLATION && db.constraint() == Some(RECEIPT_KEY_CONSTRAINT)
+    *db.code() == SqlState::UNIQUE_VIOLATION
+        && db.constraint().is_some_and(|name| {
+            name == RECEIPT_KEY_CONSTRAINT
+                || name
+                    .strip_prefix("turnstile_receipt_")
+                    .and_then(|rest| rest.strip_suffix("_pkey"))
+                    .is_some_and(|slot| slot.bytes().all(|b| b.is_ascii_digit()))
+        })
 }
 
 /// The conflict a failed commit reports: the receipt's key when it exists already, else the key

@@ -53,9 +53,9 @@ pub const BUILD_INFO: &str = "turnstile_build_info";
 /// Turns refused before they started, by `reason` as in the refusal's `ErrorInfo`
 /// (`OVERLOADED`: past `--max-in-flight`; `SHUTTING_DOWN`: draining).
 pub const REFUSALS: &str = "turnstile_refusals_total";
-/// Expired receipts deleted by the pruner.
+/// Expired receipts removed by the pruner, a slot at a time (`store::postgres::receipts`).
 pub const RECEIPTS_PRUNED: &str = "turnstile_receipts_pruned_total";
-/// When (Unix seconds) a pruning pass last left no expired receipt behind. Far behind `time()`,
+/// When (Unix seconds) a pruning pass last finished with every step done. Far behind `time()`,
 /// expired receipts pile up: pruning fails or cannot keep up.
 pub const RECEIPTS_PRUNED_AT: &str = "turnstile_receipts_pruned_timestamp_seconds";
 /// State rows deleted by the expiry sweep, once unwritten past their scope's time to live.

@@ -112,7 +112,11 @@ async fn mentions(url: &str, needle: &str) -> i64 {
     let db = support::pg::session(url).await;
     let pattern = format!("%{needle}%");
     let mut total = 0;
-    for table in ["turnstile_state", "turnstile_receipt"] {
+    for table in [
+        "turnstile_state",
+        "turnstile_receipt",
+        "turnstile_receipt_legacy",
+    ] {
         let n: i64 = db
             .query_one(
                 &format!("SELECT count(*) FROM {table} t WHERE t::text LIKE $1"),

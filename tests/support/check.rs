@@ -86,7 +86,8 @@ pub async fn receipts(database_url: &str) -> HashMap<String, Option<u64>> {
     let client = super::pg::session(database_url).await;
     let rows = client
         .query(
-            "SELECT key, payload FROM turnstile_receipt WHERE key LIKE $1",
+            "SELECT DISTINCT key, payload FROM (SELECT key, payload FROM turnstile_receipt \
+             UNION ALL SELECT key, payload FROM turnstile_receipt_legacy) r WHERE key LIKE $1",
             &[&format!("{BOT}/%")],
         )
         .await

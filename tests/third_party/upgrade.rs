@@ -494,7 +494,8 @@ async fn prove_held(url: &str, acks: &[HeldAck]) -> Vec<String> {
         .collect();
     let receipts: HashMap<String, Option<u64>> = db
         .query(
-            "SELECT key, payload FROM turnstile_receipt WHERE key LIKE $1",
+            "SELECT DISTINCT key, payload FROM (SELECT key, payload FROM turnstile_receipt \
+             UNION ALL SELECT key, payload FROM turnstile_receipt_legacy) r WHERE key LIKE $1",
             &[&format!("{HELD_BOT}/%")],
         )
         .await
@@ -889,7 +890,8 @@ async fn erased_rows(url: &str, id: &str) -> String {
         });
     let receipt = db
         .query_opt(
-            "SELECT payload::text FROM turnstile_receipt WHERE key = $1",
+            "SELECT DISTINCT payload::text FROM (SELECT key, payload FROM turnstile_receipt \
+             UNION ALL SELECT key, payload FROM turnstile_receipt_legacy) r WHERE key = $1",
             &[&format!("{ERASED_KEY}/activities/{id}")],
         )
         .await

@@ -53,21 +53,23 @@ const MAX_BATCH: usize = 64;
 
 /// One written key and the turn's receipt as one plain statement. `$write` is the write: a
 /// data-modifying statement that returns the key's new version, or no row when the key moved. The
-/// receipt (parameters `$receipt_key`, `$receipt`, both NULL for a turn without one) is inserted
-/// only when the write returned a row; one that exists already (the same activity committed
-/// meanwhile) is a unique violation, which undoes the write with it.
+/// receipt (parameters `$receipt_key`, `$receipt`, both NULL for a turn without one) is inserted,
+/// in the slots `turnstile_receipt_slots` names, only when the write returned a row; one that
+/// exists already (the same activity committed meanwhile) is a unique violation, which undoes the
+/// write with it (`migrations/V5__receipt_slots.sql`).
 macro_rules! write_one {
     ($write:literal, $receipt_key:literal, $receipt:literal) => {
         concat!(
             "WITH written AS (",
             $write,
-            "), receipt AS (INSERT INTO turnstile_receipt (key, payload) SELECT ",
+            "), receipt AS (INSERT INTO turnstile_receipt (slot, key, payload) \
+               SELECT unnest(turnstile_receipt_slots(",
+            $receipt_key,
+            "::text)), ",
             $receipt_key,
             "::text, ",
             $receipt,
-            "::jsonb FROM written WHERE ",
-            $receipt_key,
-            "::text IS NOT NULL) SELECT version FROM written"
+            "::jsonb FROM written) SELECT version FROM written"
         )
     };
 }
@@ -131,8 +133,9 @@ WITH input AS ( \
   UNION ALL \
   SELECT i.ord, c.version FROM created c JOIN input i ON i.key = c.key AND i.expected < 0 \
 ), receipt AS ( \
-  INSERT INTO turnstile_receipt (key, payload) \
-  SELECT i.receipt_key, i.receipt FROM written w JOIN input i USING (ord) \
+  INSERT INTO turnstile_receipt (slot, key, payload) \
+  SELECT unnest(turnstile_receipt_slots(i.receipt_key)), i.receipt_key, i.receipt \
+    FROM written w JOIN input i USING (ord) \
    WHERE i.receipt_key IS NOT NULL \
 ) \
 SELECT ord, version FROM written";

@@ -20,27 +20,44 @@ use tokio_postgres::Client;
 
 use super::Schema;
 
-/// The tables Turnstile creates, besides its 1,024 lock tables.
-const TABLES: [&str; 4] = [
+/// The tables Turnstile creates, besides its 1,024 lock tables: those of 0.1.0 first, which its
+/// replicas use by these names ([`OLDER_RELEASE`]), then those of later migrations, which a
+/// database laid out in `public` by a release after 0.1.0 (`--database-schema public`) has.
+const TABLES: [&str; 10] = [
     "turnstile_state",
     "turnstile_receipt",
     "turnstile_tombstone",
     "refinery_schema_history",
+    "turnstile_receipt_legacy",
+    "turnstile_receipt_clock",
+    "turnstile_receipt_0",
+    "turnstile_receipt_1",
+    "turnstile_receipt_2",
+    "turnstile_receipt_3",
 ];
 
+/// The tables an older release's replicas use, by these names, besides the lock tables.
+const OLDER_RELEASE: [&str; 2] = ["turnstile_state", "turnstile_receipt"];
+
 /// Its functions, with their arguments.
-const FUNCTIONS: [&str; 5] = [
+const FUNCTIONS: [&str; 7] = [
     "turnstile_commit(text[], bigint[], jsonb[], text, jsonb)",
     "turnstile_state_created()",
     "turnstile_key_hash(text)",
     "turnstile_key_conversation(text)",
     "turnstile_key_user(text)",
+    "turnstile_receipt_slot(timestamptz)",
+    "turnstile_receipt_slots(text, boolean)",
 ];
 
-/// Its functions that read tables, whose names they must find whoever calls them.
-const READING: [&str; 2] = [
+/// Its functions that read tables, whose names they must find whoever calls them. Not
+/// `turnstile_receipt_slots`, called at every commit: a function's own `search_path` costs each
+/// call a change of setting and back; its callers (this release's statements, and the functions
+/// here) have the schema on theirs.
+const READING: [&str; 3] = [
     "turnstile_commit(text[], bigint[], jsonb[], text, jsonb)",
     "turnstile_state_created()",
+    "turnstile_receipt_slot(timestamptz)",
 ];
 
 /// Prepares `schema` before the migrations run: creates it, adopts a database laid out in
@@ -133,14 +150,13 @@ fn adoption(schema: &Schema) -> String {
              END $$;\n"
         ));
     }
-    // What an older replica uses, by the names it uses: not the tombstones (new), nor the history
-    // (an older release that migrates on start refuses this database's newer migrations anyway).
-    for table in tables.iter().filter(|t| {
-        !matches!(
-            t.as_str(),
-            "refinery_schema_history" | "turnstile_tombstone"
-        )
-    }) {
+    // What an older replica uses, by the names it uses: not the tables it never had, nor the
+    // history (an older release that migrates on start refuses this database's newer migrations
+    // anyway).
+    for table in tables
+        .iter()
+        .filter(|t| t.starts_with("turnstile_lock_") || OLDER_RELEASE.contains(&t.as_str()))
+    {
         sql.push_str(&format!(
             "CREATE VIEW public.{table} AS SELECT * FROM {schema}.{table};\n"
         ));
@@ -162,7 +178,7 @@ pub(super) fn compat_removal() -> String {
     let mut sql = String::from(
         "DROP FUNCTION IF EXISTS public.turnstile_commit(text[], bigint[], jsonb[], text, jsonb);\n",
     );
-    let mut tables: Vec<String> = TABLES[..2].iter().map(|t| (*t).to_owned()).collect();
+    let mut tables: Vec<String> = OLDER_RELEASE.iter().map(|t| (*t).to_owned()).collect();
     tables.extend((0..1024).map(|i| format!("turnstile_lock_{i:04}")));
     for table in tables {
         // Views only: a table of that name is an application's, or a release's that never
@@ -174,5 +190,7 @@ pub(super) fn compat_removal() -> String {
              END $$;\n"
         ));
     }
+    // What V5 added for the views' inserts (`migrations/V5__receipt_slots.sql`), gone with them.
+    sql.push_str("DROP FUNCTION IF EXISTS turnstile_receipt_compat_insert();\n");
     sql
 }
