@@ -371,6 +371,34 @@ async fn two_replicas_through_pgbouncer_in_transaction_mode_are_exact_without_pr
         _ => None,
     });
     assert_eq!(shown.as_deref(), Some("8s"));
+
+    // Receipts are emptied a slot at a time through the pooler too: the detach (two
+    // transactions of its own), the truncate and the attach, each one statement.
+    let store = turnstile::store::postgres::PostgresStore::connect_with(
+        &DatabaseUrl::new(&pooled),
+        2,
+        Statements::Unprepared,
+    )
+    .unwrap();
+    let receipts = || async {
+        let n: i64 = check
+            .query_one("SELECT count(*) FROM turnstile.turnstile_receipt", &[])
+            .await
+            .unwrap()
+            .get(0);
+        n
+    };
+    assert!(receipts().await > 0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut pruned = 0;
+    while receipts().await > 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        pruned += turnstile::store::Store::prune_receipts(&store, Duration::from_millis(10))
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", bouncer.log()));
+    }
+    assert_eq!(receipts().await, 0, "the slots were not emptied");
+    assert!(pruned > 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
