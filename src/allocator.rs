@@ -6,7 +6,7 @@
 //! allocation through `mi_malloc_aligned`, whose fast path only takes a block that happens to
 //! be aligned already and whose slow path over-allocates, for the alignment of 1 to 16 that
 //! nearly every Rust allocation asks for and that plain `mi_malloc` always gives. Routing
-//! those to `mi_malloc` saved 2,800 of a turn's 93,600 instructions (`bench/RESULTS.md`).
+//! those to `mi_malloc` saved 3 % of a turn's instructions (`bench/RESULTS.md`).
 //!
 //! This is the crate's only `unsafe` code (the lint denies it everywhere else): implementing
 //! `GlobalAlloc` cannot be done without it. The rule is `System`'s on Unix: a layout whose

@@ -338,8 +338,8 @@ impl Fields for Writer {
 /// Writes one JSON object's text through a serializer: the typed fields that are set, then the
 /// `properties` entries that no typed field wrote (the same members as [`Writer`]'s object, in
 /// another order), without building a [`Value`] first. Why: a turn's receipt is JSON text of its
-/// replies, and building it as a `Value` only to write and drop it cost about 5,500 instructions
-/// per turn (`bench/RESULTS.md`).
+/// replies, and building it as a `Value` only to write and drop it cost every turn
+/// (`bench/RESULTS.md`).
 struct Stream<M: SerializeMap> {
     map: M,
     /// The names written, kept only when `properties` has entries they could shadow.
@@ -431,8 +431,8 @@ impl<M: SerializeMap> Fields for Stream<M> {
 /// Writes one JSON object's text straight into a string, as serde_json would write it through
 /// [`Stream`] (the same members in the same order, the same escapes and numbers), but with
 /// strings that need no escaping copied whole ([`scan::needs_escape`]). Why: a turn's receipt is
-/// the JSON text of its replies, and serde_json's string escaping, a byte at a time, was about
-/// 2,400 of a turn's instructions (`bench/RESULTS.md`).
+/// the JSON text of its replies, and serde_json's string escaping looks at a byte at a time
+/// (`bench/RESULTS.md`).
 struct Text<'a> {
     out: &'a mut String,
     /// Whether a member was written, so that the next one follows a comma.

@@ -2,7 +2,7 @@
 //! a vector block at a time.
 //!
 //! Why: every turn checks its ids for control characters and escapes them into four state keys,
-//! and a byte-at-a-time search cost about 1,000 instructions per turn (`bench/RESULTS.md`). Ids
+//! and a byte-at-a-time search showed in every turn's profile (`bench/RESULTS.md`). Ids
 //! are a few dozen bytes, too short for vector compares; a word at a time, with the classic
 //! zero-byte tests, they take a few instructions per 8 bytes. JSON strings (the state, the
 //! receipt's replies) are written by hand rather than by serde_json, which looks at every byte
@@ -51,7 +51,7 @@ pub(crate) fn any_word(bytes: &[u8], pad: u8, test: impl Fn(u64) -> u64) -> bool
 /// a word at a time; each whole 64-byte block of a longer one (a turn's padded state) is scanned
 /// without an early exit, which the compiler turns into 16-byte vector compares. Whole blocks
 /// (`chunks_exact`), not `chunks`: the compiler cannot unroll a block of unknown length, and the
-/// scan of a 1 KB string took 1,000 instructions rather than 740 (`bench/RESULTS.md`).
+/// scan of a 1 KB string took a third longer (`bench/RESULTS.md`).
 pub(crate) fn needs_escape(bytes: &[u8]) -> bool {
     let words = |bytes: &[u8]| {
         any_word(bytes, b'a', |w| {

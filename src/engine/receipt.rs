@@ -55,8 +55,8 @@ pub(super) fn encode(outcome: &TurnOutcome, user: Option<&str>) -> Receipt {
 }
 
 /// Appends `n` in decimal, the text `Display` (and serde_json) writes, by `itoa` (serde_json's own
-/// integer writer) rather than `write!`'s formatting machinery, which cost about 550 instructions
-/// per turn for these two numbers (`bench/RESULTS.md`).
+/// integer writer) rather than `write!`'s formatting machinery, which was dear for these two
+/// numbers (`bench/RESULTS.md`).
 fn push_decimal(out: &mut String, n: u64) {
     out.push_str(itoa::Buffer::new().format(n));
 }

@@ -44,8 +44,8 @@ where
 ///
 /// prost's `Message::encode` walks the whole message once to compute its length, only to check
 /// that the buffer has room for it, then again to write it; tonic's buffer always has room (it
-/// grows), so the first walk bought nothing: about 800 instructions per turn for the reply's
-/// activity (`bench/RESULTS.md`). `encode_raw` is the second walk alone.
+/// grows), so the first walk bought nothing but cost on every reply (`bench/RESULTS.md`, "the
+/// reply's encoding"). `encode_raw` is the second walk alone.
 #[derive(Debug)]
 pub struct StrictEncoder<T>(ProstEncoder<T>);
 

@@ -51,7 +51,7 @@ impl Deadlined {
     }
 
     /// Fails once the timer has fired, without registering for its wake-up: polling the timer at
-    /// every read and write took 500 instructions per call (`bench/RESULTS.md`). The wake-up is
+    /// every read and write cost every call (`bench/RESULTS.md`). The wake-up is
     /// registered by a read that has to wait, which every idle connection is in, and which then
     /// ends with the error.
     fn fired(&self) -> io::Result<()> {

@@ -30,7 +30,7 @@ pub type TurnEvents = Pin<Box<dyn Stream<Item = Result<pb::StreamTurnResponse, S
 #[derive(Debug, Clone)]
 pub struct TurnApi {
     /// Shared, not cloned per turn: an `Engine` clone copies its bot registry's maps, and its
-    /// drop frees them (3,600 instructions per turn, `bench/RESULTS.md`).
+    /// drop frees them, on every turn (`bench/RESULTS.md`).
     engine: Arc<Engine>,
     limits: Limits,
     drain: Arc<Drain>,

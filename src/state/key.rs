@@ -353,7 +353,7 @@ fn join(parts: &[&str]) -> String {
 
 fn escape_into(part: &str, out: &mut String) {
     // Almost no id holds a special: checked a word at a time first, such a part is copied whole
-    // (the byte-by-byte search below cost about 1,000 instructions per turn, `bench/RESULTS.md`).
+    // (the byte-by-byte search below showed in every turn's profile, `bench/RESULTS.md`).
     if !has_special(part.as_bytes()) {
         out.push_str(part);
         return;

@@ -42,8 +42,7 @@ pub use receipt::Receipt;
 /// foldhash (`quality`, seeded at random per process and map) rather than std's SipHash-1-3:
 /// these keys are conversation ids that callers choose, so the hash must be keyed, or a caller
 /// could send ids that all land in one bucket of the long-lived maps; a random seed is what
-/// foldhash gives, at a fraction of SipHash's cost for keys of this length (about 5,000 of a
-/// turn's instructions went to SipHash, `bench/RESULTS.md`). A [`StateKey`] hands it the hash
+/// foldhash gives, at a fraction of SipHash's cost for keys of this length (`bench/RESULTS.md`). A [`StateKey`] hands it the hash
 /// of its text that it took when it was made, itself keyed at random per process.
 pub type KeyHasher = foldhash::quality::RandomState;
 

@@ -800,7 +800,7 @@ impl Store for PostgresStore {
         self.schema.admit()?;
         // Each commit's future boxed where it is made: unboxed, it made this future kilobytes
         // large, and the timeout, the span wrapper and `async_trait`'s box each copied it whole
-        // (about 1,700 instructions per turn, `bench/RESULTS.md`).
+        // (`bench/RESULTS.md`).
         match SingleWrite::try_from(commit) {
             // Within `CALL_TIMEOUT` too, by timers the group commit sets per batch rather
             // than one per commit (`GroupCommit::commit`).

@@ -2,8 +2,7 @@
 //!
 //! Why text and not a `serde_json::Value`: every committed turn of an activity with an id writes a
 //! receipt, and almost none is ever read back (only a redelivery reads it). Building it as a
-//! `Value`, writing that as jsonb and dropping it cost about 5,500 instructions per turn
-//! (`bench/RESULTS.md`); as text it is written once, straight from the turn's replies, and sent to
+//! `Value`, writing that as jsonb and dropping it cost every turn (`bench/RESULTS.md`); as text it is written once, straight from the turn's replies, and sent to
 //! PostgreSQL as it is. Its reader (`engine::receipt`) parses it only on the redelivery path.
 
 use std::fmt;

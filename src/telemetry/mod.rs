@@ -5,8 +5,8 @@
 //!
 //! A turn's spans (the RPC, the handler, the turn, each attempt, the store calls) are at DEBUG: at
 //! the log filter a deployment runs (`info`), nothing records them, and a span nobody records
-//! costs a static check instead of its creation and the formatting of its fields — a third of a
-//! turn's instructions (`bench/RESULTS.md`). Trace export gets them through a filter of its own
+//! costs a static check instead of its creation and the formatting of its fields — a large share
+//! of a turn (`bench/RESULTS.md`). Trace export gets them through a filter of its own
 //! ([`traces_filter`]), so that exporting traces does not mean logging at DEBUG.
 
 pub mod metrics;

@@ -275,8 +275,8 @@ impl GroupCommit {
     ///
     /// A queued commit waits for its answer without a timer of its own: the committer answers
     /// it by its deadline, timing the wait for a slot and each statement to the earliest
-    /// deadline it serves. A timer per commit, set and cancelled, was about 550 instructions
-    /// per turn (`bench/RESULTS.md`).
+    /// deadline it serves. A timer per commit, set and cancelled, cost every turn
+    /// (`bench/RESULTS.md`).
     pub async fn commit(&self, write: SingleWrite) -> Result<CommitOutcome, StoreError> {
         let shared = &self.shared;
         let queue = self.queue();

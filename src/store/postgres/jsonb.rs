@@ -2,8 +2,8 @@
 //! writes, but with strings that need no escaping copied whole.
 //!
 //! Why: a turn's state is written back on every commit, and serde_json looks at every byte of
-//! every string, one at a time, to find the few it must escape. For the benchmark's 1 KB state
-//! that was 8 % of the server's instructions per turn (callgrind, `bench/RESULTS.md`). Here a
+//! every string, one at a time, to find the few it must escape: with the benchmark's 1 KB state,
+//! a large share of the server's work per turn (callgrind, `bench/RESULTS.md`). Here a
 //! string is first checked for such bytes a block at a time; one with nothing to escape — almost every
 //! string a bot stores — is copied as it is, and any other is left to serde_json. Numbers are
 //! always serde_json's, so the text is exactly what `tokio_postgres::types::Json` would send.
