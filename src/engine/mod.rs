@@ -1658,6 +1658,20 @@ mod tests {
         async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
             self.inner.prune_receipts(age).await
         }
+        async fn lease_conversation(
+            &self,
+            conversation: &StateKey,
+            keys: &[StateKey],
+            receipt: Option<&StateKey>,
+            wait: Duration,
+        ) -> Result<crate::store::ConversationLease, StoreError> {
+            self.inner
+                .lease_conversation(conversation, keys, receipt, wait)
+                .await
+        }
+        fn pool_status(&self) -> Option<crate::store::PoolStatus> {
+            self.inner.pool_status()
+        }
         async fn lock_conversation(
             &self,
             conversation: &StateKey,

@@ -435,6 +435,21 @@ impl Store for MemoryStore {
         Ok(())
     }
 
+    /// One process, no other replica to hold a conversation against.
+    async fn lease_conversation(
+        &self,
+        _conversation: &StateKey,
+        _keys: &[StateKey],
+        _receipt: Option<&StateKey>,
+        _wait: Duration,
+    ) -> Result<super::ConversationLease, StoreError> {
+        Ok(super::ConversationLease::NotOffered)
+    }
+
+    fn pool_status(&self) -> Option<super::PoolStatus> {
+        None
+    }
+
     async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
         let mut tables = self.tables();
         let before = tables.receipts.len();

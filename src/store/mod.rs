@@ -556,7 +556,8 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// A store that serves one replica, or that cannot keep a lease (behind a transaction-mode
     /// pooler), offers none: [`ConversationLease::NotOffered`], and the caller locks turn by
-    /// turn.
+    /// turn. Required, like [`Store::pool_status`], with no default: a wrapper (a cache, a
+    /// timer) must forward it, or it would switch leases off without a word.
     ///
     /// # Errors
     /// [`StoreError`] when the store cannot answer; a lease not granted in time is
@@ -567,15 +568,11 @@ pub trait Store: Send + Sync + 'static {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         wait: std::time::Duration,
-    ) -> Result<ConversationLease, StoreError> {
-        let _ = (conversation, keys, receipt, wait);
-        Ok(ConversationLease::NotOffered)
-    }
+    ) -> Result<ConversationLease, StoreError>;
 
-    /// The connection pool's occupancy, for stores that pool connections.
-    fn pool_status(&self) -> Option<PoolStatus> {
-        None
-    }
+    /// The connection pool's occupancy, for stores that pool connections; `None` for one that
+    /// does not.
+    fn pool_status(&self) -> Option<PoolStatus>;
 }
 
 /// How a store's connection pool is used right now.

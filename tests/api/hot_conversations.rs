@@ -555,6 +555,10 @@ impl Store for CountingHolds {
             .lease_conversation(conversation, keys, receipt, wait)
             .await
     }
+
+    fn pool_status(&self) -> Option<turnstile::store::PoolStatus> {
+        Store::pool_status(&self.inner)
+    }
 }
 
 /// Turns of a hot conversation queued on one replica run on one lease, each once, rather than
