@@ -6,8 +6,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{ArgAction, Args, Parser, Subcommand};
+use secrecy::SecretString;
 
-use crate::bots::remote::{RemoteBotSpec, RemoteBots, WorkerToken};
+use crate::bots::remote::{RemoteBotSpec, RemoteBots};
 use crate::engine::RetryPolicy;
 use crate::grpc::auth::{self, Token};
 use crate::grpc::limits::Limits;
@@ -675,7 +676,7 @@ impl ServeArgs {
             connections: self.connections(),
             remote_bots: RemoteBots {
                 bots: self.remote_bots.clone(),
-                token: self.remote_bot_token.clone().map(WorkerToken::new),
+                token: self.remote_bot_token.clone().map(SecretString::from),
                 ca: self.remote_bot_ca.clone(),
             },
             serialized_bots: self

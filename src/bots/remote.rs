@@ -34,6 +34,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use secrecy::{ExposeSecret as _, SecretString};
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::metadata::{Ascii, MetadataValue};
@@ -133,31 +134,15 @@ impl RemoteBotSpec {
     }
 }
 
-/// The bearer token sent to workers as `authorization: Bearer <token>`; `Debug` hides it.
-#[derive(Clone)]
-pub struct WorkerToken(String);
-
-impl WorkerToken {
-    /// Wraps a token.
-    pub fn new(token: impl Into<String>) -> Self {
-        Self(token.into())
-    }
-}
-
-impl fmt::Debug for WorkerToken {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("WorkerToken(<redacted>)")
-    }
-}
-
 /// The remote bots a server hosts besides its in-process ones, and how it reaches their workers.
 #[derive(Debug, Clone, Default)]
 pub struct RemoteBots {
     /// The bots, by name and worker address. A remote bot replaces an in-process bot of the same
     /// name.
     pub bots: Vec<RemoteBotSpec>,
-    /// The bearer token sent to every worker, if any.
-    pub token: Option<WorkerToken>,
+    /// The bearer token sent to every worker as `authorization: Bearer <token>`, if any; a
+    /// [`SecretString`], so that printing the configuration shows `[REDACTED]`.
+    pub token: Option<SecretString>,
     /// The CA certificate(s), PEM, that `https` workers' certificates must chain to.
     pub ca: Option<PathBuf>,
 }
@@ -210,11 +195,14 @@ impl RemoteBots {
             None => None,
         };
         let authorization = match &self.token {
-            Some(token) => Some(
-                format!("Bearer {}", token.0)
+            Some(token) => {
+                let mut value = format!("Bearer {}", token.expose_secret())
                     .parse::<MetadataValue<Ascii>>()
-                    .map_err(|_| RemoteBotsError::Token)?,
-            ),
+                    .map_err(|_| RemoteBotsError::Token)?;
+                // So that `RemoteBot`'s `Debug` (and the HTTP/2 header table) leave it out.
+                value.set_sensitive(true);
+                Some(value)
+            }
             None => None,
         };
         for spec in &self.bots {
@@ -699,6 +687,15 @@ mod tests {
             let err = bad.parse::<RemoteBotSpec>().expect_err(bad);
             assert!(err.to_string().contains(bad.trim()), "{err}");
         }
+    }
+
+    #[test]
+    fn the_worker_token_is_never_printed() {
+        let bots = RemoteBots {
+            token: Some(SecretString::from("s3cret")),
+            ..RemoteBots::default()
+        };
+        assert!(!format!("{bots:?}").contains("s3cret"));
     }
 
     /// A message `id` saying `text` in conversation `c1`, from `u1`.

@@ -5,12 +5,13 @@
 //! the Agents Playground expect locally; [`GatewayArgs::config`] is where that choice is made,
 //! and `serve` warns about it loudly.
 
-use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
+use secrecy::{ExposeSecret as _, SecretString};
+use subtle::ConstantTimeEq as _;
 
 use crate::grpc::client::ClientTls;
 
@@ -239,27 +240,34 @@ pub enum AppType {
     SingleTenant,
 }
 
-/// A client secret; `Debug` never shows it.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
+/// A client secret, bearer token or Direct Line secret: a [`SecretString`], so that `Debug`
+/// shows `[REDACTED]` and the text is zeroed when dropped. Two secrets are equal when their
+/// bytes are, compared in constant time.
+#[derive(Debug, Clone)]
+pub struct Secret(SecretString);
 
 impl Secret {
     /// Wraps a secret.
     pub fn new(secret: impl Into<String>) -> Self {
-        Self(secret.into())
+        Self(SecretString::from(secret.into()))
     }
 
-    /// The secret itself, for the one request that sends it.
+    /// The secret itself, for the one request that sends it or the comparison that checks it.
     pub fn expose(&self) -> &str {
-        &self.0
+        self.0.expose_secret()
     }
 }
 
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(<redacted>)")
+impl PartialEq for Secret {
+    fn eq(&self, other: &Self) -> bool {
+        self.expose()
+            .as_bytes()
+            .ct_eq(other.expose().as_bytes())
+            .into()
     }
 }
+
+impl Eq for Secret {}
 
 /// The bot's identity and where channels' and its own tokens come from.
 #[derive(Debug, Clone)]

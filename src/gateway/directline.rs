@@ -49,9 +49,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
@@ -61,6 +60,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use subtle::ConstantTimeEq as _;
 use tokio::sync::{broadcast, watch};
+use tower_http::cors::{AllowHeaders, Any, CorsLayer};
 
 use super::config::Secret;
 use super::turns::{Shown, Turns};
@@ -878,7 +878,7 @@ pub(super) fn routes(direct_line: Arc<DirectLine>) -> Router {
             post(stop_activity),
         )
         .route("/v3/directline/conversations/{id}/stream", get(stream))
-        .layer(axum::middleware::from_fn(cors))
+        .layer(cors())
         .with_state(direct_line)
 }
 
@@ -1213,34 +1213,16 @@ async fn send_interim(socket: &mut WebSocket, interim: Value) -> bool {
 
 /// Lets pages on any origin call Direct Line, as the real service does: answers preflights and
 /// marks every answer readable cross-origin. Credentials travel in `Authorization`, never in
-/// cookies, so a wildcard origin gives a foreign page nothing it could not send itself.
-async fn cors(request: Request, next: Next) -> Response {
-    let mut response = if request.method() == Method::OPTIONS {
-        let mut preflight = StatusCode::NO_CONTENT.into_response();
-        let asked = request
-            .headers()
-            .get(header::ACCESS_CONTROL_REQUEST_HEADERS)
-            .cloned()
-            .unwrap_or_else(|| HeaderValue::from_static("authorization, content-type"));
-        let headers = preflight.headers_mut();
-        headers.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, asked);
-        headers.insert(
-            header::ACCESS_CONTROL_ALLOW_METHODS,
-            HeaderValue::from_static("GET, POST, OPTIONS"),
-        );
-        headers.insert(
-            header::ACCESS_CONTROL_MAX_AGE,
-            HeaderValue::from_static("86400"),
-        );
-        preflight
-    } else {
-        next.run(request).await
-    };
-    response.headers_mut().insert(
-        header::ACCESS_CONTROL_ALLOW_ORIGIN,
-        HeaderValue::from_static("*"),
-    );
-    response
+/// cookies, so a wildcard origin gives a foreign page nothing it could not send itself. A
+/// preflight's headers are allowed as asked, because a wildcard would not cover `Authorization`;
+/// a browser may keep the answer for a day. No `Vary`: every origin gets the same answer.
+fn cors() -> CorsLayer {
+    CorsLayer::new()
+        .allow_origin(Any)
+        .allow_methods([Method::GET, Method::POST, Method::OPTIONS])
+        .allow_headers(AllowHeaders::mirror_request())
+        .max_age(Duration::from_secs(24 * 60 * 60))
+        .vary([])
 }
 
 fn random_id(len: usize) -> String {
@@ -1257,29 +1239,10 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// `2026-11-23T13:25:00.123Z`: the UTC timestamp format activities carry.
+/// `2026-11-23T13:25:00.123Z`: the UTC timestamp format activities carry. A clock set before
+/// 1970 gives the epoch rather than a panic in a handler.
 fn rfc3339(at: SystemTime) -> String {
-    let since = at.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let secs = since.as_secs();
-    let days = i64::try_from(secs / 86_400).unwrap_or(0);
-    let rem = secs % 86_400;
-    // Howard Hinnant's days-to-civil.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem / 60 % 60,
-        rem % 60,
-        since.subsec_millis()
-    )
+    humantime::format_rfc3339_millis(at.max(UNIX_EPOCH)).to_string()
 }
 
 #[cfg(test)]
@@ -1291,8 +1254,42 @@ mod tests {
         let at = UNIX_EPOCH + Duration::from_millis(1_795_958_700_123);
         assert_eq!(rfc3339(at), "2026-11-29T13:25:00.123Z");
         assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
-        let leap = UNIX_EPOCH + Duration::from_secs(951_782_400);
-        assert_eq!(rfc3339(leap), "2000-02-29T00:00:00.000Z");
+        let before = UNIX_EPOCH - Duration::from_secs(1);
+        assert_eq!(rfc3339(before), "1970-01-01T00:00:00.000Z");
+    }
+
+    #[tokio::test]
+    async fn pages_on_any_origin_may_call_direct_line() {
+        use tower::ServiceExt as _;
+
+        let config = super::super::GatewayConfig::development("http://127.0.0.1:9");
+        let dl = DirectLine::new(Vec::new(), Turns::new(&config).expect("client"), "");
+        let app = routes(Arc::new(dl));
+        let asked = "authorization,content-type,x-ms-bot-agent";
+        let preflight = axum::http::Request::options("/v3/directline/conversations")
+            .header(header::ORIGIN, "https://shop.example")
+            .header(header::ACCESS_CONTROL_REQUEST_METHOD, "POST")
+            .header(header::ACCESS_CONTROL_REQUEST_HEADERS, asked)
+            .body(axum::body::Body::empty())
+            .expect("request");
+        let answer = app.clone().oneshot(preflight).await.expect("answer");
+        assert!(answer.status().is_success(), "{}", answer.status());
+        let headers = answer.headers();
+        assert_eq!(headers[header::ACCESS_CONTROL_ALLOW_ORIGIN], "*");
+        assert_eq!(headers[header::ACCESS_CONTROL_ALLOW_HEADERS], asked);
+        assert_eq!(
+            headers[header::ACCESS_CONTROL_ALLOW_METHODS],
+            "GET,POST,OPTIONS"
+        );
+        assert_eq!(headers[header::ACCESS_CONTROL_MAX_AGE], "86400");
+
+        let start = axum::http::Request::post("/v3/directline/conversations")
+            .header(header::ORIGIN, "https://shop.example")
+            .body(axum::body::Body::empty())
+            .expect("request");
+        let answer = app.oneshot(start).await.expect("answer");
+        assert!(answer.status().is_success(), "{}", answer.status());
+        assert_eq!(answer.headers()[header::ACCESS_CONTROL_ALLOW_ORIGIN], "*");
     }
 
     #[tokio::test]

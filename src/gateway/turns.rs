@@ -316,5 +316,20 @@ fn retryable(code: Code) -> bool {
 }
 
 fn bearer(token: &Secret) -> Option<MetadataValue<Ascii>> {
-    format!("Bearer {}", token.expose()).parse().ok()
+    let mut value: MetadataValue<Ascii> = format!("Bearer {}", token.expose()).parse().ok()?;
+    // Marked sensitive: a `Debug` of the request (a log, a trace) shows no token.
+    value.set_sensitive(true);
+    Some(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_turn_token_is_never_printed() {
+        let header = bearer(&Secret::new("s3cret")).expect("a valid header");
+        assert!(header.is_sensitive());
+        assert!(!format!("{header:?}").contains("s3cret"));
+    }
 }

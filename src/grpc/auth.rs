@@ -2,38 +2,43 @@
 //!
 //! It is an interceptor on `TurnService` alone, so that health probes and reflection stay open to
 //! the platform that has no token. Tokens are compared in constant time (a timing difference
-//! would let a caller guess one byte at a time), and never printed: [`Token`]'s `Debug` hides it.
+//! would let a caller guess one byte at a time), and never printed: a [`Token`] holds its secret
+//! in a [`SecretString`], whose `Debug` shows `[REDACTED]` and which is zeroed when dropped.
 
 use std::path::Path;
 use std::sync::Arc;
 
+use secrecy::{ExposeSecret as _, SecretString};
 use subtle::ConstantTimeEq as _;
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
 
 use super::error::Refusal;
 
-/// A secret a caller presents as `authorization: Bearer <token>`.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Token(Vec<u8>);
+/// A secret a caller presents as `authorization: Bearer <token>`. Two tokens are equal when
+/// their bytes are, compared in constant time like a presented token.
+#[derive(Debug, Clone)]
+pub struct Token(SecretString);
 
 impl Token {
     /// Wraps a token.
     pub fn new(token: impl Into<String>) -> Self {
-        Self(token.into().into_bytes())
+        Self(SecretString::from(token.into()))
     }
 
-    /// The secret's bytes, for deriving keys from it; never for printing.
+    /// The secret's bytes, for comparing and deriving keys; never for printing.
     pub fn as_bytes(&self) -> &[u8] {
-        &self.0
+        self.0.expose_secret().as_bytes()
     }
 }
 
-impl std::fmt::Debug for Token {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Token(<redacted>)")
+impl PartialEq for Token {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_bytes().ct_eq(other.as_bytes()).into()
     }
 }
+
+impl Eq for Token {}
 
 /// Parses tokens from a list: one per line (a file) or comma-separated (an environment
 /// variable); blank entries and surrounding whitespace are ignored.
@@ -81,7 +86,7 @@ impl Authenticate {
             .tokens
             .iter()
             .fold(subtle::Choice::from(0), |found, token| {
-                found | token.0.as_slice().ct_eq(presented)
+                found | token.as_bytes().ct_eq(presented)
             });
         bool::from(found)
     }

@@ -7,20 +7,23 @@
 //! a password makes the rest of the password part of the host name (then a DNS error for
 //! `ss@db-host`), and `postgress://…` is read as key-value syntax. So the common mistakes are
 //! caught here first, by name, and the rest is left to tokio-postgres. No error repeats the
-//! string: it may hold a password.
+//! string: it may hold a password. For the same reason [`DatabaseUrl`] keeps it in a
+//! [`SecretString`], whose `Debug` shows `[REDACTED]`, and only [`DatabaseUrl::parse`] reads it.
 
 use std::ops::Range;
 use std::path::PathBuf;
 use std::str::FromStr as _;
+
+use secrecy::{ExposeSecret as _, SecretString};
 
 use super::tls::{self, TlsSettings};
 
 /// A PostgreSQL connection string (a URL or libpq's key-value form) as given on the command line
 /// or in the environment, and where to read its password from when it has none. It may hold a
 /// password: never printed.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct DatabaseUrl {
-    text: String,
+    text: SecretString,
     password_file: Option<PathBuf>,
     schema: Schema,
 }
@@ -74,17 +77,11 @@ impl std::fmt::Display for Schema {
     }
 }
 
-impl std::fmt::Debug for DatabaseUrl {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("DatabaseUrl(<redacted>)")
-    }
-}
-
 impl DatabaseUrl {
     /// Wraps a connection string as given; [`DatabaseUrl::parse`] says what is wrong with it.
     pub fn new(url: impl Into<String>) -> Self {
         Self {
-            text: url.into(),
+            text: SecretString::from(url.into()),
             password_file: None,
             schema: Schema::default(),
         }
@@ -120,7 +117,8 @@ impl DatabaseUrl {
     /// # Errors
     /// [`UrlError`], naming what is wrong without repeating the string.
     pub fn parse(&self) -> Result<ParsedUrl, UrlError> {
-        let (mut config, tls) = parse_with(&self.text, |name| std::env::var(name).ok())?;
+        let (mut config, tls) =
+            parse_with(self.text.expose_secret(), |name| std::env::var(name).ok())?;
         if let Some(path) = &self.password_file
             && config.get_password().is_none()
         {
