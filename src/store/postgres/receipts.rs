@@ -38,6 +38,24 @@ const SET_WIDTH: Sql = Sql {
     types: &[Type::FLOAT8],
 };
 
+/// One slot's row of [`STATUS`]: its number, whether it has a receipt, and whether it has one
+/// newer than the cutoff (the retention, `$1` seconds, back from now).
+macro_rules! slot_status {
+    ($n:literal, $table:literal) => {
+        concat!(
+            "SELECT ",
+            $n,
+            ", EXISTS (SELECT 1 FROM ",
+            $table,
+            "), \
+                    EXISTS (SELECT 1 FROM ",
+            $table,
+            " WHERE created_at > cutoff) \
+               FROM (SELECT statement_timestamp() - make_interval(secs => $1) AS cutoff) c"
+        )
+    };
+}
+
 /// Each slot (0 to 3) and the legacy table (4): whether it is attached to `turnstile_receipt`, a
 /// detach of it pending, its estimated rows, whether it has any, whether any is within the
 /// retention (`$1`, seconds), and whether it is written now (in the current slot, or in the one
@@ -45,26 +63,18 @@ const SET_WIDTH: Sql = Sql {
 /// minute (half a slot, if that is less): emptying a slot takes a few statements, each of which
 /// may wait up to the statement timeout.
 const STATUS: Sql = Sql {
-    text: "WITH t(n, has_rows, has_recent) AS ( \
-             SELECT 0, EXISTS (SELECT 1 FROM turnstile_receipt_0), \
-                    EXISTS (SELECT 1 FROM turnstile_receipt_0 WHERE created_at > cutoff) \
-               FROM (SELECT statement_timestamp() - make_interval(secs => $1) AS cutoff) c \
-             UNION ALL \
-             SELECT 1, EXISTS (SELECT 1 FROM turnstile_receipt_1), \
-                    EXISTS (SELECT 1 FROM turnstile_receipt_1 WHERE created_at > cutoff) \
-               FROM (SELECT statement_timestamp() - make_interval(secs => $1) AS cutoff) c \
-             UNION ALL \
-             SELECT 2, EXISTS (SELECT 1 FROM turnstile_receipt_2), \
-                    EXISTS (SELECT 1 FROM turnstile_receipt_2 WHERE created_at > cutoff) \
-               FROM (SELECT statement_timestamp() - make_interval(secs => $1) AS cutoff) c \
-             UNION ALL \
-             SELECT 3, EXISTS (SELECT 1 FROM turnstile_receipt_3), \
-                    EXISTS (SELECT 1 FROM turnstile_receipt_3 WHERE created_at > cutoff) \
-               FROM (SELECT statement_timestamp() - make_interval(secs => $1) AS cutoff) c \
-             UNION ALL \
-             SELECT 4, EXISTS (SELECT 1 FROM turnstile_receipt_legacy), \
-                    EXISTS (SELECT 1 FROM turnstile_receipt_legacy WHERE created_at > cutoff) \
-               FROM (SELECT statement_timestamp() - make_interval(secs => $1) AS cutoff) c), \
+    text: concat!(
+        "WITH t(n, has_rows, has_recent) AS (",
+        slot_status!("0", "turnstile_receipt_0"),
+        " UNION ALL ",
+        slot_status!("1", "turnstile_receipt_1"),
+        " UNION ALL ",
+        slot_status!("2", "turnstile_receipt_2"),
+        " UNION ALL ",
+        slot_status!("3", "turnstile_receipt_3"),
+        " UNION ALL ",
+        slot_status!("4", "turnstile_receipt_legacy"),
+        "), \
            clock AS (SELECT width_secs FROM turnstile_receipt_clock) \
            SELECT t.n::int2, i.inhrelid IS NOT NULL, coalesce(i.inhdetachpending, false), \
                   c.reltuples::float8, t.has_rows, t.has_recent, \
@@ -77,7 +87,8 @@ const STATUS: Sql = Sql {
              JOIN pg_class c ON c.oid = to_regclass(CASE WHEN t.n = 4 \
                   THEN 'turnstile_receipt_legacy' ELSE 'turnstile_receipt_' || t.n END) \
              LEFT JOIN pg_inherits i ON i.inhrelid = c.oid \
-            ORDER BY t.n",
+            ORDER BY t.n"
+    ),
     types: &[Type::FLOAT8],
 };
 
