@@ -15,6 +15,13 @@
 //! multiple of 16 (`MI_ALIGN2W` where `MI_MAX_ALIGN_SIZE` is 16, on 64-bit targets) and starts
 //! its pages aligned, so a block of `size` bytes is aligned to 16 or to `size`, whichever is
 //! less. The tests below check that for every size up to 4 KiB and every alignment up to 4 KiB.
+//!
+//! What the rule depends on, exactly: mimalloc built with `MI_MAX_ALIGN_SIZE` 16 (its default on
+//! 64-bit targets; `libmimalloc-sys` sets no other, and none of our features touches it), and its
+//! size classes rounding small blocks up in steps of that. A build that changed either (a
+//! `MI_MAX_ALIGN_SIZE` of 8, say) would fail those tests, not serve misaligned blocks unseen. What
+//! would retire this file: the `mimalloc` crate's `MiMalloc` choosing `mi_malloc` for these
+//! layouts itself, as `System` chooses `malloc`; then it is a one-line `#[global_allocator]`.
 #![allow(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout};
