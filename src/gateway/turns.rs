@@ -1,5 +1,6 @@
 //! The gateway's one call into Turnstile: `ProcessTurn` with the activity as the channel's JSON
-//! text, under a deadline, retried while the server says retrying may help; or, for a channel
+//! text, under a deadline, retried while the server says retrying may help (after as long as its
+//! `RetryInfo` asks, when it gives one, or a doubling backoff); or, for a channel
 //! that can show a reply while it is being written, `StreamTurn`, the same turn with its drafts
 //! passed to the caller as they come ([`Shown`]).
 //!
@@ -131,10 +132,13 @@ impl Turns {
                     metrics::turn(Code::Ok);
                     return Ok(response.into_inner());
                 }
-                Err(status) if retryable(status.code()) && remaining > backoff * 2 => {
+                Err(status)
+                    if retryable(status.code())
+                        && remaining > retry_delay(&status, backoff) * 2 =>
+                {
                     tracing::info!(code = ?status.code(), "turn not committed; retrying");
                     metrics::turn_retried(status.code());
-                    tokio::time::sleep(backoff).await;
+                    tokio::time::sleep(retry_delay(&status, backoff)).await;
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                 }
                 Err(status) => {
@@ -189,10 +193,13 @@ impl Turns {
                     metrics::turn(Code::Ok);
                     return Ok(response);
                 }
-                Err(status) if retryable(status.code()) && remaining > backoff * 2 => {
+                Err(status)
+                    if retryable(status.code())
+                        && remaining > retry_delay(&status, backoff) * 2 =>
+                {
                     tracing::info!(code = ?status.code(), "turn not committed; retrying");
                     metrics::turn_retried(status.code());
-                    tokio::time::sleep(backoff).await;
+                    tokio::time::sleep(retry_delay(&status, backoff)).await;
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                 }
                 Err(status) => {
@@ -307,6 +314,17 @@ pub fn is_busy(status: &Status) -> bool {
             .is_some_and(|info| info.reason == "CONVERSATION_BUSY")
 }
 
+/// How long to wait before sending the turn again: as long as the server's `RetryInfo` asks, when
+/// it gives one (an overloaded server says when it expects room), and never less than the
+/// doubling `backoff`.
+fn retry_delay(status: &Status, backoff: Duration) -> Duration {
+    use tonic_types::StatusExt as _;
+    status
+        .get_details_retry_info()
+        .and_then(|info| info.retry_delay)
+        .map_or(backoff, |asked| asked.max(backoff))
+}
+
 /// Whether the same activity may be sent again: the server committed nothing and says why.
 fn retryable(code: Code) -> bool {
     matches!(
@@ -325,6 +343,26 @@ fn bearer(token: &Secret) -> Option<MetadataValue<Ascii>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_retry_waits_as_long_as_the_server_asks() {
+        use tonic_types::{ErrorDetails, StatusExt as _};
+        let backoff = Duration::from_millis(50);
+        let plain = Status::unavailable("busy");
+        assert_eq!(retry_delay(&plain, backoff), backoff);
+        let asked = Status::with_error_details(
+            Code::ResourceExhausted,
+            "overloaded",
+            ErrorDetails::with_retry_info(Some(Duration::from_millis(700))),
+        );
+        assert_eq!(retry_delay(&asked, backoff), Duration::from_millis(700));
+        let sooner = Status::with_error_details(
+            Code::ResourceExhausted,
+            "overloaded",
+            ErrorDetails::with_retry_info(Some(Duration::from_millis(10))),
+        );
+        assert_eq!(retry_delay(&sooner, backoff), backoff);
+    }
 
     #[test]
     fn the_turn_token_is_never_printed() {
