@@ -533,6 +533,22 @@ pub async fn migrate(url: &DatabaseUrl) -> Result<usize, DatabaseError> {
     applied
 }
 
+/// How long a migration's statement waits for a table lock before its attempt is undone and tried
+/// again ([`migrate_on`]).
+const MIGRATION_LOCK_WAIT: Duration = Duration::from_millis(200);
+/// The pause between two attempts, and how many there are: about two minutes in all.
+const MIGRATION_RETRY_PAUSE: Duration = Duration::from_millis(300);
+const MIGRATION_ATTEMPTS: u32 = 240;
+
+/// Applies the migrations on `client`'s session, under the migration lock.
+///
+/// A migration that alters a table the serving replicas use (the move into the schema, V5's
+/// rename of the receipts) needs that table's exclusive lock, and waits for every transaction
+/// using it — a leased conversation's can last seconds. Waiting, it would queue every other
+/// turn's statement behind it, and an older replica reports a turn whose lock wait ran out as an
+/// internal error. So each statement waits at most [`MIGRATION_LOCK_WAIT`]; past that its
+/// migration is undone whole (each runs in a transaction, and each is written to run again), and
+/// tried again after a pause, while turns go on in between.
 async fn migrate_on(
     client: &mut tokio_postgres::Client,
     schema: &Schema,
@@ -544,6 +560,55 @@ async fn migrate_on(
             doing: "taking the migration lock",
             source,
         })?;
+    client
+        .batch_execute(&format!(
+            "SET lock_timeout = {}",
+            MIGRATION_LOCK_WAIT.as_millis()
+        ))
+        .await
+        .map_err(|source| DatabaseError::Session {
+            doing: "bounding the migration's lock waits",
+            source,
+        })?;
+    let mut attempt = 1;
+    loop {
+        match apply(client, schema).await {
+            Err(e) if waited_for_a_lock(&e) && attempt < MIGRATION_ATTEMPTS => {
+                if attempt == 1 {
+                    tracing::info!(
+                        "a migration waited for a table that running turns hold; trying again \
+                         between them"
+                    );
+                }
+                attempt += 1;
+                tokio::time::sleep(MIGRATION_RETRY_PAUSE).await;
+            }
+            applied => break applied,
+        }
+    }
+}
+
+/// Whether `e` is a lock wait that ran out ([`MIGRATION_LOCK_WAIT`]), anywhere in its chain.
+fn waited_for_a_lock(e: &DatabaseError) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(error) = cause {
+        if error
+            .downcast_ref::<tokio_postgres::Error>()
+            .and_then(tokio_postgres::Error::code)
+            == Some(&SqlState::LOCK_NOT_AVAILABLE)
+        {
+            return true;
+        }
+        cause = error.source();
+    }
+    false
+}
+
+/// One attempt of [`migrate_on`]: the move into the schema, the migrations, the settings.
+async fn apply(
+    client: &mut tokio_postgres::Client,
+    schema: &Schema,
+) -> Result<usize, DatabaseError> {
     let adopted =
         layout::prepare(client, schema)
             .await

@@ -64,7 +64,37 @@ async fn a_database_laid_out_in_public_moves_with_every_row_and_keeps_serving_ol
     server.stop().await.unwrap();
     assert!(relations(&url, "public", "r").await > 1000);
 
-    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
+    // An older replica's long transaction (a leased conversation's) holds the receipts while the
+    // migration starts. The migration waits for it between short attempts, and meanwhile the
+    // other replicas' statements are not queued behind it for longer than one attempt's wait.
+    let leased = support::pg::session(&url).await;
+    leased
+        .batch_execute("BEGIN; SELECT count(*) FROM public.turnstile_receipt")
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let migration = tokio::spawn({
+        let url = url.clone();
+        async move { postgres::migrate(&DatabaseUrl::new(&url)).await }
+    });
+    let other = support::pg::session(&url).await;
+    for _ in 0..10 {
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+        let asked = std::time::Instant::now();
+        other
+            .query_one("SELECT count(*) FROM public.turnstile_state", &[])
+            .await
+            .unwrap();
+        assert!(
+            asked.elapsed() < std::time::Duration::from_millis(1_000),
+            "a turn's statement waited {:?} behind the migration",
+            asked.elapsed()
+        );
+    }
+    assert!(!migration.is_finished(), "the migration did not wait");
+    leased.batch_execute("COMMIT").await.unwrap();
+    migration.await.unwrap().unwrap();
+    assert!(started.elapsed() >= std::time::Duration::from_millis(1_500));
     assert_eq!(relations(&url, "public", "r").await, 0, "every table moved");
     assert_eq!(relations(&url, "turnstile", "r").await, 1033);
 
