@@ -13,7 +13,6 @@ use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
-use super::drain::Drain;
 use super::limits::Limits;
 use super::pb;
 use super::pb::process_turn_request::Input;
@@ -22,6 +21,7 @@ use crate::activity::incoming::IncomingActivity;
 use crate::activity::incoming::InvalidActivity;
 use crate::drafts::{DRAFT_BUFFER, DraftEvent, DraftKind, Drafts};
 use crate::engine::{Engine, StopError, StopOutcome, TurnError, TurnOutcome};
+use crate::server::drain::Drain;
 
 /// The events of one `StreamTurn` call: drafts and resets, then the outcome or an error status.
 pub type TurnEvents = Pin<Box<dyn Stream<Item = Result<pb::StreamTurnResponse, Status>> + Send>>;

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use tokio::sync::Notify;
 
-use super::error::{Reason, Refusal};
+use crate::grpc::error::{Reason, Refusal};
 use crate::telemetry::metrics::REFUSALS;
 
 /// Shared between the handler and the server: whether we are draining, and the turns in flight.

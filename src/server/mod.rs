@@ -1,5 +1,16 @@
 //! Starting the service, the one way: `main` and every test call [`serve`] with a bound
 //! listener, so tests run exactly what production runs, on port 0.
+//!
+//! The gRPC plumbing only the server needs lives beside it: how calls reach the four services
+//! (`routes`), the size limit's status (`too_large`), connections ended at an age
+//! (`connection_age`), and the count of turns in flight that refuses past a limit and waits for
+//! them on shutdown (`drain`). What a call means — its parsing, its errors, the services
+//! themselves — is `crate::grpc`'s.
+
+pub(crate) mod connection_age;
+pub(crate) mod drain;
+pub(crate) mod routes;
+pub(crate) mod too_large;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -20,18 +31,18 @@ use crate::config::{Config, StoreConfig, TlsFiles};
 use crate::engine::Engine;
 use crate::grpc::admin::AdminApi;
 use crate::grpc::auth::{self, Authenticate};
-use crate::grpc::connection_age::Deadlined;
-use crate::grpc::drain::Drain;
 use crate::grpc::pb;
 use crate::grpc::pb::admin_service_server::AdminServiceServer;
 use crate::grpc::pb::turn_service_server::TurnServiceServer;
-use crate::grpc::routes::Services;
 use crate::grpc::service::TurnApi;
-use crate::grpc::too_large::TooLarge;
 use crate::store::Store;
 use crate::store::memory::MemoryStore;
 use crate::store::postgres::{self, PostgresStore};
 use crate::telemetry::rpc::RpcTelemetryLayer;
+use connection_age::Deadlined;
+use drain::Drain;
+use routes::Services;
+use too_large::TooLarge;
 
 /// How long connections get to close once every turn has finished during shutdown.
 const CONNECTION_CLOSE_WAIT: Duration = Duration::from_secs(5);
@@ -403,7 +414,7 @@ fn incoming(
 ) -> impl futures::Stream<Item = std::io::Result<Deadlined>> + use<> {
     let connections = config.connections;
     // GOAWAY at the age by tonic, the hard end after the grace by the socket: see
-    // `grpc::connection_age` for why not tonic's own grace.
+    // `server::connection_age` for why not tonic's own grace.
     let lifetime = connections
         .max_age
         .zip(connections.max_age_grace)

@@ -8,10 +8,10 @@
 //! ceiling first, and the codec, built by generated code through `Default`, cannot even be told
 //! the configured limit. So this thin layer around `TurnService` rewrites the answer instead:
 //! nothing else on this service says `OUT_OF_RANGE` (no domain error maps to it, see
-//! [`super::error`]), so on this service the code means tonic's size check and nothing else.
+//! [`crate::grpc::error`]), so on this service the code means tonic's size check and nothing else.
 //! The rewritten status carries the same details as every other refusal.
 //!
-//! The per-field limits of [`super::limits`] stay `INVALID_ARGUMENT`: they name the field to
+//! The per-field limits of [`crate::grpc::limits`] stay `INVALID_ARGUMENT`: they name the field to
 //! shrink in a `BadRequest`, which is a fix the caller can make, while a message over this limit
 //! was never even decoded.
 
@@ -23,7 +23,7 @@ use tonic::server::NamedService;
 use tonic::{Code, Status};
 use tower::Service;
 
-use super::error::Refusal;
+use crate::grpc::error::Refusal;
 
 /// `TurnService` with tonic's `OUT_OF_RANGE` for an oversized request answered as
 /// `RESOURCE_EXHAUSTED`.
