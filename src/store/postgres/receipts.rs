@@ -96,14 +96,13 @@ const STATUS: Sql = Sql {
 /// seconds), and, when PostgreSQL has no estimate of its rows (`known`), how many it holds.
 fn recheck(table: &str, retention: f64, known: bool) -> String {
     let count = if known {
-        "0"
+        "0".to_owned()
     } else {
-        "(SELECT count(*) FROM {table})"
+        format!("(SELECT count(*) FROM {table})")
     };
     format!(
         "SELECT EXISTS (SELECT 1 FROM {table} \
-          WHERE created_at > statement_timestamp() - make_interval(secs => {retention})), {}",
-        count.replace("{table}", table)
+          WHERE created_at > statement_timestamp() - make_interval(secs => {retention})), {count}"
     )
 }
 
