@@ -806,6 +806,11 @@ pub struct MigrateArgs {
     /// `public` for that release's replicas: run once none of them is left.
     #[arg(long)]
     pub drop_compat: bool,
+    /// Lay the tables out for Citus, and fail if the database has no `citus` extension. Without
+    /// it, a database with the extension (a Citus coordinator) is laid out for Citus all the
+    /// same, and one without stays a single PostgreSQL.
+    #[arg(long, conflicts_with = "drop_compat")]
+    pub citus: bool,
 }
 
 impl MigrateArgs {

@@ -56,8 +56,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Some(Command::Migrate(args)) => {
-            let applied = postgres::migrate(&args.database_url()).await?;
-            tracing::info!(applied, "migrations applied");
+            let layout = if args.citus {
+                postgres::CitusLayout::Required
+            } else {
+                postgres::CitusLayout::Detect
+            };
+            let (applied, citus) = postgres::migrate_with(&args.database_url(), layout).await?;
+            tracing::info!(applied, ?citus, "migrations applied");
             Ok(())
         }
         Some(Command::Serve(args)) => serve(args).await,

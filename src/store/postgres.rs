@@ -35,6 +35,23 @@ use super::{
 use crate::activity::JsonMap;
 use crate::state::StateKey;
 
+/// Whether state row `s` has been unwritten for longer than its scope's time to live (`$3`
+/// conversation, `$4` user, `$5` private conversation, in seconds; NULL: for ever).
+macro_rules! idle_past_its_ttl {
+    () => {
+        "s.updated_at < now() - make_interval(secs => CASE \
+            WHEN split_part(s.key, '/', 3) = 'users' AND split_part(s.key, '/', 5) = '' \
+                 THEN $4::float8 \
+            WHEN split_part(s.key, '/', 3) = 'conversations' \
+                 AND split_part(s.key, '/', 5) = '' THEN $3::float8 \
+            WHEN split_part(s.key, '/', 3) = 'conversations' \
+                 AND split_part(s.key, '/', 5) = 'users' \
+                 AND split_part(s.key, '/', 7) = '' THEN $5::float8 \
+            END)"
+    };
+}
+
+mod citus;
 mod diagnose;
 mod group_commit;
 pub mod hold;
@@ -47,6 +64,7 @@ pub mod tls;
 mod url;
 mod waker;
 
+pub use citus::{Citus, CitusError, CitusLayout};
 pub use diagnose::ConnectError;
 pub use group_commit::GroupCommitStats;
 use group_commit::{GroupCommit, SingleWrite};
@@ -74,6 +92,7 @@ const LOAD: Sql = Sql {
              UNION ALL \
              SELECT key, payload FROM turnstile_receipt_legacy WHERE key = $2 LIMIT 1) r",
     types: &[Type::TEXT_ARRAY, Type::TEXT],
+    on_citus: Some(&citus::LOAD),
 };
 /// [`LOAD`] for a turn holding its conversation lock, which also locks the conversation's row
 /// (`$3`) against writes until the turn's transaction ends: another replica's optimistic commit
@@ -95,6 +114,7 @@ const LOAD_HOLDING: Sql = Sql {
              UNION ALL \
              SELECT key, payload FROM turnstile_receipt_legacy WHERE key = $2 LIMIT 1) r",
     types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
+    on_citus: Some(&citus::LOAD_HOLDING),
 };
 /// What a row of [`LOAD`] is: a state row.
 const ROW: i16 = 0;
@@ -111,6 +131,7 @@ const COMMIT: Sql = Sql {
         Type::TEXT,
         Type::JSONB,
     ],
+    on_citus: None,
 };
 /// [`COMMIT`], also writing the receipts `$6` with payloads `$7` if it applies (those of other
 /// activities one run answered; one that exists is kept): one statement, so all or none.
@@ -131,12 +152,14 @@ const COMMIT_WITH_RECEIPTS: Sql = Sql {
         Type::TEXT_ARRAY,
         Type::JSONB_ARRAY,
     ],
+    on_citus: Some(&citus::COMMIT_WITH_RECEIPTS),
 };
 /// The rows of keys `$1` as stored, with when each was last written (Unix seconds).
 const INSPECT: Sql = Sql {
     text: "SELECT false, key, state, version, extract(epoch FROM updated_at)::float8 \
              FROM turnstile_state WHERE key = ANY($1)",
     types: &[Type::TEXT_ARRAY],
+    on_citus: Some(&citus::INSPECT),
 };
 /// The newest `$2` receipts whose keys start with `$1` (a conversation's receipts' prefix), with
 /// when each was written: found by the conversation's index (`migrations/V4__erasure.sql`), then
@@ -155,6 +178,7 @@ const INSPECT_RECEIPTS: Sql = Sql {
              ORDER BY key, created_at) d \
             ORDER BY created_at DESC, key LIMIT $2",
     types: &[Type::TEXT, Type::INT8],
+    on_citus: None,
 };
 /// The conversation scopes' rows with keys starting with `$1`, after key `$2` (any when null),
 /// in key order, at most `$3` of them.
@@ -165,6 +189,7 @@ const LIST_CONVERSATIONS: Sql = Sql {
               AND key ~ '^[^/]+/[^/]+/conversations/[^/]+$' \
             ORDER BY key LIMIT $3",
     types: &[Type::TEXT, Type::TEXT, Type::INT8],
+    on_citus: None,
 };
 /// Deletes the rows whose keys `$2` names (`user`: `turnstile_key_user(key) = $1`,
 /// `conversation`: `turnstile_key_conversation(key) = $1`), each leaving its tombstone, and the
@@ -202,6 +227,7 @@ const ERASE_USER: Sql = Sql {
         "payload ? 'user' AND payload->>'user' = $1"
     ),
     types: &[Type::TEXT],
+    on_citus: None,
 };
 const DELETE_CONVERSATION: Sql = Sql {
     text: erase!(
@@ -209,6 +235,7 @@ const DELETE_CONVERSATION: Sql = Sql {
         "turnstile_key_conversation(key) = $1"
     ),
     types: &[Type::TEXT],
+    on_citus: None,
 };
 /// One step of the expiry sweep: of the `$2` keys after `$1` (from the first when NULL), deletes
 /// the rows unwritten for longer than their scope's time to live (`$3` conversation, `$4` user,
@@ -216,22 +243,15 @@ const DELETE_CONVERSATION: Sql = Sql {
 /// the last key looked at and how many went. A row a turn is writing is skipped (it is being
 /// written, so not idle), and so is one another replica's sweep has.
 const SWEEP: Sql = Sql {
-    text: "WITH batch AS ( \
+    text: concat!(
+        "WITH batch AS ( \
              SELECT key FROM turnstile_state WHERE $1::text IS NULL OR key > $1::text \
               ORDER BY key LIMIT $2), \
            expired AS ( \
              SELECT s.key FROM turnstile_state s \
-              WHERE s.key IN (SELECT key FROM batch) \
-                AND s.updated_at < now() - make_interval(secs => CASE \
-                    WHEN split_part(s.key, '/', 3) = 'users' AND split_part(s.key, '/', 5) = '' \
-                         THEN $4::float8 \
-                    WHEN split_part(s.key, '/', 3) = 'conversations' \
-                         AND split_part(s.key, '/', 5) = '' THEN $3::float8 \
-                    WHEN split_part(s.key, '/', 3) = 'conversations' \
-                         AND split_part(s.key, '/', 5) = 'users' \
-                         AND split_part(s.key, '/', 7) = '' THEN $5::float8 \
-                    END) \
-              FOR UPDATE SKIP LOCKED), \
+              WHERE s.key IN (SELECT key FROM batch) AND ",
+        idle_past_its_ttl!(),
+        " FOR UPDATE SKIP LOCKED), \
            gone AS ( \
              DELETE FROM turnstile_state WHERE key IN (SELECT key FROM expired) \
              RETURNING key, version), \
@@ -242,7 +262,8 @@ const SWEEP: Sql = Sql {
                 SET version = greatest(turnstile_tombstone.version, excluded.version), \
                     erased_at = excluded.erased_at) \
            SELECT (SELECT max(key) FROM batch), (SELECT count(*) FROM batch), \
-                  (SELECT count(*) FROM gone)",
+                  (SELECT count(*) FROM gone)"
+    ),
     types: &[
         Type::TEXT,
         Type::INT8,
@@ -250,6 +271,7 @@ const SWEEP: Sql = Sql {
         Type::FLOAT8,
         Type::FLOAT8,
     ],
+    on_citus: Some(&citus::SWEEP),
 };
 /// The receipt table's primary key: violating it means the activity has committed already.
 /// `turnstile_receipt_slots` raises it by this name; each slot's own is `turnstile_receipt_N_pkey`
@@ -264,6 +286,7 @@ const PRUNE_TOMBSTONES: Sql = Sql {
               WHERE erased_at < now() - interval '1 day' \
               LIMIT 1000 FOR UPDATE SKIP LOCKED)",
     types: &[],
+    on_citus: None,
 };
 
 /// The SQLSTATE `turnstile_commit` raises when a key it was to create appeared concurrently.
@@ -308,14 +331,44 @@ pub enum Statements {
     Unprepared,
 }
 
-/// One of the store's statements: its text, and its parameters' types for the unprepared path
-/// (the prepared path asks the server for them once).
+/// How the store's statements reach PostgreSQL: prepared or sent unnamed, and written for a
+/// single PostgreSQL or for a Citus cluster ([`citus`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Via {
+    pub(super) statements: Statements,
+    /// Turnstile's tables are distributed by Citus: statements name each row's shard too.
+    pub(super) citus: bool,
+}
+
+/// One of the store's statements: its text, its parameters' types for the unprepared path (the
+/// prepared path asks the server for them once), and the statement a Citus cluster runs instead,
+/// with the same parameters, when this one would ask every shard ([`citus`]).
 pub(super) struct Sql {
     text: &'static str,
     types: &'static [Type],
+    on_citus: Option<&'static Sql>,
+}
+
+impl Via {
+    /// `statements` on a single PostgreSQL: the group commit's, which a store on Citus does not
+    /// use.
+    pub(super) fn single(statements: Statements) -> Self {
+        Self {
+            statements,
+            citus: false,
+        }
+    }
 }
 
 impl Sql {
+    /// The statement to send `via` there.
+    fn on(&self, via: Via) -> &Self {
+        match self.on_citus {
+            Some(citus) if via.citus => citus,
+            _ => self,
+        }
+    }
+
     /// `params` paired with the statement's parameter types, for an unnamed statement.
     fn typed<'p>(&self, params: &[&'p (dyn ToSql + Sync)]) -> Vec<(&'p (dyn ToSql + Sync), Type)> {
         params
@@ -332,10 +385,10 @@ impl Sql {
     async fn ready(
         &self,
         client: &deadpool_postgres::ClientWrapper,
-        statements: Statements,
+        via: Via,
     ) -> Result<(), tokio_postgres::Error> {
-        if let Statements::Prepared = statements {
-            client.prepare_cached(self.text).await?;
+        if let Statements::Prepared = via.statements {
+            client.prepare_cached(self.on(via).text).await?;
         }
         Ok(())
     }
@@ -344,16 +397,17 @@ impl Sql {
     async fn query(
         &self,
         client: &deadpool_postgres::ClientWrapper,
-        statements: Statements,
+        via: Via,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>, tokio_postgres::Error> {
-        debug_assert_eq!(params.len(), self.types.len(), "{}", self.text);
-        match statements {
+        let sql = self.on(via);
+        debug_assert_eq!(params.len(), sql.types.len(), "{}", sql.text);
+        match via.statements {
             Statements::Prepared => {
-                let statement = client.prepare_cached(self.text).await?;
+                let statement = client.prepare_cached(sql.text).await?;
                 client.query(&statement, params).await
             }
-            Statements::Unprepared => client.query_typed(self.text, &self.typed(params)).await,
+            Statements::Unprepared => client.query_typed(sql.text, &sql.typed(params)).await,
         }
     }
 
@@ -361,16 +415,17 @@ impl Sql {
     async fn execute(
         &self,
         client: &deadpool_postgres::ClientWrapper,
-        statements: Statements,
+        via: Via,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<u64, tokio_postgres::Error> {
-        debug_assert_eq!(params.len(), self.types.len(), "{}", self.text);
-        match statements {
+        let sql = self.on(via);
+        debug_assert_eq!(params.len(), sql.types.len(), "{}", sql.text);
+        match via.statements {
             Statements::Prepared => {
-                let statement = client.prepare_cached(self.text).await?;
+                let statement = client.prepare_cached(sql.text).await?;
                 client.execute(&statement, params).await
             }
-            Statements::Unprepared => client.execute_typed(self.text, &self.typed(params)).await,
+            Statements::Unprepared => client.execute_typed(sql.text, &sql.typed(params)).await,
         }
     }
 }
@@ -396,6 +451,9 @@ pub enum DatabaseError {
     /// A migration failed.
     #[error("applying the database migrations failed")]
     Migration(#[source] refinery::Error),
+    /// The tables could not be laid out for Citus.
+    #[error(transparent)]
+    Citus(#[from] CitusError),
     /// The pool gave no connection for another reason than the connection's own failure.
     #[error("getting a pooled PostgreSQL connection failed")]
     Pool(#[source] PoolError),
@@ -523,10 +581,24 @@ impl Connector {
 /// [`DatabaseError`]: the URL is invalid, the database cannot be reached (the error says why),
 /// or a migration fails.
 pub async fn migrate(url: &DatabaseUrl) -> Result<usize, DatabaseError> {
+    migrate_with(url, CitusLayout::Detect)
+        .await
+        .map(|(applied, _)| applied)
+}
+
+/// [`migrate`], laying the tables out for Citus as `layout` says ([`citus`]): returns how many
+/// migrations were applied, and what was found and done on Citus.
+///
+/// # Errors
+/// As [`migrate`]'s, and [`DatabaseError::Citus`].
+pub async fn migrate_with(
+    url: &DatabaseUrl,
+    layout: CitusLayout,
+) -> Result<(usize, Citus), DatabaseError> {
     // A session of its own, straight to PostgreSQL: the advisory lock and refinery's
     // transactions need one, so this URL must not go through a transaction-mode pooler.
     let (mut client, connection) = url.connector(Statements::Prepared)?.connect().await?;
-    let applied = migrate_on(&mut client, url.schema()).await;
+    let applied = migrate_on(&mut client, url.schema(), layout).await;
     // Closing the session releases the advisory lock, even if the migration failed.
     drop(client);
     let _ = connection.await;
@@ -552,7 +624,8 @@ const MIGRATION_ATTEMPTS: u32 = 240;
 async fn migrate_on(
     client: &mut tokio_postgres::Client,
     schema: &Schema,
-) -> Result<usize, DatabaseError> {
+    layout: CitusLayout,
+) -> Result<(usize, Citus), DatabaseError> {
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
         .await
@@ -572,7 +645,7 @@ async fn migrate_on(
         })?;
     let mut attempt = 1;
     loop {
-        match apply(client, schema).await {
+        match apply(client, schema, layout).await {
             Err(e) if waited_for_a_lock(&e) && attempt < MIGRATION_ATTEMPTS => {
                 if attempt == 1 {
                     tracing::info!(
@@ -604,11 +677,13 @@ fn waited_for_a_lock(e: &DatabaseError) -> bool {
     false
 }
 
-/// One attempt of [`migrate_on`]: the move into the schema, the migrations, the settings.
+/// One attempt of [`migrate_on`]: the move into the schema, the migrations, the settings, the
+/// layout on Citus.
 async fn apply(
     client: &mut tokio_postgres::Client,
     schema: &Schema,
-) -> Result<usize, DatabaseError> {
+    layout: CitusLayout,
+) -> Result<(usize, Citus), DatabaseError> {
     let adopted =
         layout::prepare(client, schema)
             .await
@@ -632,7 +707,7 @@ async fn apply(
     if let status @ SchemaStatus::Ahead { .. } = SchemaStatus::of(found) {
         // refinery would refuse a history with versions it does not have.
         tracing::warn!("{status}; no migration to apply");
-        return Ok(0);
+        return Ok((0, Citus::LeftToNewer));
     }
     let report = embedded::migrations::runner()
         .run_async(client)
@@ -644,7 +719,8 @@ async fn apply(
             doing: "pointing Turnstile's functions and role at its schema",
             source,
         })?;
-    Ok(report.applied_migrations().len())
+    let citus = citus::apply(client, layout).await?;
+    Ok((report.applied_migrations().len(), citus))
 }
 
 /// Removes the views and the function that a migration from a release before 0.2 left in
@@ -682,6 +758,8 @@ pub struct PostgresStore {
     waker: Arc<waker::Waker>,
     /// How long each scope lives unwritten.
     ttls: super::Ttls,
+    /// Whether the tables are distributed by Citus, learned from the first connection.
+    engine: Arc<citus::Engine>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -747,6 +825,7 @@ impl PostgresStore {
             target,
             waker,
             ttls: super::Ttls::NONE,
+            engine: Arc::default(),
         })
     }
 
@@ -815,8 +894,20 @@ impl PostgresStore {
         self.group.stats()
     }
 
+    /// A pooled connection; the first that finds Turnstile's tables also tells the store whether
+    /// Citus distributes them.
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
-        client_of(&self.pool).await
+        let client = client_of(&self.pool).await?;
+        self.engine.learn(&client).await.map_err(classify)?;
+        Ok(client)
+    }
+
+    /// How this store's statements are sent: as configured, in the dialect the tables need.
+    pub(super) fn via(&self) -> Via {
+        Via {
+            statements: self.statements,
+            citus: self.engine.is_citus(),
+        }
     }
 }
 
@@ -866,6 +957,14 @@ impl Store for PostgresStore {
         // Each commit's future boxed where it is made: unboxed, it made this future kilobytes
         // large, and the timeout, the span wrapper and `async_trait`'s box each copied it whole
         // (`bench/RESULTS.md`).
+        if !self.engine.is_known() {
+            drop(self.client().await?);
+        }
+        if self.engine.is_citus() {
+            // Each commit on its own, through `turnstile_commit`: the group commit's statements
+            // write the keys of many conversations at once, which on Citus is every shard.
+            return within_call_timeout(Box::pin(self.commit_now(&commit))).await;
+        }
         match SingleWrite::try_from(commit) {
             // Within `CALL_TIMEOUT` too, by timers the group commit sets per batch rather
             // than one per commit (`GroupCommit::commit`).
@@ -912,18 +1011,20 @@ impl Store for PostgresStore {
         let limit = i64::try_from(receipts).unwrap_or(i64::MAX);
         within_call_timeout(async {
             let rows = INSPECT
-                .query(&client, self.statements, &[&names])
+                .query(&client, self.via(), &[&names])
                 .await
                 .map_err(classify)?;
             let found = INSPECT_RECEIPTS
-                .query(&client, self.statements, &[&receipts_under, &limit])
+                .query(&client, self.via(), &[&receipts_under, &limit])
                 .await
                 .map_err(classify)?;
-            let rows = rows
+            let mut rows = rows
                 .iter()
                 .map(inspected_row)
                 .collect::<anyhow::Result<Vec<_>>>()
                 .map_err(StoreError::Unexpected)?;
+            // In the order asked, as the rows come from several shards on Citus.
+            rows.sort_by_key(|row| keys.iter().position(|k| *k == row.key));
             let receipts = found
                 .iter()
                 .map(|row| {
@@ -955,7 +1056,7 @@ impl Store for PostgresStore {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         within_call_timeout(async {
             let rows = LIST_CONVERSATIONS
-                .query(&client, self.statements, &[&prefix, &after, &limit])
+                .query(&client, self.via(), &[&prefix, &after, &limit])
                 .await
                 .map_err(classify)?;
             rows.iter()
@@ -980,7 +1081,7 @@ impl Store for PostgresStore {
             let row = SWEEP
                 .query(
                     &client,
-                    self.statements,
+                    self.via(),
                     &[&after, &limit, &conversation, &user, &private],
                 )
                 .await
@@ -1013,7 +1114,7 @@ impl Store for PostgresStore {
         let subject = erasure.subject();
         within_call_timeout(async {
             let rows = statement
-                .query(&client, self.statements, &[&subject])
+                .query(&client, self.via(), &[&subject])
                 .await
                 .map_err(|e| {
                     if is_conflict(&e) {
@@ -1078,7 +1179,7 @@ impl Store for PostgresStore {
         let client = self.client().await?;
         // Tombstones, on the same schedule: few, and usually none.
         while PRUNE_TOMBSTONES
-            .execute(&client, self.statements, &[])
+            .execute(&client, self.via(), &[])
             .await
             .map_err(classify)?
             >= PRUNE_BATCH
@@ -1128,19 +1229,19 @@ impl PostgresStore {
         receipt: Option<&StateKey>,
     ) -> Result<Snapshot, StoreError> {
         let client = self.client().await?;
-        Self::load_on(&client, self.statements, keys, receipt, None, &self.ttls).await
+        Self::load_on(&client, self.via(), keys, receipt, None, &self.ttls).await
     }
 
     async fn commit_now(&self, commit: &Commit) -> Result<CommitOutcome, StoreError> {
         let client = self.client().await?;
-        Self::commit_on(&client, self.statements, commit).await
+        Self::commit_on(&client, self.via(), commit).await
     }
 
     /// [`Store::load`] on `client`; with `held`, a conversation key whose row it also locks
     /// until the transaction ends.
     async fn load_on(
         client: &deadpool_postgres::ClientWrapper,
-        statements: Statements,
+        via: Via,
         keys: &[StateKey],
         receipt: Option<&StateKey>,
         held: Option<&StateKey>,
@@ -1149,13 +1250,10 @@ impl PostgresStore {
         let names: Vec<&str> = keys.iter().map(StateKey::as_str).collect();
         let receipt_key = receipt.map(StateKey::as_str);
         let rows = match held {
-            None => {
-                LOAD.query(client, statements, &[&names, &receipt_key])
-                    .await
-            }
+            None => LOAD.query(client, via, &[&names, &receipt_key]).await,
             Some(held) => {
                 let params: [&(dyn ToSql + Sync); 3] = [&names, &receipt_key, &held.as_str()];
-                LOAD_HOLDING.query(client, statements, &params).await
+                LOAD_HOLDING.query(client, via, &params).await
             }
         }
         .map_err(classify)?;
@@ -1217,7 +1315,7 @@ impl PostgresStore {
     /// [`Store::commit`] by `turnstile_commit` on `client`.
     async fn commit_on(
         client: &deadpool_postgres::ClientWrapper,
-        statements: Statements,
+        via: Via,
         commit: &Commit,
     ) -> Result<CommitOutcome, StoreError> {
         let changes = commit.changes();
@@ -1248,7 +1346,7 @@ impl PostgresStore {
             .map(|(_, payload)| jsonb::Jsonb::Text(payload.text()))
             .collect();
         let queried = if also.is_empty() {
-            COMMIT.query(client, statements, &params).await
+            COMMIT.query(client, via, &params).await
         } else {
             let params: [&(dyn ToSql + Sync); 7] = [
                 &keys,
@@ -1259,9 +1357,7 @@ impl PostgresStore {
                 &also_keys,
                 &also,
             ];
-            COMMIT_WITH_RECEIPTS
-                .query(client, statements, &params)
-                .await
+            COMMIT_WITH_RECEIPTS.query(client, via, &params).await
         };
         match queried {
             Ok(rows) => outcome_of(&rows, commit.changes()),

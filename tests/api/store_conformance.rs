@@ -839,6 +839,41 @@ async fn postgres_store_keeps_the_contract() {
     one_receipt_per_activity_under_concurrency(postgres_store().await).await;
 }
 
+/// A store over a database of the shared Citus cluster (a coordinator and 2 workers), laid out for
+/// Citus by `migrate`; `None` where Citus is not installed (`support::citus::installed`).
+async fn citus_store() -> Arc<dyn Store> {
+    let url = DatabaseUrl::new(support::citus::shared().fresh_database().await);
+    let (_, citus) = postgres::migrate_with(&url, postgres::CitusLayout::Required)
+        .await
+        .unwrap();
+    assert_eq!(citus, postgres::Citus::Distributed);
+    Arc::new(PostgresStore::connect(&url, 8).unwrap())
+}
+
+/// The same contract on Citus: the tables distributed over two workers, each statement asking the
+/// shards of its keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn citus_store_keeps_the_contract() {
+    if !support::citus::installed() {
+        return;
+    }
+    inspection(citus_store().await).await;
+    erasure(citus_store().await).await;
+    conformance(citus_store().await).await;
+    exactly_one_concurrent_writer_wins(citus_store().await).await;
+    crossing_commits_do_not_deadlock(citus_store().await).await;
+    receipts(citus_store().await).await;
+    one_receipt_per_activity_under_concurrency(citus_store().await).await;
+    let url = DatabaseUrl::new(support::citus::shared().fresh_database().await);
+    postgres::migrate(&url).await.unwrap();
+    expiry(Arc::new(
+        PostgresStore::connect(&url, 2)
+            .unwrap()
+            .with_ttls(conversation_ttl()),
+    ))
+    .await;
+}
+
 /// The store as it runs behind a transaction-mode pooler: every statement unnamed, typed here.
 async fn unprepared_postgres_store() -> Arc<dyn Store> {
     let url = DatabaseUrl::new(support::pg::fresh_database().await);

@@ -4,6 +4,7 @@
 
 pub mod bots;
 pub mod check;
+pub mod citus;
 pub mod fleet;
 pub mod load;
 pub mod pg;

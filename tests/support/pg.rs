@@ -345,6 +345,14 @@ fn to_url(config: &tokio_postgres::Config) -> String {
     format!("postgres://{user}{password}@{host}:{port}/{db}")
 }
 
+/// The directory of the server's loadable modules (`citus.so`, when Citus is installed), beside
+/// the directory of its programs.
+pub fn lib_dir() -> Option<PathBuf> {
+    let bin = find_bin_dir()?;
+    let real = std::fs::canonicalize(bin.join("pg_ctl")).ok()?;
+    Some(real.parent()?.parent()?.join("lib"))
+}
+
 fn find_bin_dir() -> Option<PathBuf> {
     let on_path = std::env::var_os("PATH").and_then(|paths| {
         std::env::split_paths(&paths)

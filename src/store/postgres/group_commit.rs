@@ -41,7 +41,7 @@ use tokio::time::{Instant, timeout_at};
 use tokio_postgres::types::Type;
 
 use super::jsonb::Jsonb;
-use super::{Sql, Statements, classify, client_of, is_conflict, taken_receipt, unexpected};
+use super::{Sql, Statements, Via, classify, client_of, is_conflict, taken_receipt, unexpected};
 use crate::activity::JsonMap;
 use crate::state::StateKey;
 use crate::store::{Commit, CommitOutcome, Expected, KeyChange, StoreError, Version};
@@ -84,6 +84,7 @@ const UPDATE_ONE: Sql = Sql {
         "$5"
     ),
     types: &[Type::TEXT, Type::JSONB, Type::INT8, Type::TEXT, Type::JSONB],
+    on_citus: None,
 };
 /// [`UPDATE_ONE`] for a key the turn found absent: created at the version `$5` encodes
 /// ([`expected_version`]) if the key's tombstone is still the one before it; no row when the key
@@ -98,6 +99,7 @@ const CREATE_ONE: Sql = Sql {
         "$4"
     ),
     types: &[Type::TEXT, Type::JSONB, Type::TEXT, Type::JSONB, Type::INT8],
+    on_citus: None,
 };
 /// The single-scope commits of a batch, one row per turn (`ord` is the turn's place in the
 /// batch, from 1), in one statement. Writes are the checks, as in [`UPDATE_ONE`]: an update whose
@@ -112,6 +114,7 @@ const WRITE_MANY: Sql = Sql {
         Type::TEXT_ARRAY,
         Type::JSONB_ARRAY,
     ],
+    on_citus: None,
 };
 const WRITE_MANY_TEXT: &str = "\
 WITH input AS ( \
@@ -715,7 +718,7 @@ async fn commit_together(
     let rows = match WRITE_MANY
         .query(
             client,
-            statements,
+            Via::single(statements),
             &[&keys, &states, &expected, &receipt_keys, &receipts],
         )
         .await
@@ -763,7 +766,7 @@ async fn commit_alone(
             CREATE_ONE
                 .query(
                     client,
-                    statements,
+                    Via::single(statements),
                     &[&key, &state, &receipt_key, &receipt, &expected],
                 )
                 .await
@@ -772,7 +775,7 @@ async fn commit_alone(
             UPDATE_ONE
                 .query(
                     client,
-                    statements,
+                    Via::single(statements),
                     &[&key, &state, &expected, &receipt_key, &receipt],
                 )
                 .await

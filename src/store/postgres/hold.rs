@@ -127,6 +127,7 @@ const TAKE: Sql = Sql {
         Type::FLOAT8,
         Type::TEXT,
     ],
+    on_citus: None,
 };
 /// Puts waiter `$2` (its ticket) in the line for hold `$1`, at the end, or, when it is in the
 /// line, marks it still waiting; drops the waiters who stopped asking ([`STILL_WAITING`]). A
@@ -151,6 +152,7 @@ const QUEUE: Sql = Sql {
              '[]')) \
            WHERE key = $1",
     types: &[Type::TEXT, Type::TEXT, Type::FLOAT8],
+    on_citus: None,
 };
 /// How long a waiter stays in the line for a hold without asking again: eight of the longest
 /// pauses between two asks ([`MAX_PAUSE`]).
@@ -163,6 +165,7 @@ const RENEW: Sql = Sql {
                   to_jsonb(extract(epoch FROM clock_timestamp()) + $3::float8)) \
             WHERE key = $1 AND version = $2 RETURNING state ? 'interrupt'",
     types: &[Type::TEXT, Type::INT8, Type::FLOAT8],
+    on_citus: None,
 };
 /// Releases hold `$1` at fence `$2` (its time set to the past, the fence kept, what was handed
 /// on kept), and announces it to the turns waiting for it (`waker`).
@@ -172,6 +175,7 @@ const RELEASE: Sql = Sql {
               WHERE key = $1 AND version = $2 RETURNING key) \
            SELECT pg_notify('turnstile_hold', key) FROM released",
     types: &[Type::TEXT, Type::INT8],
+    on_citus: None,
 };
 /// Releases hold `$1` at fence `$2` after its turn committed: what was handed to that turn is
 /// consumed (the superseded activities, and the pending ones whose receipts the commit wrote).
@@ -188,6 +192,7 @@ const RELEASE_COMMITTED: Sql = Sql {
               WHERE key = $1 AND version = $2 RETURNING key) \
            SELECT pg_notify('turnstile_hold', key) FROM released",
     types: &[Type::TEXT, Type::INT8],
+    on_citus: None,
 };
 /// Releases hold `$1` at fence `$2` of a turn a later message interrupted, handing its activity
 /// `$3` on to the next turn as superseded, after the ones handed to it.
@@ -199,6 +204,7 @@ const RELEASE_SUPERSEDED: Sql = Sql {
               WHERE key = $1 AND version = $2 RETURNING key) \
            SELECT pg_notify('turnstile_hold', key) FROM released",
     types: &[Type::TEXT, Type::INT8, Type::JSONB],
+    on_citus: None,
 };
 /// Asks the holder of hold `$1`, running activity `$2`, to stop for activity `$3`: marks the
 /// hold (read by the holder's renewal) and announces it (heard by the holder at once). Nothing
@@ -211,6 +217,7 @@ const INTERRUPT: Sql = Sql {
              RETURNING key) \
            SELECT pg_notify('turnstile_interrupt', key) FROM marked",
     types: &[Type::TEXT, Type::TEXT, Type::TEXT],
+    on_citus: None,
 };
 /// Adds `$2` (receipt key `$3`) to the activities of hold `$1` waiting to be answered together,
 /// unless it is there; the hold itself (its holder, time and fence) is left as it is.
@@ -225,6 +232,7 @@ const ADD_PENDING: Sql = Sql {
             WHERE NOT coalesce(s.state->'pending', '[]') \
                       @> jsonb_build_array(jsonb_build_object('receipt', $3::text))",
     types: &[Type::TEXT, Type::JSONB, Type::TEXT],
+    on_citus: None,
 };
 
 /// Takes `conversation`'s hold, waiting at most `wait` for it, and loads `keys` and `receipt`
@@ -323,14 +331,11 @@ async fn take(
     receipt: Option<&StateKey>,
 ) -> Result<Taken, StoreError> {
     let client = store.client().await?;
-    let statements = store.statements;
+    let via = store.via();
     within_call_timeout(async {
         // Prepared first, so that both leave together, in this order.
-        TAKE.ready(&client, statements).await.map_err(classify)?;
-        super::LOAD
-            .ready(&client, statements)
-            .await
-            .map_err(classify)?;
+        TAKE.ready(&client, via).await.map_err(classify)?;
+        super::LOAD.ready(&client, via).await.map_err(classify)?;
         let seconds = HOLD_FOR.as_secs_f64();
         let key = key.as_str();
         let activity = receipt.map(StateKey::as_str);
@@ -338,8 +343,8 @@ async fn take(
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
             [&key, &holder, &seconds, &activity, &still, &ticket];
         let (taken, loaded) = futures::join!(
-            TAKE.query(&client, statements, &params),
-            PostgresStore::load_on(&client, statements, keys, receipt, None, &store.ttls),
+            TAKE.query(&client, via, &params),
+            PostgresStore::load_on(&client, via, keys, receipt, None, &store.ttls),
         );
         let unexpected = |e: tokio_postgres::Error| StoreError::Unexpected(e.into());
         let Some(row) = taken.map_err(classify)?.into_iter().next() else {
@@ -525,7 +530,7 @@ async fn query(
 ) -> Result<Vec<tokio_postgres::Row>, StoreError> {
     let client = store.client().await?;
     within_call_timeout(async {
-        sql.query(&client, store.statements, params)
+        sql.query(&client, store.via(), params)
             .await
             .map_err(classify)
     })

@@ -66,7 +66,7 @@ use tokio_postgres::SimpleQueryMessage;
 use tokio_postgres::error::SqlState;
 
 use super::{
-    CALL_TIMEOUT, COMMIT, LOAD, LOAD_HOLDING, PostgresStore, Statements, classify,
+    CALL_TIMEOUT, COMMIT, LOAD, LOAD_HOLDING, PostgresStore, Statements, Via, classify,
     within_call_timeout,
 };
 use crate::state::StateKey;
@@ -221,14 +221,14 @@ async fn hold(
 ) -> Result<Held, StoreError> {
     let asked = std::time::Instant::now();
     let client = store.client().await?;
-    let statements = store.statements;
+    let via = store.via();
     let (load, holding) = match lease {
         None => (LOAD_HOLDING, Some(conversation)),
         Some(_) => (LOAD, None),
     };
     // Prepared before anything is sent (at once when the connection has it), so that the
     // requests below leave in the order they are written.
-    within_call_timeout(async { load.ready(&client, statements).await.map_err(classify) }).await?;
+    within_call_timeout(async { load.ready(&client, via).await.map_err(classify) }).await?;
     // The wait for a pooled connection counts against the wait allowed.
     let wait = wait.saturating_sub(asked.elapsed());
     // Whole milliseconds, at least one: 0 would mean "wait forever".
@@ -254,7 +254,7 @@ async fn hold(
     let idle_limit = format!("SET LOCAL idle_in_transaction_session_timeout = {hold_ms}");
     let turn = Box::new(PgLockedTurn {
         client: Some(client),
-        statements,
+        via,
         lease,
     });
     let client = turn.client()?;
@@ -262,7 +262,7 @@ async fn hold(
     let answered = tokio::time::timeout(wait + CALL_TIMEOUT, async {
         futures::join!(
             client.simple_query(&lock),
-            PostgresStore::load_on(client, statements, keys, receipt, holding, &store.ttls),
+            PostgresStore::load_on(client, via, keys, receipt, holding, &store.ttls),
             client.batch_execute(&idle_limit),
         )
     })
@@ -322,7 +322,7 @@ fn not_granted(e: &tokio_postgres::Error) -> bool {
 struct PgLockedTurn {
     /// `None` once the transaction has ended.
     client: Option<deadpool_postgres::Object>,
-    statements: Statements,
+    via: Via,
     /// A lease's place among the store's leases, given back with the connection.
     lease: Option<LeaseSlot>,
 }
@@ -364,12 +364,12 @@ impl LockedTurn for PgLockedTurn {
     /// the transaction just as a `ROLLBACK` would.
     async fn commit(mut self: Box<Self>, commit: Commit) -> Result<CommitOutcome, StoreError> {
         let client = self.client()?;
-        let statements = self.statements;
+        let via = self.via;
         let answered = within_call_timeout(async {
             // Prepared first, so that it leaves before the `COMMIT`.
-            COMMIT.ready(client, statements).await.map_err(classify)?;
+            COMMIT.ready(client, via).await.map_err(classify)?;
             Ok(futures::join!(
-                PostgresStore::commit_on(client, statements, &commit),
+                PostgresStore::commit_on(client, via, &commit),
                 client.batch_execute("COMMIT"),
             ))
         })

@@ -36,6 +36,7 @@ const SLOTS: i16 = 4;
 const SET_WIDTH: Sql = Sql {
     text: "UPDATE turnstile_receipt_clock SET width_secs = $1 WHERE width_secs <> $1",
     types: &[Type::FLOAT8],
+    on_citus: None,
 };
 
 /// One slot's row of [`STATUS`]: its number, whether it has a receipt, and whether it has one
@@ -50,8 +51,7 @@ macro_rules! slot_status {
             "), \
                     EXISTS (SELECT 1 FROM ",
             $table,
-            " WHERE created_at > cutoff) \
-               FROM (SELECT statement_timestamp() - make_interval(secs => $1) AS cutoff) c"
+            " WHERE created_at > statement_timestamp() - make_interval(secs => $1))"
         )
     };
 }
@@ -90,6 +90,7 @@ const STATUS: Sql = Sql {
             ORDER BY t.n"
     ),
     types: &[Type::FLOAT8],
+    on_citus: None,
 };
 
 /// Whether the detached slot table `table` holds a receipt within the retention (`retention`,
@@ -136,12 +137,12 @@ pub(super) async fn prune(store: &PostgresStore, retention: Duration) -> Result<
     let client = store.client().await?;
     let width = (retention.as_secs_f64() / 2.0).max(1.0);
     SET_WIDTH
-        .execute(&client, store.statements, &[&width])
+        .execute(&client, store.via(), &[&width])
         .await
         .map_err(classify)?;
     let retention = retention.as_secs_f64();
     let slots: Vec<Slot> = STATUS
-        .query(&client, store.statements, &[&retention])
+        .query(&client, store.via(), &[&retention])
         .await
         .map_err(classify)?
         .iter()
@@ -160,9 +161,12 @@ pub(super) async fn prune(store: &PostgresStore, retention: Duration) -> Result<
         .map_err(classify)?;
     let mut pruned = 0.0;
     let mut failed = None;
+    let citus = store.via().citus;
     for slot in &slots {
         let outcome = if slot.n == SLOTS {
-            empty_legacy(&client, slot).await
+            empty_legacy(&client, slot, citus).await
+        } else if citus {
+            recycle_in_place(&client, slot).await
         } else {
             recycle(&client, slot, retention).await
         };
@@ -247,12 +251,91 @@ async fn recycle(
     Ok(emptied)
 }
 
+/// [`recycle`] on Citus, which cannot detach a partition concurrently: slot `slot` truncated where
+/// it is once all of it is past the retention and nobody writes it, waiting at most a moment for
+/// its lock ([`truncate_briefly`]); a pass that did not get it is a failed pass, and the next one
+/// tries again. (A slot left detached, by a pass of the single-node recycler before the database
+/// moved to Citus, is attached again.) Returns about how many receipts it held.
+async fn recycle_in_place(
+    client: &tokio_postgres::Client,
+    slot: &Slot,
+) -> Result<Option<f64>, tokio_postgres::Error> {
+    let table = slot.table();
+    if !slot.attached {
+        client
+            .batch_execute(&format!(
+                "ALTER TABLE turnstile_receipt ATTACH PARTITION {table} FOR VALUES IN ({})",
+                slot.n
+            ))
+            .await?;
+    }
+    if !(slot.has_rows && !slot.has_recent && !slot.busy) {
+        return Ok(None);
+    }
+    let rows = shard_rows(client, &table).await?;
+    truncate_briefly(client, &table, true).await?;
+    tracing::debug!(%table, rows, "emptied a receipt slot");
+    Ok(Some(rows))
+}
+
+/// About how many rows distributed table `table` has: its shards' estimates (the coordinator's
+/// table is an empty shell), or its count when a shard has none yet (never analyzed).
+async fn shard_rows(
+    client: &tokio_postgres::Client,
+    table: &str,
+) -> Result<f64, tokio_postgres::Error> {
+    let row = client
+        .query_one(
+            "SELECT coalesce(sum(greatest(result::float8, 0)), 0), \
+                    coalesce(bool_or(result::float8 < 0), false) \
+               FROM run_command_on_shards($1::text::regclass, \
+                    $c$SELECT reltuples FROM pg_class WHERE oid = '%s'::regclass$c$)",
+            &[&table],
+        )
+        .await?;
+    if !row.get::<_, bool>(1) {
+        return Ok(row.get(0));
+    }
+    let counted: i64 = client
+        .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+        .await?
+        .get(0);
+    // Far below 2^53.
+    #[allow(clippy::cast_precision_loss)]
+    Ok(counted as f64)
+}
+
+/// `TRUNCATE table`, waiting at most 100 ms for its lock (a turn reading the table holds it until
+/// its transaction ends, and the statements queued behind the truncate would wait with it). One
+/// statement, so one transaction, which a failure ends whole. On Citus the wait is bounded on the
+/// workers too, where the shards' locks are taken.
+async fn truncate_briefly(
+    client: &tokio_postgres::Client,
+    table: &str,
+    citus: bool,
+) -> Result<(), tokio_postgres::Error> {
+    let propagate = if citus {
+        "PERFORM set_config('citus.propagate_set_commands', 'local', true); "
+    } else {
+        ""
+    };
+    client
+        .batch_execute(&format!(
+            "DO $$ BEGIN {propagate}\
+               PERFORM set_config('lock_timeout', '100ms', true); \
+               TRUNCATE {table}; \
+             END $$"
+        ))
+        .await
+}
+
 /// Once nothing in the legacy table is within the retention: stops reading it, and truncates it,
 /// waiting at most a moment for the lock (a turn reading it holds it until its transaction ends).
 /// Returns about how many receipts it held when it was truncated.
 async fn empty_legacy(
     client: &tokio_postgres::Client,
     legacy: &Slot,
+    citus: bool,
 ) -> Result<Option<f64>, tokio_postgres::Error> {
     if legacy.has_recent {
         return Ok(None);
@@ -263,14 +346,6 @@ async fn empty_legacy(
     if !legacy.has_rows {
         return Ok(None);
     }
-    // One statement, so one transaction, which a failure (the lock not had in time) ends whole.
-    client
-        .batch_execute(
-            "DO $$ BEGIN \
-               PERFORM set_config('lock_timeout', '100ms', true); \
-               TRUNCATE turnstile_receipt_legacy; \
-             END $$",
-        )
-        .await?;
+    truncate_briefly(client, "turnstile_receipt_legacy", citus).await?;
     Ok(Some(legacy.rows.max(0.0)))
 }

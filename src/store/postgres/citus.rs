@@ -1,0 +1,278 @@
+//! Turnstile on Citus, PostgreSQL's extension for spreading tables over several nodes: a
+//! capability of the PostgreSQL store, found once, not a store of its own.
+//!
+//! `turnstile migrate` on a Citus coordinator (the `citus` extension in the database; `--citus`
+//! makes its absence an error instead of a single-node layout) applies the migrations as
+//! anywhere, then distributes the tables by a `shard` column — a conversation's rows, its receipts
+//! included, on one shard; a user's on another — and installs the bodies of Turnstile's functions
+//! that name each row's shard (`citus/distribute.sql` and `citus/functions.sql` say how, and
+//! why). The store learns from its first connection whether the tables it serves are laid out so
+//! ([`Engine`]), and from then on sends the statements of this module in place of those that
+//! would ask every shard ([`super::Sql::on`]): each names its rows by `shard =
+//! turnstile_key_shard(key)`, which Citus turns into the one shard to ask before it runs the
+//! statement, so the parameters are the same as on a single PostgreSQL.
+
+use std::sync::OnceLock;
+
+use tokio_postgres::types::Type;
+
+use super::Sql;
+
+/// Distributes the tables: run once, in the migration's transaction.
+const DISTRIBUTE: &str = include_str!("citus/distribute.sql");
+/// Turnstile's functions as Citus runs them: installed after every migration.
+const FUNCTIONS: &str = include_str!("citus/functions.sql");
+
+/// Whether `turnstile migrate` lays the tables out for Citus.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum CitusLayout {
+    /// When the database has the `citus` extension.
+    #[default]
+    Detect,
+    /// Always: a database without the extension is an error (`--citus`).
+    Required,
+}
+
+/// What `turnstile migrate` found and did on Citus.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Citus {
+    /// No `citus` extension: a single PostgreSQL.
+    Absent,
+    /// The tables were distributed by this migration.
+    Distributed,
+    /// The tables were distributed already; the functions were installed again.
+    AlreadyDistributed,
+    /// A newer release migrated the database: its layout and functions are left as they are.
+    LeftToNewer,
+}
+
+/// Why the tables cannot be laid out for Citus.
+#[derive(Debug, thiserror::Error)]
+pub enum CitusError {
+    /// `--citus`, and the database has no `citus` extension.
+    #[error(
+        "--citus was given, but the database has no citus extension: run `CREATE EXTENSION \
+         citus` on the coordinator and add its workers first (or leave --citus out to migrate \
+         a single PostgreSQL)"
+    )]
+    NoExtension,
+    /// Replicas of a release before 0.2 may still use the views a migration left in `public`.
+    #[error(
+        "the views a migration left in public for replicas of 0.1.0 are still there: Citus cannot \
+         serve those replicas. Stop them, run `turnstile migrate --drop-compat`, then migrate \
+         again"
+    )]
+    OlderReplicaViews,
+    /// A statement failed.
+    #[error("{doing} failed")]
+    Statement {
+        /// What was being done.
+        doing: &'static str,
+        /// The driver's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+}
+
+/// After the migrations, on `client`'s session: distributes the tables if the database is a
+/// Citus coordinator and they are not yet, and installs the functions' Citus bodies.
+///
+/// # Errors
+/// [`CitusError`]: `--citus` without the extension, views left for older replicas, or a failed
+/// statement (the distribution is undone whole).
+pub(super) async fn apply(
+    client: &mut tokio_postgres::Client,
+    layout: CitusLayout,
+) -> Result<Citus, CitusError> {
+    let found = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus'), \
+                    EXISTS (SELECT 1 FROM pg_views WHERE schemaname = 'public' \
+                              AND viewname IN ('turnstile_state', 'turnstile_receipt') \
+                              AND current_schema() <> 'public')",
+            &[],
+        )
+        .await
+        .map_err(|source| CitusError::Statement {
+            doing: "looking for the citus extension",
+            source,
+        })?;
+    let (extension, compat_views): (bool, bool) = (found.get(0), found.get(1));
+    if !extension {
+        return match layout {
+            CitusLayout::Detect => Ok(Citus::Absent),
+            CitusLayout::Required => Err(CitusError::NoExtension),
+        };
+    }
+    let distributed: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_dist_partition \
+                             WHERE logicalrelid = 'turnstile_state'::regclass)",
+            &[],
+        )
+        .await
+        .map_err(|source| CitusError::Statement {
+            doing: "asking Citus whether the tables are distributed",
+            source,
+        })?
+        .get(0);
+    if !distributed && compat_views {
+        return Err(CitusError::OlderReplicaViews);
+    }
+    let transaction = client
+        .transaction()
+        .await
+        .map_err(|source| CitusError::Statement {
+            doing: "starting the Citus layout's transaction",
+            source,
+        })?;
+    transaction
+        .batch_execute(FUNCTIONS)
+        .await
+        .map_err(|source| CitusError::Statement {
+            doing: "installing the functions' Citus bodies",
+            source,
+        })?;
+    if !distributed {
+        transaction
+            .batch_execute(DISTRIBUTE)
+            .await
+            .map_err(|source| CitusError::Statement {
+                doing: "distributing the tables over the Citus cluster",
+                source,
+            })?;
+    }
+    transaction
+        .commit()
+        .await
+        .map_err(|source| CitusError::Statement {
+            doing: "committing the Citus layout",
+            source,
+        })?;
+    Ok(if distributed {
+        Citus::AlreadyDistributed
+    } else {
+        Citus::Distributed
+    })
+}
+
+/// Whether the tables a store serves are distributed by Citus: learned from the first connection
+/// that finds them, then fixed for the store's life (a layout changes only by a migration, which
+/// the replicas' restart follows).
+#[derive(Debug, Default)]
+pub(super) struct Engine(OnceLock<bool>);
+
+impl Engine {
+    /// Whether the store's statements must be Citus' ([`Sql::on`]); `false` until learned.
+    pub(super) fn is_citus(&self) -> bool {
+        self.0.get().copied().unwrap_or(false)
+    }
+
+    /// Whether the layout is learned.
+    pub(super) fn is_known(&self) -> bool {
+        self.0.get().is_some()
+    }
+
+    /// Learns the layout on `client`, unless known: a `shard` column on `turnstile_state` is
+    /// Citus'. Nothing is learned while the table does not exist (a database not yet migrated).
+    ///
+    /// # Errors
+    /// The query failed.
+    pub(super) async fn learn(
+        &self,
+        client: &tokio_postgres::Client,
+    ) -> Result<(), tokio_postgres::Error> {
+        if self.0.get().is_some() {
+            return Ok(());
+        }
+        // A simple query: no prepared statement, so through a transaction-mode pooler too.
+        let rows = client
+            .simple_query(
+                "SELECT to_regclass('turnstile_state') IS NOT NULL, EXISTS ( \
+                   SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('turnstile_state') \
+                      AND attname = 'shard' AND NOT attisdropped)",
+            )
+            .await?;
+        let row = rows.iter().find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
+            _ => None,
+        });
+        if let Some(row) = row
+            && row.get(0) == Some("t")
+        {
+            let _ = self.0.set(row.get(1) == Some("t"));
+        }
+        Ok(())
+    }
+}
+
+/// [`super::LOAD`] on Citus: `turnstile_load` (`citus/functions.sql`), each part asked of its
+/// own shards.
+pub(super) const LOAD: Sql = Sql {
+    text: "SELECT kind, key, state, version, age FROM turnstile_load($1, $2, NULL)",
+    types: &[Type::TEXT_ARRAY, Type::TEXT],
+    on_citus: None,
+};
+/// [`super::LOAD_HOLDING`] on Citus.
+pub(super) const LOAD_HOLDING: Sql = Sql {
+    text: "SELECT kind, key, state, version, age FROM turnstile_load($1, $2, $3)",
+    types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
+    on_citus: None,
+};
+/// [`super::COMMIT_WITH_RECEIPTS`] on Citus: the other receipts written one router-planned insert
+/// at a time (`turnstile_receipt_write`), after the commit and only if it applied.
+pub(super) const COMMIT_WITH_RECEIPTS: Sql = Sql {
+    text: "SELECT c.conflict_key, c.versions \
+             FROM turnstile_commit($1, $2, $3, $4, $5) c \
+             LEFT JOIN LATERAL ( \
+               SELECT sum(turnstile_receipt_write(r.key, r.payload, true)) \
+                 FROM unnest($6::text[], $7::jsonb[]) AS r(key, payload) \
+                WHERE c.conflict_key IS NULL) w ON true",
+    types: &[
+        Type::TEXT_ARRAY,
+        Type::INT8_ARRAY,
+        Type::JSONB_ARRAY,
+        Type::TEXT,
+        Type::JSONB,
+        Type::TEXT_ARRAY,
+        Type::JSONB_ARRAY,
+    ],
+    on_citus: None,
+};
+/// [`super::INSPECT`] on Citus.
+pub(super) const INSPECT: Sql = Sql {
+    text: "SELECT false, key, state, version, extract(epoch FROM updated_at)::float8 \
+             FROM turnstile_state WHERE shard = ANY(turnstile_key_shards($1)) AND key = ANY($1)",
+    types: &[Type::TEXT_ARRAY],
+    on_citus: None,
+};
+/// [`super::SWEEP`] on Citus, which refuses `FOR UPDATE` in a statement over several shards:
+/// the delete checks each row's age itself, on the row's latest version, so that a row a turn
+/// writes meanwhile is waited for and then kept (written, so not idle).
+pub(super) const SWEEP: Sql = Sql {
+    text: concat!(
+        "WITH batch AS ( \
+             SELECT key FROM turnstile_state WHERE $1::text IS NULL OR key > $1::text \
+              ORDER BY key LIMIT $2), \
+           gone AS ( \
+             DELETE FROM turnstile_state s WHERE s.key IN (SELECT key FROM batch) AND ",
+        idle_past_its_ttl!(),
+        " RETURNING s.key, s.version), \
+           tombs AS ( \
+             INSERT INTO turnstile_tombstone (key_hash, version) \
+             SELECT turnstile_key_hash(key), version FROM gone \
+             ON CONFLICT (key_hash) DO UPDATE \
+                SET version = greatest(turnstile_tombstone.version, excluded.version), \
+                    erased_at = excluded.erased_at) \
+           SELECT (SELECT max(key) FROM batch), (SELECT count(*) FROM batch), \
+                  (SELECT count(*) FROM gone)"
+    ),
+    types: &[
+        Type::TEXT,
+        Type::INT8,
+        Type::FLOAT8,
+        Type::FLOAT8,
+        Type::FLOAT8,
+    ],
+    on_citus: None,
+};

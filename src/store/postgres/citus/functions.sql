@@ -1,0 +1,250 @@
+-- Turnstile's functions as a Citus cluster runs them (src/store/postgres/citus.rs), installed by
+-- `turnstile migrate` after the migrations, every time, so that a migration that replaces one of
+-- them with its single-node body is followed at once by this one.
+--
+-- The differences from the single-node bodies (migrations/V5__receipt_slots.sql), and why:
+-- - Every statement names its row by the shard column too, `shard = turnstile_key_shard(k)`, so
+--   that Citus routes it to the one shard that holds the key, instead of asking all of them (and
+--   refusing the FOR SHARE of a statement that spans shards).
+-- - Rows are inserted with `INSERT … VALUES`, one row at a time. Citus runs an `INSERT … SELECT`
+--   through the coordinator and commits it with two-phase commit, even when every row lands on
+--   one shard; a conversation's turn then paid a PREPARE TRANSACTION on every commit.
+-- - A create reads its key's tombstone (a reference table, local wherever it runs) into a
+--   variable first, for the same reason.
+
+CREATE OR REPLACE FUNCTION turnstile_key_shard(p_key text) RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT coalesce(substring(p_key FROM '^[^/]*/[^/]*/[^/]*/[^/]*'), p_key) $$;
+
+-- The shards of keys `p_keys`, each once: `shard = ANY(turnstile_key_shards($1))` asks only those.
+-- (turnstile_key_shard's expression written out: a worker that runs a statement naming this
+-- function finds no other function of Turnstile's schema on its path.)
+CREATE OR REPLACE FUNCTION turnstile_key_shards(p_keys text[]) RETURNS text[]
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT array_agg(DISTINCT coalesce(substring(k FROM '^[^/]*/[^/]*/[^/]*/[^/]*'), k))
+      FROM unnest(p_keys) AS k
+$$;
+
+-- A turn's load (src/store/postgres.rs, LOAD): the state rows of `p_keys` with their ages, the
+-- tombstones of those keys, and receipt `p_receipt`; with `p_held`, that conversation's row is
+-- locked until the transaction ends (LOAD_HOLDING). In one statement, the rows of a turn that
+-- also reads its user's scope (another shard) would make Citus plan the union through
+-- intermediate results sent to every node; here each part is a query of its own: the rows, from
+-- their shards at once; the tombstones, read where the function runs; the receipt, from its
+-- conversation's shard. The parts are not one snapshot, and need not be: the commit checks every
+-- key the turn read against the version it saw.
+CREATE OR REPLACE FUNCTION turnstile_load(p_keys text[], p_receipt text, p_held text)
+RETURNS TABLE (kind int2, key text, state jsonb, version bigint, age float8)
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_held IS NULL THEN
+        RETURN QUERY
+        SELECT 0::int2, s.key, s.state, s.version, extract(epoch FROM now() - s.updated_at)::float8
+          FROM turnstile_state s
+         WHERE s.shard = ANY(turnstile_key_shards(p_keys)) AND s.key = ANY(p_keys);
+    ELSE
+        RETURN QUERY
+        SELECT 0::int2, s.key, s.state, s.version, extract(epoch FROM now() - s.updated_at)::float8
+          FROM turnstile_state s
+         WHERE s.shard = turnstile_key_shard(p_held) AND s.key = p_held
+           FOR UPDATE;
+        RETURN QUERY
+        SELECT 0::int2, s.key, s.state, s.version, extract(epoch FROM now() - s.updated_at)::float8
+          FROM turnstile_state s
+         WHERE s.shard = ANY(turnstile_key_shards(p_keys)) AND s.key = ANY(p_keys)
+           AND s.key <> p_held;
+    END IF;
+    RETURN QUERY
+    SELECT 2::int2, k, NULL::jsonb, t.version, NULL::float8 FROM unnest(p_keys) AS k
+      JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k);
+    IF p_receipt IS NOT NULL THEN
+        RETURN QUERY
+        SELECT 1::int2, r.key, r.payload, 0::bigint, NULL::float8 FROM (
+          SELECT x.key, x.payload FROM turnstile_receipt x
+           WHERE x.shard = turnstile_key_shard(p_receipt) AND x.key = p_receipt
+          UNION ALL
+          SELECT x.key, x.payload FROM turnstile_receipt_legacy x
+           WHERE x.shard = turnstile_key_shard(p_receipt) AND x.key = p_receipt LIMIT 1) r;
+    END IF;
+END
+$$;
+
+
+CREATE OR REPLACE FUNCTION turnstile_receipt_slots(p_key text, p_if_absent boolean DEFAULT false)
+RETURNS int2[]
+LANGUAGE plpgsql STRICT AS $$
+DECLARE
+    taken boolean;
+    width float8;
+    now_epoch float8 := extract(epoch FROM statement_timestamp());
+    slot int2;
+    before int2;
+BEGIN
+    SELECT EXISTS (SELECT 1 FROM turnstile_receipt
+                    WHERE shard = turnstile_key_shard(p_key) AND key = p_key)
+           OR (c.legacy AND EXISTS (SELECT 1 FROM turnstile_receipt_legacy
+                                     WHERE shard = turnstile_key_shard(p_key) AND key = p_key)),
+           c.width_secs
+      INTO taken, width FROM turnstile_receipt_clock c;
+    IF taken THEN
+        IF p_if_absent THEN
+            RETURN '{}';
+        END IF;
+        RAISE unique_violation USING
+            CONSTRAINT = 'turnstile_receipt_pkey',
+            MESSAGE = 'turnstile receipt exists: the activity committed already',
+            DETAIL = p_key;
+    END IF;
+    slot := (floor(now_epoch / width)::bigint % 4)::int2;
+    before := (floor((now_epoch - least(10, width / 4)) / width)::bigint % 4)::int2;
+    IF before = slot THEN
+        RETURN ARRAY[slot];
+    END IF;
+    RETURN ARRAY[slot, before];
+END
+$$;
+
+-- Writes receipt `p_key` in the slots `turnstile_receipt_slots` names, one router-planned insert
+-- each; returns how many (0: the activity has a receipt already). A receipt that appears
+-- meanwhile (the same activity committing on another replica) is skipped, not raised: Citus
+-- passes a worker's unique violation on without the name of its constraint, by which the store
+-- tells a receipt that exists from other failures. One found in some of its slots but not all is
+-- that same race, raised as a conflict that undoes the commit.
+CREATE OR REPLACE FUNCTION turnstile_receipt_write(p_key text, p_payload jsonb, p_if_absent boolean)
+RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    slots int2[] := turnstile_receipt_slots(p_key, p_if_absent);
+    s int2;
+    written integer := 0;
+BEGIN
+    -- Into the slot's own table: the parent has no unique index for ON CONFLICT to name.
+    FOREACH s IN ARRAY slots LOOP
+        CASE s
+        WHEN 0 THEN
+            INSERT INTO turnstile_receipt_0 (shard, slot, key, payload)
+            VALUES (turnstile_key_shard(p_key), s, p_key, p_payload)
+            ON CONFLICT (shard, key) DO NOTHING;
+        WHEN 1 THEN
+            INSERT INTO turnstile_receipt_1 (shard, slot, key, payload)
+            VALUES (turnstile_key_shard(p_key), s, p_key, p_payload)
+            ON CONFLICT (shard, key) DO NOTHING;
+        WHEN 2 THEN
+            INSERT INTO turnstile_receipt_2 (shard, slot, key, payload)
+            VALUES (turnstile_key_shard(p_key), s, p_key, p_payload)
+            ON CONFLICT (shard, key) DO NOTHING;
+        ELSE
+            INSERT INTO turnstile_receipt_3 (shard, slot, key, payload)
+            VALUES (turnstile_key_shard(p_key), s, p_key, p_payload)
+            ON CONFLICT (shard, key) DO NOTHING;
+        END CASE;
+        IF FOUND THEN
+            written := written + 1;
+        END IF;
+    END LOOP;
+    IF written > 0 AND written < cardinality(slots) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'TS409',
+            MESSAGE = 'turnstile commit conflict: the same activity committed meanwhile',
+            DETAIL = p_key;
+    END IF;
+    RETURN written;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION turnstile_commit(
+    p_keys text[],
+    p_expected bigint[],
+    p_states jsonb[],
+    p_receipt_key text,
+    p_receipt jsonb,
+    OUT conflict_key text,
+    OUT versions bigint[]
+)
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    n integer := coalesce(array_length(p_keys, 1), 0);
+    seen bigint;
+    gone bigint;
+    wrote boolean := false;
+    k text;
+    expected bigint;
+    new_state jsonb;
+BEGIN
+    FOR i IN 1 .. n LOOP
+        CONTINUE WHEN p_states[i] IS NOT NULL;
+        k := p_keys[i];
+        expected := p_expected[i];
+        IF expected <= 0 THEN
+            PERFORM 1 FROM turnstile_state WHERE shard = turnstile_key_shard(k) AND key = k;
+            IF FOUND THEN
+                conflict_key := k;
+                RETURN;
+            END IF;
+        ELSE
+            SELECT version INTO seen FROM turnstile_state
+             WHERE shard = turnstile_key_shard(k) AND key = k FOR SHARE;
+            IF NOT FOUND OR seen <> expected THEN
+                conflict_key := k;
+                RETURN;
+            END IF;
+        END IF;
+    END LOOP;
+
+    versions := '{}';
+    FOR i IN 1 .. n LOOP
+        k := p_keys[i];
+        expected := p_expected[i];
+        new_state := p_states[i];
+        IF new_state IS NULL THEN
+            versions := versions || greatest(expected, 0);
+            CONTINUE;
+        END IF;
+        seen := NULL;
+        IF expected <= 0 THEN
+            -- 0 (a release before 0.2) creates at 1 and only over no tombstone; -n creates at n
+            -- over the tombstone of n - 1 (migrations/V4__erasure.sql).
+            SELECT t.version INTO gone FROM turnstile_tombstone t
+             WHERE t.key_hash = turnstile_key_hash(k);
+            IF coalesce(gone, 0) = greatest(-expected, 1) - 1 THEN
+                INSERT INTO turnstile_state (shard, key, state, version)
+                VALUES (turnstile_key_shard(k), k, new_state, greatest(-expected, 1))
+                ON CONFLICT (shard, key) DO NOTHING
+                RETURNING version INTO seen;
+            END IF;
+        ELSE
+            UPDATE turnstile_state
+               SET state = new_state, version = version + 1, updated_at = now()
+             WHERE shard = turnstile_key_shard(k) AND key = k AND version = expected
+            RETURNING version INTO seen;
+        END IF;
+        IF seen IS NULL THEN
+            IF NOT wrote THEN
+                conflict_key := k;
+                versions := NULL;
+                RETURN;
+            END IF;
+            RAISE EXCEPTION USING
+                ERRCODE = 'TS409',
+                MESSAGE = 'turnstile commit conflict: a key moved after another was written',
+                DETAIL = k;
+        END IF;
+        wrote := true;
+        versions := versions || seen;
+    END LOOP;
+
+    IF p_receipt_key IS NOT NULL AND turnstile_receipt_write(p_receipt_key, p_receipt, true) = 0
+    THEN
+        IF NOT wrote THEN
+            conflict_key := p_receipt_key;
+            versions := NULL;
+            RETURN;
+        END IF;
+        RAISE EXCEPTION USING
+            ERRCODE = 'TS409',
+            MESSAGE = 'turnstile commit conflict: the same activity committed meanwhile',
+            DETAIL = p_receipt_key;
+    END IF;
+END
+$$;

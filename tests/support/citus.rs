@@ -1,0 +1,108 @@
+//! Citus clusters for the tests: a coordinator and workers, each a throwaway PostgreSQL cluster
+//! ([`pg::Cluster`]) with Citus preloaded, on loopback.
+//!
+//! Citus is not a Debian package: `.ci/run` installs it from `../shared/citus` when that exists
+//! (`install.sh`). On a machine without it, the Citus tests say how to install it and pass without
+//! running ([`installed`]); under CI with `../shared/citus` beside the checkout, a missing Citus
+//! is a failure, so an install that went wrong cannot pass unnoticed.
+
+use std::path::Path;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::pg::{self, Cluster};
+
+/// Whether Citus is installed in the PostgreSQL the tests run. When it is not, says how to
+/// install it and returns `false`; the caller returns without testing.
+///
+/// # Panics
+/// Under CI (`CI` set) when `../shared/citus` exists beside the checkout and Citus is not
+/// installed: `.ci/run` should have installed it.
+pub fn installed() -> bool {
+    if pg::lib_dir().is_some_and(|lib| lib.join("citus.so").is_file()) {
+        return true;
+    }
+    let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/citus/install.sh");
+    assert!(
+        std::env::var_os("CI").is_none() || !shared.is_file(),
+        "Citus is not installed, though {} is there: .ci/run installs it before the tests",
+        shared.display()
+    );
+    eprintln!(
+        "Citus is not installed, so the Citus tests did not run. To run them, install Citus \
+         13.2 for this PostgreSQL: `../shared/citus/install.sh` as root (what .ci/run does), or \
+         your distribution's or Citus' own packages"
+    );
+    false
+}
+
+/// A coordinator and its workers.
+pub struct CitusCluster {
+    pub coordinator: Cluster,
+    pub workers: Vec<Cluster>,
+}
+
+impl CitusCluster {
+    /// Starts a coordinator and `workers` workers (no database of Turnstile's yet: see
+    /// [`CitusCluster::fresh_database`]).
+    pub fn start(workers: usize) -> CitusCluster {
+        let node = || Cluster::start_with(&["shared_preload_libraries=citus"], |_| {});
+        CitusCluster {
+            coordinator: node(),
+            workers: (0..workers).map(|_| node()).collect(),
+        }
+    }
+
+    /// A new database on every node, with the `citus` extension, the coordinator's, and the
+    /// workers added to it: Citus' metadata is per database. Returns the coordinator's URL of it.
+    pub async fn fresh_database(&self) -> String {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let name = format!(
+            "turnstile_citus_{}_{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        for node in self.workers.iter().chain([&self.coordinator]) {
+            create_with_citus(node, &name).await;
+        }
+        let coordinator = pg::session(&self.coordinator.url(&name)).await;
+        coordinator
+            .execute(
+                "SELECT citus_set_coordinator_host('127.0.0.1', $1)",
+                &[&i32::from(self.coordinator.port())],
+            )
+            .await
+            .expect("naming the Citus coordinator");
+        for worker in &self.workers {
+            coordinator
+                .execute(
+                    "SELECT citus_add_node('127.0.0.1', $1)",
+                    &[&i32::from(worker.port())],
+                )
+                .await
+                .expect("adding a Citus worker");
+        }
+        self.coordinator.url(&name)
+    }
+}
+
+/// Creates database `name` on `node`, with the `citus` extension in it.
+async fn create_with_citus(node: &Cluster, name: &str) {
+    pg::session(&node.url("postgres"))
+        .await
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .expect("creating a database on a Citus node");
+    pg::session(&node.url(name))
+        .await
+        .batch_execute("CREATE EXTENSION citus")
+        .await
+        .expect("creating the citus extension");
+}
+
+/// The Citus cluster this test process shares (a coordinator and 2 workers), started on first use;
+/// each test takes a database of its own in it ([`CitusCluster::fresh_database`]).
+pub fn shared() -> &'static CitusCluster {
+    static SHARED: OnceLock<CitusCluster> = OnceLock::new();
+    SHARED.get_or_init(|| CitusCluster::start(2))
+}
