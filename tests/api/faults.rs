@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use support::check;
+use support::citus::CitusCluster;
 use support::fleet::Fleet;
 use support::load::{Failure, Gateway, Record, Shape, Turn};
 use support::pg::{self, Cluster};
@@ -48,11 +49,18 @@ const AFTERMATH: Duration = Duration::from_secs(1);
 /// The load goes on at least this long after the fault is over, however long the fault took.
 const RECOVERY: Duration = Duration::from_secs(2);
 
+/// Where a world's database is: a private cluster, or a private Citus cluster (a coordinator and
+/// 2 workers).
+enum Database {
+    Single(Arc<Cluster>),
+    Citus(Arc<CitusCluster>),
+}
+
 /// A private cluster, three servers on one database in it (directly or through a proxy), and a
 /// gateway in front of them.
 struct World {
     name: &'static str,
-    cluster: Arc<Cluster>,
+    database: Database,
     database_url: String,
     proxy: Option<Proxy>,
     fleet: Fleet,
@@ -86,6 +94,36 @@ impl World {
                 .expect("starting a cluster"),
         );
         let database_url = pg::fresh_database_in(&cluster).await;
+        World::start_on(
+            name,
+            Database::Single(cluster),
+            database_url,
+            through_proxy,
+            started,
+        )
+        .await
+    }
+
+    /// A world whose servers share a database of a private Citus cluster, laid out for it by
+    /// their migration on start.
+    async fn start_on_citus(name: &'static str) -> World {
+        let started = Instant::now();
+        let citus = Arc::new(
+            tokio::task::spawn_blocking(|| CitusCluster::start(2))
+                .await
+                .expect("starting a Citus cluster"),
+        );
+        let database_url = citus.fresh_database().await;
+        World::start_on(name, Database::Citus(citus), database_url, false, started).await
+    }
+
+    async fn start_on(
+        name: &'static str,
+        database: Database,
+        database_url: String,
+        through_proxy: bool,
+        started: Instant,
+    ) -> World {
         let (proxy, server_url) = if through_proxy {
             let config: tokio_postgres::Config = database_url.parse().expect("a database URL");
             let port = config.get_ports()[0];
@@ -103,7 +141,7 @@ impl World {
         let gateway = Gateway::new(&fleet.addrs(), SHAPE.call_timeout);
         World {
             name,
-            cluster,
+            database,
             database_url,
             proxy,
             fleet,
@@ -265,7 +303,10 @@ async fn postgres_stopped_and_restarted_under_load() {
     sleep(LEAD_IN).await;
 
     let began = Instant::now();
-    let cluster = Arc::clone(&world.cluster);
+    let Database::Single(cluster) = &world.database else {
+        unreachable!("a single cluster")
+    };
+    let cluster = Arc::clone(cluster);
     tokio::task::spawn_blocking(move || {
         cluster.stop();
         std::thread::sleep(Duration::from_millis(1500));
@@ -292,8 +333,61 @@ async fn postgres_stopped_and_restarted_under_load() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_server_killed_and_restarted_under_load() {
+    server_killed_and_restarted(World::start("sigkill", false).await).await;
+}
+
+/// The same with the tables distributed over a Citus coordinator and 2 workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_citus_a_server_killed_and_restarted_under_load() {
+    if !support::citus::installed() {
+        return;
+    }
+    server_killed_and_restarted(World::start_on_citus("citus-sigkill").await).await;
+}
+
+/// A Citus worker, holding half the shards, stopped and restarted under load: the turns of its
+/// conversations fail while it is away and are delivered again; none is lost or applied twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_citus_a_worker_stopped_and_restarted_under_load() {
+    if !support::citus::installed() {
+        return;
+    }
+    let world = World::start_on_citus("citus-worker-restart").await;
+    let load = world.start_load();
+    sleep(LEAD_IN).await;
+
+    let began = Instant::now();
+    let Database::Citus(citus) = &world.database else {
+        unreachable!("a Citus cluster")
+    };
+    let citus = Arc::clone(citus);
+    tokio::task::spawn_blocking(move || {
+        let worker = &citus.workers[0];
+        worker.stop();
+        std::thread::sleep(Duration::from_millis(1500));
+        worker.resume();
+    })
+    .await
+    .expect("stopping and restarting a Citus worker");
+    let fault = Fault {
+        began,
+        over: Instant::now(),
+        injected: 1,
+    };
+
+    let m = world.finish(load, &fault).await;
+    assert!(
+        m.failures_in_fault > 0,
+        "nobody noticed the worker was down"
+    );
+    assert!(
+        m.acks_after_fault > 0,
+        "no turn succeeded after the restart"
+    );
+}
+
+async fn server_killed_and_restarted(mut world: World) {
     const VICTIM: usize = 1;
-    let mut world = World::start("sigkill", false).await;
     let load = world.start_load();
     sleep(LEAD_IN).await;
 

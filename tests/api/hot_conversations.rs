@@ -48,7 +48,11 @@ impl Bot for Counted {
 /// Three replicas over one fresh database, each with its own pool, hosting the counted pizza bot
 /// under `policy`; and the shared run counter.
 async fn replicas(policy: ConcurrencyPolicy) -> (Vec<TestServer>, Arc<AtomicU32>) {
-    let url = support::pg::fresh_database().await;
+    replicas_on(&support::pg::fresh_database().await, policy).await
+}
+
+/// [`replicas`] over database `url`.
+async fn replicas_on(url: &str, policy: ConcurrencyPolicy) -> (Vec<TestServer>, Arc<AtomicU32>) {
     let runs = Arc::new(AtomicU32::new(0));
     let bots = || {
         BotRegistry::new("pizza", Counted(Arc::clone(&runs)))
@@ -56,9 +60,9 @@ async fn replicas(policy: ConcurrencyPolicy) -> (Vec<TestServer>, Arc<AtomicU32>
             .unwrap()
     };
     let (a, b, c) = tokio::join!(
-        TestServer::start(postgres_config(&url), bots()),
-        TestServer::start(postgres_config(&url), bots()),
-        TestServer::start(postgres_config(&url), bots()),
+        TestServer::start(postgres_config(url), bots()),
+        TestServer::start(postgres_config(url), bots()),
+        TestServer::start(postgres_config(url), bots()),
     );
     (vec![a, b, c], runs)
 }
@@ -124,7 +128,22 @@ async fn assert_exact(added: &[(String, String, u32)], client: &mut TurnServiceC
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn optimistic_turns_that_conflict_queue_for_the_lock_and_run_at_most_twice() {
-    let (servers, runs) = replicas(ConcurrencyPolicy::Optimistic).await;
+    optimistic_turns_queue_for_the_lock(replicas(ConcurrencyPolicy::Optimistic).await).await;
+}
+
+/// The same hot conversation with the tables distributed over a Citus coordinator and 2 workers:
+/// the lock tables stay on the coordinator, where the replicas' locks meet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_citus_optimistic_turns_that_conflict_queue_for_the_lock_and_run_at_most_twice() {
+    if !support::citus::installed() {
+        return;
+    }
+    let url = support::citus::shared().fresh_database().await;
+    optimistic_turns_queue_for_the_lock(replicas_on(&url, ConcurrencyPolicy::Optimistic).await)
+        .await;
+}
+
+async fn optimistic_turns_queue_for_the_lock((servers, runs): (Vec<TestServer>, Arc<AtomicU32>)) {
     let added = race(&servers, "hot").await;
     let mut client = servers[0].client().await;
     assert_exact(&added, &mut client).await;
@@ -149,7 +168,20 @@ async fn optimistic_turns_that_conflict_queue_for_the_lock_and_run_at_most_twice
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_serialized_bot_runs_exactly_once_per_turn() {
-    let (servers, runs) = replicas(ConcurrencyPolicy::Serialized).await;
+    serialized_runs_once(replicas(ConcurrencyPolicy::Serialized).await).await;
+}
+
+/// The same on Citus.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_citus_a_serialized_bot_runs_exactly_once_per_turn() {
+    if !support::citus::installed() {
+        return;
+    }
+    let url = support::citus::shared().fresh_database().await;
+    serialized_runs_once(replicas_on(&url, ConcurrencyPolicy::Serialized).await).await;
+}
+
+async fn serialized_runs_once((servers, runs): (Vec<TestServer>, Arc<AtomicU32>)) {
     let added = race(&servers, "hot").await;
     assert_eq!(
         runs.load(Ordering::SeqCst),

@@ -128,12 +128,24 @@ async fn assert_no_lost_update(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_replicas_on_postgres_never_acknowledge_a_lost_topping() {
-    let url = support::pg::fresh_database().await;
+    three_replicas_race(&support::pg::fresh_database().await).await;
+}
+
+/// The same race with the tables distributed over a Citus coordinator and 2 workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_replicas_on_citus_never_acknowledge_a_lost_topping() {
+    if !support::citus::installed() {
+        return;
+    }
+    three_replicas_race(&support::citus::shared().fresh_database().await).await;
+}
+
+async fn three_replicas_race(url: &str) {
     // Three replicas start together, each migrating on start, each with its own pool and port.
     let (a, b, c) = tokio::join!(
-        TestServer::start(postgres_config(&url), turnstile::bots::samples()),
-        TestServer::start(postgres_config(&url), turnstile::bots::samples()),
-        TestServer::start(postgres_config(&url), turnstile::bots::samples()),
+        TestServer::start(postgres_config(url), turnstile::bots::samples()),
+        TestServer::start(postgres_config(url), turnstile::bots::samples()),
+        TestServer::start(postgres_config(url), turnstile::bots::samples()),
     );
     let clients = [a.client().await, b.client().await, c.client().await];
     let added = race(&clients, "pizza-race").await;

@@ -51,6 +51,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 
 use super::waker::Released;
@@ -127,7 +128,7 @@ const TAKE: Sql = Sql {
         Type::FLOAT8,
         Type::TEXT,
     ],
-    on_citus: None,
+    on_citus: Some(&TAKE_ON_CITUS),
 };
 /// Puts waiter `$2` (its ticket) in the line for hold `$1`, at the end, or, when it is in the
 /// line, marks it still waiting; drops the waiters who stopped asking ([`STILL_WAITING`]). A
@@ -152,7 +153,7 @@ const QUEUE: Sql = Sql {
              '[]')) \
            WHERE key = $1",
     types: &[Type::TEXT, Type::TEXT, Type::FLOAT8],
-    on_citus: None,
+    on_citus: Some(&QUEUE_ON_CITUS),
 };
 /// How long a waiter stays in the line for a hold without asking again: eight of the longest
 /// pauses between two asks ([`MAX_PAUSE`]).
@@ -165,7 +166,7 @@ const RENEW: Sql = Sql {
                   to_jsonb(extract(epoch FROM clock_timestamp()) + $3::float8)) \
             WHERE key = $1 AND version = $2 RETURNING state ? 'interrupt'",
     types: &[Type::TEXT, Type::INT8, Type::FLOAT8],
-    on_citus: None,
+    on_citus: Some(&RENEW_ON_CITUS),
 };
 /// Releases hold `$1` at fence `$2` (its time set to the past, the fence kept, what was handed
 /// on kept), and announces it to the turns waiting for it (`waker`).
@@ -175,7 +176,7 @@ const RELEASE: Sql = Sql {
               WHERE key = $1 AND version = $2 RETURNING key) \
            SELECT pg_notify('turnstile_hold', key) FROM released",
     types: &[Type::TEXT, Type::INT8],
-    on_citus: None,
+    on_citus: Some(&RELEASE_ON_CITUS),
 };
 /// Releases hold `$1` at fence `$2` after its turn committed: what was handed to that turn is
 /// consumed (the superseded activities, and the pending ones whose receipts the commit wrote).
@@ -192,7 +193,7 @@ const RELEASE_COMMITTED: Sql = Sql {
               WHERE key = $1 AND version = $2 RETURNING key) \
            SELECT pg_notify('turnstile_hold', key) FROM released",
     types: &[Type::TEXT, Type::INT8],
-    on_citus: None,
+    on_citus: Some(&RELEASE_COMMITTED_ON_CITUS),
 };
 /// Releases hold `$1` at fence `$2` of a turn a later message interrupted, handing its activity
 /// `$3` on to the next turn as superseded, after the ones handed to it.
@@ -204,7 +205,7 @@ const RELEASE_SUPERSEDED: Sql = Sql {
               WHERE key = $1 AND version = $2 RETURNING key) \
            SELECT pg_notify('turnstile_hold', key) FROM released",
     types: &[Type::TEXT, Type::INT8, Type::JSONB],
-    on_citus: None,
+    on_citus: Some(&RELEASE_SUPERSEDED_ON_CITUS),
 };
 /// Asks the holder of hold `$1`, running activity `$2`, to stop for activity `$3`: marks the
 /// hold (read by the holder's renewal) and announces it (heard by the holder at once). Nothing
@@ -217,7 +218,7 @@ const INTERRUPT: Sql = Sql {
              RETURNING key) \
            SELECT pg_notify('turnstile_interrupt', key) FROM marked",
     types: &[Type::TEXT, Type::TEXT, Type::TEXT],
-    on_citus: None,
+    on_citus: Some(&INTERRUPT_ON_CITUS),
 };
 /// Adds `$2` (receipt key `$3`) to the activities of hold `$1` waiting to be answered together,
 /// unless it is there; the hold itself (its holder, time and fence) is left as it is.
@@ -231,6 +232,112 @@ const ADD_PENDING: Sql = Sql {
                   coalesce(s.state->'pending', '[]') || jsonb_build_array($2::jsonb)) \
             WHERE NOT coalesce(s.state->'pending', '[]') \
                       @> jsonb_build_array(jsonb_build_object('receipt', $3::text))",
+    types: &[Type::TEXT, Type::JSONB, Type::TEXT],
+    on_citus: Some(&ADD_PENDING_ON_CITUS),
+};
+/// [`QUEUE`] on Citus (`super::citus`): the row named by its shard too, and the clock the
+/// statement's start, as Citus refuses a volatile function in a distributed update.
+const QUEUE_ON_CITUS: Sql = Sql {
+    text: "UPDATE turnstile_state SET state = jsonb_set(state, '{queue}', coalesce(( \
+             SELECT jsonb_agg(w.e ORDER BY w.n) FROM ( \
+               SELECT CASE WHEN q.e->>'ticket' = $2 \
+                           THEN jsonb_build_object('ticket', $2::text, \
+                                'seen', extract(epoch FROM statement_timestamp())) \
+                           ELSE q.e END AS e, q.n \
+                 FROM jsonb_array_elements(coalesce(state->'queue', '[]')) \
+                      WITH ORDINALITY AS q(e, n) \
+                WHERE q.e->>'ticket' = $2 \
+                   OR (q.e->>'seen')::float8 > extract(epoch FROM statement_timestamp()) - $3::float8 \
+               UNION ALL \
+               SELECT jsonb_build_object('ticket', $2::text, \
+                      'seen', extract(epoch FROM statement_timestamp())), 9223372036854775807 \
+                WHERE NOT coalesce(state->'queue', '[]') \
+                          @> jsonb_build_array(jsonb_build_object('ticket', $2::text))) w), \
+             '[]')) \
+           WHERE shard = turnstile_key_shard($1) AND key = $1",
+    types: &[Type::TEXT, Type::TEXT, Type::FLOAT8],
+    on_citus: None,
+};
+/// [`RENEW`] on Citus (`super::citus`): the row named by its shard too, and the clock the
+/// statement's start, as Citus refuses a volatile function in a distributed update.
+const RENEW_ON_CITUS: Sql = Sql {
+    text: "UPDATE turnstile_state \
+              SET state = jsonb_set(state, '{until}', \
+                  to_jsonb(extract(epoch FROM statement_timestamp()) + $3::float8)) \
+            WHERE shard = turnstile_key_shard($1) AND key = $1 AND version = $2 RETURNING state ? 'interrupt'",
+    types: &[Type::TEXT, Type::INT8, Type::FLOAT8],
+    on_citus: None,
+};
+/// [`RELEASE`] on Citus (`super::citus`): the row named by its shard too, and the clock the
+/// statement's start, as Citus refuses a volatile function in a distributed update.
+const RELEASE_ON_CITUS: Sql = Sql {
+    text: "WITH released AS ( \
+             UPDATE turnstile_state SET state = jsonb_set(state, '{until}', '0') \
+              WHERE shard = turnstile_key_shard($1) AND key = $1 AND version = $2 RETURNING key) \
+           SELECT pg_notify('turnstile_hold', key) FROM released",
+    types: &[Type::TEXT, Type::INT8],
+    on_citus: None,
+};
+/// [`RELEASE_COMMITTED`] on Citus (`super::citus`): the row named by its shard too, and the clock the
+/// statement's start, as Citus refuses a volatile function in a distributed update.
+const RELEASE_COMMITTED_ON_CITUS: Sql = Sql {
+    text: "WITH released AS ( \
+             UPDATE turnstile_state \
+                SET state = (state - 'superseded' - 'pending' - 'interrupt') \
+                    || jsonb_build_object('until', 0, 'pending', coalesce( \
+                       (SELECT jsonb_agg(p.entry ORDER BY p.n) \
+                          FROM jsonb_array_elements(coalesce(state->'pending', '[]')) \
+                               WITH ORDINALITY AS p(entry, n) \
+                         WHERE NOT EXISTS (SELECT 1 FROM turnstile_receipt r \
+                                            WHERE r.shard = turnstile_key_shard($1) \
+                                              AND r.key = p.entry->>'receipt')), '[]')) \
+              WHERE shard = turnstile_key_shard($1) AND key = $1 AND version = $2 RETURNING key) \
+           SELECT pg_notify('turnstile_hold', key) FROM released",
+    types: &[Type::TEXT, Type::INT8],
+    on_citus: None,
+};
+/// [`RELEASE_SUPERSEDED`] on Citus (`super::citus`): the row named by its shard too, and the clock the
+/// statement's start, as Citus refuses a volatile function in a distributed update.
+const RELEASE_SUPERSEDED_ON_CITUS: Sql = Sql {
+    text: "WITH released AS ( \
+             UPDATE turnstile_state \
+                SET state = (state - 'interrupt') || jsonb_build_object('until', 0, \
+                    'superseded', coalesce(state->'superseded', '[]') || jsonb_build_array($3::jsonb)) \
+              WHERE shard = turnstile_key_shard($1) AND key = $1 AND version = $2 RETURNING key) \
+           SELECT pg_notify('turnstile_hold', key) FROM released",
+    types: &[Type::TEXT, Type::INT8, Type::JSONB],
+    on_citus: None,
+};
+/// [`INTERRUPT`] on Citus (`super::citus`): the row named by its shard too, and the clock the
+/// statement's start, as Citus refuses a volatile function in a distributed update.
+const INTERRUPT_ON_CITUS: Sql = Sql {
+    text: "WITH marked AS ( \
+             UPDATE turnstile_state SET state = state || jsonb_build_object('interrupt', $3::text) \
+              WHERE shard = turnstile_key_shard($1) AND key = $1 AND state->>'activity' = $2 \
+                AND (state->>'until')::float8 > extract(epoch FROM statement_timestamp()) \
+             RETURNING key) \
+           SELECT pg_notify('turnstile_interrupt', key) FROM marked",
+    types: &[Type::TEXT, Type::TEXT, Type::TEXT],
+    on_citus: None,
+};
+/// [`TAKE`] on Citus: `turnstile_hold_take` (`citus/functions.sql`), the same rules in steps
+/// Citus runs, as it refuses the statement's subqueries in an insert.
+const TAKE_ON_CITUS: Sql = Sql {
+    text: "SELECT fence, running, superseded, pending \
+             FROM turnstile_hold_take($1, $2, $3, $4, $5, $6)",
+    types: &[
+        Type::TEXT,
+        Type::TEXT,
+        Type::FLOAT8,
+        Type::TEXT,
+        Type::FLOAT8,
+        Type::TEXT,
+    ],
+    on_citus: None,
+};
+/// [`ADD_PENDING`] on Citus: `turnstile_hold_add_pending`, for the same reason.
+const ADD_PENDING_ON_CITUS: Sql = Sql {
+    text: "SELECT turnstile_hold_add_pending($1, $2, $3)",
     types: &[Type::TEXT, Type::JSONB, Type::TEXT],
     on_citus: None,
 };
@@ -347,7 +454,17 @@ async fn take(
             PostgresStore::load_on(&client, via, keys, receipt, None, &store.ttls),
         );
         let unexpected = |e: tokio_postgres::Error| StoreError::Unexpected(e.into());
-        let Some(row) = taken.map_err(classify)?.into_iter().next() else {
+        let taken = match taken {
+            // Citus cancels a transaction it takes to be in a distributed deadlock, and a crowd
+            // of turns waiting for one hold row can look like one to it (citusdata/citus#1803:
+            // the single statements it sends on their own count as one "local" transaction).
+            // The take was undone whole: nothing taken, ask again.
+            Err(e) if e.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED) => {
+                return Ok(Taken::By(None));
+            }
+            taken => taken.map_err(classify)?,
+        };
+        let Some(row) = taken.into_iter().next() else {
             // Released and gone between the two halves of the statement: ask again.
             return Ok(Taken::By(None));
         };

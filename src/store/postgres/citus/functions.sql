@@ -248,3 +248,103 @@ BEGIN
     END IF;
 END
 $$;
+
+-- A conversation's fenced hold taken (src/store/postgres/hold.rs, TAKE), as Citus can run it:
+-- Citus refuses the single statement's subqueries in an INSERT's VALUES and ON CONFLICT, and a
+-- volatile clock in a distributed UPDATE. So the row is created if absent, else locked and read,
+-- and the decision made here, with the same rules: taken when released or run out and no waiter
+-- who still asks is ahead of ticket `p_ticket` in the line; what the turns before handed on is
+-- kept, and the line loses the ticket and the waiters who stopped asking. Answers the fence and
+-- what was handed on (the pending activities without a receipt yet), or, not taken, the activity
+-- its holder runs.
+CREATE OR REPLACE FUNCTION turnstile_hold_take(
+    p_key text, p_holder text, p_for float8, p_activity text, p_still float8, p_ticket text)
+RETURNS TABLE (fence bigint, running text, superseded jsonb, pending jsonb)
+LANGUAGE plpgsql AS $$
+DECLARE
+    now_epoch float8 := extract(epoch FROM clock_timestamp());
+    fresh jsonb := jsonb_build_object('holder', p_holder, 'activity', p_activity,
+                                      'until', now_epoch + p_for);
+    gone bigint;
+    cur jsonb;
+    v bigint;
+    line jsonb;
+    mine bigint;
+    entry jsonb;
+    waiting jsonb;
+BEGIN
+    SELECT t.version INTO gone FROM turnstile_tombstone t
+     WHERE t.key_hash = turnstile_key_hash(p_key);
+    INSERT INTO turnstile_state (shard, key, state, version)
+    VALUES (turnstile_key_shard(p_key), p_key, fresh, coalesce(gone, 0) + 1)
+    ON CONFLICT (shard, key) DO NOTHING
+    RETURNING turnstile_state.version INTO v;
+    IF v IS NOT NULL THEN
+        RETURN QUERY SELECT v, NULL::text, NULL::jsonb, NULL::jsonb;
+        RETURN;
+    END IF;
+    SELECT s.state, s.version INTO cur, v FROM turnstile_state s
+     WHERE s.shard = turnstile_key_shard(p_key) AND s.key = p_key FOR UPDATE;
+    IF NOT FOUND THEN
+        -- Deleted since the insert found it: asked again, it is created.
+        RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::jsonb, NULL::jsonb;
+        RETURN;
+    END IF;
+    line := coalesce(cur->'queue', '[]');
+    SELECT m.n INTO mine FROM jsonb_array_elements(line) WITH ORDINALITY AS m(e, n)
+     WHERE m.e->>'ticket' = p_ticket LIMIT 1;
+    IF (cur->>'until')::float8 > now_epoch OR EXISTS (
+        SELECT 1 FROM jsonb_array_elements(line) WITH ORDINALITY AS q(e, n)
+         WHERE q.e->>'ticket' <> p_ticket AND (q.e->>'seen')::float8 > now_epoch - p_still
+           AND q.n < coalesce(mine, 9223372036854775807))
+    THEN
+        RETURN QUERY SELECT NULL::bigint, cur->>'activity', NULL::jsonb, NULL::jsonb;
+        RETURN;
+    END IF;
+    fresh := fresh || jsonb_build_object(
+        'superseded', coalesce(cur->'superseded', '[]'),
+        'pending', coalesce(cur->'pending', '[]'),
+        'queue', coalesce((SELECT jsonb_agg(q.e ORDER BY q.n)
+                             FROM jsonb_array_elements(line) WITH ORDINALITY AS q(e, n)
+                            WHERE q.e->>'ticket' <> p_ticket
+                              AND (q.e->>'seen')::float8 > now_epoch - p_still), '[]'));
+    UPDATE turnstile_state SET state = fresh, version = v + 1, updated_at = now()
+     WHERE shard = turnstile_key_shard(p_key) AND key = p_key;
+    -- The pending activities not answered meanwhile, each receipt asked of its shard.
+    FOR entry IN SELECT p.entry FROM jsonb_array_elements(fresh->'pending')
+                                     WITH ORDINALITY AS p(entry, n) ORDER BY p.n LOOP
+        CONTINUE WHEN EXISTS (SELECT 1 FROM turnstile_receipt r
+                               WHERE r.shard = turnstile_key_shard(entry->>'receipt')
+                                 AND r.key = entry->>'receipt');
+        waiting := coalesce(waiting, '[]') || jsonb_build_array(entry);
+    END LOOP;
+    RETURN QUERY SELECT v + 1, NULL::text, fresh->'superseded', waiting;
+END
+$$;
+
+-- An activity added to the list of hold `p_key` waiting to be answered together (hold.rs,
+-- ADD_PENDING), unless it is there (receipt key `p_receipt`): the row created if absent, above
+-- its tombstone, as the single statement does with subqueries Citus refuses in an INSERT.
+CREATE OR REPLACE FUNCTION turnstile_hold_add_pending(p_key text, p_entry jsonb, p_receipt text)
+RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    gone bigint;
+BEGIN
+    SELECT t.version INTO gone FROM turnstile_tombstone t
+     WHERE t.key_hash = turnstile_key_hash(p_key);
+    INSERT INTO turnstile_state (shard, key, state, version)
+    VALUES (turnstile_key_shard(p_key), p_key,
+            jsonb_build_object('until', 0, 'pending', jsonb_build_array(p_entry)),
+            coalesce(gone, 0) + 1)
+    ON CONFLICT (shard, key) DO NOTHING;
+    IF NOT FOUND THEN
+        UPDATE turnstile_state
+           SET state = jsonb_set(state, '{pending}',
+                                 coalesce(state->'pending', '[]') || jsonb_build_array(p_entry))
+         WHERE shard = turnstile_key_shard(p_key) AND key = p_key
+           AND NOT coalesce(state->'pending', '[]')
+                   @> jsonb_build_array(jsonb_build_object('receipt', p_receipt));
+    END IF;
+END
+$$;
