@@ -21,6 +21,7 @@ mod admin;
 mod auth;
 mod bad_input;
 mod binary;
+mod citus;
 mod connection_age;
 mod directline;
 mod double_text;

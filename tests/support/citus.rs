@@ -46,7 +46,16 @@ impl CitusCluster {
     /// Starts a coordinator and `workers` workers (no database of Turnstile's yet: see
     /// [`CitusCluster::fresh_database`]).
     pub fn start(workers: usize) -> CitusCluster {
-        let node = || Cluster::start_with(&["shared_preload_libraries=citus"], |_| {});
+        CitusCluster::start_with(workers, &[])
+    }
+
+    /// [`CitusCluster::start`], every node with `settings` (`name=value`) too.
+    pub fn start_with(workers: usize, settings: &[&str]) -> CitusCluster {
+        let settings: Vec<&str> = ["shared_preload_libraries=citus"]
+            .into_iter()
+            .chain(settings.iter().copied())
+            .collect();
+        let node = || Cluster::start_with(&settings, |_| {});
         CitusCluster {
             coordinator: node(),
             workers: (0..workers).map(|_| node()).collect(),
@@ -56,15 +65,43 @@ impl CitusCluster {
     /// A new database on every node, with the `citus` extension, the coordinator's, and the
     /// workers added to it: Citus' metadata is per database. Returns the coordinator's URL of it.
     pub async fn fresh_database(&self) -> String {
+        let url = self.plain_database().await;
+        self.make_distributed(&url).await;
+        url
+    }
+
+    /// A new database on the coordinator only, without the `citus` extension: a single
+    /// PostgreSQL's, until [`CitusCluster::make_distributed`]. Returns its URL.
+    pub async fn plain_database(&self) -> String {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let name = format!(
             "turnstile_citus_{}_{}",
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         );
-        for node in self.workers.iter().chain([&self.coordinator]) {
-            create_with_citus(node, &name).await;
+        pg::session(&self.coordinator.url("postgres"))
+            .await
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .expect("creating a database on the coordinator");
+        self.coordinator.url(&name)
+    }
+
+    /// Makes the coordinator's database `url` a Citus one, as an operator does with a single
+    /// PostgreSQL that becomes a coordinator: the database on every worker, the `citus` extension
+    /// everywhere, the coordinator named and the workers added.
+    pub async fn make_distributed(&self, url: &str) {
+        let config: tokio_postgres::Config = url.parse().expect("a database URL");
+        let name = config.get_dbname().expect("a database name").to_owned();
+        for worker in &self.workers {
+            pg::session(&worker.url("postgres"))
+                .await
+                .batch_execute(&format!("CREATE DATABASE {name}"))
+                .await
+                .expect("creating a database on a Citus worker");
+            create_citus(worker, &name).await;
         }
+        create_citus(&self.coordinator, &name).await;
         let coordinator = pg::session(&self.coordinator.url(&name)).await;
         coordinator
             .execute(
@@ -82,17 +119,11 @@ impl CitusCluster {
                 .await
                 .expect("adding a Citus worker");
         }
-        self.coordinator.url(&name)
     }
 }
 
-/// Creates database `name` on `node`, with the `citus` extension in it.
-async fn create_with_citus(node: &Cluster, name: &str) {
-    pg::session(&node.url("postgres"))
-        .await
-        .batch_execute(&format!("CREATE DATABASE {name}"))
-        .await
-        .expect("creating a database on a Citus node");
+/// Creates the `citus` extension in database `name` of `node`.
+async fn create_citus(node: &Cluster, name: &str) {
     pg::session(&node.url(name))
         .await
         .batch_execute("CREATE EXTENSION citus")

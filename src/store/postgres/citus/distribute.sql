@@ -54,3 +54,14 @@ SELECT create_distributed_table('turnstile_state', 'shard');
 SELECT create_distributed_table('turnstile_receipt', 'shard', colocate_with => 'turnstile_state');
 SELECT create_distributed_table('turnstile_receipt_legacy', 'shard',
                                 colocate_with => 'turnstile_state');
+
+-- Rows that were there before are now in the shards; the coordinator's copies, no longer read,
+-- are freed.
+SELECT truncate_local_data_after_distributing_table('turnstile_state');
+SELECT truncate_local_data_after_distributing_table('turnstile_receipt_0');
+SELECT truncate_local_data_after_distributing_table('turnstile_receipt_1');
+SELECT truncate_local_data_after_distributing_table('turnstile_receipt_2');
+SELECT truncate_local_data_after_distributing_table('turnstile_receipt_3');
+SELECT truncate_local_data_after_distributing_table('turnstile_receipt_legacy');
+SELECT truncate_local_data_after_distributing_table('turnstile_tombstone');
+SELECT truncate_local_data_after_distributing_table('turnstile_receipt_clock');

@@ -1,0 +1,150 @@
+//! A single PostgreSQL's database moved to Citus, as `docs/scale-out.md` tells an operator to:
+//! what the turns committed stays, and what they answered is still answered from its receipt.
+#![allow(clippy::unwrap_used)]
+
+use crate::support;
+
+use support::{TestServer, message, postgres_config, request, texts};
+use turnstile::store::postgres::{self, Citus, CitusLayout, DatabaseUrl};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_postgres_database_moved_to_citus_keeps_its_state_and_receipts() {
+    if !support::citus::installed() {
+        return;
+    }
+    let citus = support::citus::shared();
+    let url = citus.plain_database().await;
+
+    // Served as a single PostgreSQL: an order, and the activity that started it.
+    let first = message("moved", "ann", "add mushroom");
+    {
+        let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
+        let mut client = server.client().await;
+        let added = client
+            .process_turn(request(first.clone()))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(!added.redelivered);
+        support::say(&mut client, "moved", "add cheese").await;
+    }
+    let (_, layout) = postgres::migrate_with(&DatabaseUrl::new(&url), CitusLayout::Detect)
+        .await
+        .unwrap();
+    assert_eq!(
+        layout,
+        Citus::Absent,
+        "no extension yet: a single PostgreSQL"
+    );
+
+    // The server becomes a coordinator: the extension, its workers; then `migrate --citus`.
+    citus.make_distributed(&url).await;
+    let (applied, layout) = postgres::migrate_with(&DatabaseUrl::new(&url), CitusLayout::Required)
+        .await
+        .unwrap();
+    assert_eq!((applied, layout), (0, Citus::Distributed));
+    let db = support::pg::session(&url).await;
+    let distributed: i64 = db
+        .query_one(
+            "SELECT count(*) FROM pg_dist_partition \
+              WHERE logicalrelid IN ('turnstile_state'::regclass, 'turnstile_receipt'::regclass)",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(distributed, 2, "state and receipts are distributed");
+    let (_, again) = postgres::migrate_with(&DatabaseUrl::new(&url), CitusLayout::Required)
+        .await
+        .unwrap();
+    assert_eq!(again, Citus::AlreadyDistributed);
+
+    let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
+    let mut client = server.client().await;
+    // The first activity, delivered again: answered from its receipt, the bot not run.
+    let again = client
+        .process_turn(request(first))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(again.redelivered, "{again:?}");
+    // The order goes on from what was committed before the move.
+    let shown = support::say(&mut client, "moved", "add ham").await;
+    let text = texts(&shown).join("\n");
+    for topping in ["mushroom", "cheese", "ham"] {
+        assert!(text.contains(topping), "{text}");
+    }
+}
+
+#[tokio::test]
+async fn migrate_with_citus_refuses_a_database_without_the_extension() {
+    let url = DatabaseUrl::new(support::pg::fresh_database().await);
+    let err = postgres::migrate_with(&url, CitusLayout::Required)
+        .await
+        .unwrap_err();
+    assert!(
+        format!("{err:#}").contains("CREATE EXTENSION citus"),
+        "{err:#}"
+    );
+}
+
+/// What Citus counted on the coordinator since the cluster started: statements it sent to one
+/// shard and to several (`citus_stat_counters`), and transactions it committed in two phases
+/// (`pg_dist_transaction`, kept while recovery is off).
+async fn counted(db: &tokio_postgres::Client) -> (i64, i64, i64) {
+    let row = db
+        .query_one(
+            "SELECT sum(query_execution_single_shard)::int8, sum(query_execution_multi_shard)::int8, \
+                    (SELECT count(*) FROM pg_dist_transaction) \
+               FROM citus_stat_counters",
+            &[],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1), row.get(2))
+}
+
+/// A turn that writes only its conversation's state commits on that conversation's shard without
+/// two-phase commit, and one that also writes its user's state commits on both shards with it.
+/// Counted by Citus itself, with its recovery of two-phase commits off so that their records
+/// stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversation_only_turns_commit_without_two_phase_commit() {
+    if !support::citus::installed() {
+        return;
+    }
+    let citus = tokio::task::spawn_blocking(|| {
+        support::citus::CitusCluster::start_with(
+            2,
+            &[
+                "citus.recover_2pc_interval=-1",
+                "citus.enable_stat_counters=on",
+            ],
+        )
+    })
+    .await
+    .unwrap();
+    let url = citus.fresh_database().await;
+    let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
+    let mut client = server.client().await;
+    support::say(&mut client, "warm-up", "add mushroom").await;
+    let db = support::pg::session(&url).await;
+
+    let (single, multi, two_phase) = counted(&db).await;
+    for i in 0..20 {
+        support::say(&mut client, &format!("c{i}"), "add cheese").await;
+    }
+    let (single_after, multi_after, two_phase_after) = counted(&db).await;
+    eprintln!(
+        "20 conversation-only turns: {} single-shard statements, {} multi-shard, {} two-phase \
+         commits",
+        single_after - single,
+        multi_after - multi,
+        two_phase_after - two_phase
+    );
+    assert_eq!(
+        two_phase_after, two_phase,
+        "a conversation-only turn committed in two phases"
+    );
+    assert!(single_after - single >= 20, "each commit asks one shard");
+}
