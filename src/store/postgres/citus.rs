@@ -174,7 +174,10 @@ impl Engine {
     }
 
     /// Learns the layout on `client`, unless known: a `shard` column on `turnstile_state` is
-    /// Citus'. Nothing is learned while the table does not exist (a database not yet migrated).
+    /// Citus'. Nothing is learned while the table does not exist (a database not yet migrated),
+    /// nor while a database with the `citus` extension has the table without the column: its
+    /// migration has applied the migrations and not yet distributed the tables, which it does
+    /// next.
     ///
     /// # Errors
     /// The query failed.
@@ -190,17 +193,19 @@ impl Engine {
             .simple_query(
                 "SELECT to_regclass('turnstile_state') IS NOT NULL, EXISTS ( \
                    SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('turnstile_state') \
-                      AND attname = 'shard' AND NOT attisdropped)",
+                      AND attname = 'shard' AND NOT attisdropped), \
+                   EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')",
             )
             .await?;
         let row = rows.iter().find_map(|m| match m {
             tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
             _ => None,
         });
-        if let Some(row) = row
-            && row.get(0) == Some("t")
-        {
-            let _ = self.0.set(row.get(1) == Some("t"));
+        if let Some(row) = row {
+            let (table, shard, extension) = (row.get(0), row.get(1), row.get(2));
+            if table == Some("t") && (shard == Some("t") || extension != Some("t")) {
+                let _ = self.0.set(shard == Some("t"));
+            }
         }
         Ok(())
     }
