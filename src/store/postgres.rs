@@ -1345,6 +1345,19 @@ impl PostgresStore {
             .iter()
             .map(|(_, payload)| jsonb::Jsonb::Text(payload.text()))
             .collect();
+        let shard = (via.citus && also.is_empty())
+            .then(|| citus::one_shard(keys.iter().copied().chain(receipt_key)))
+            .flatten();
+        if let Some(shard) = shard {
+            // On Citus, a commit on one shard goes to the worker that holds it, whole.
+            let params: [&(dyn ToSql + Sync); 6] =
+                [&shard, &keys, &expected, &states, &receipt_key, &receipt];
+            return match citus::COMMIT_IN.query(client, via, &params).await {
+                Ok(rows) => delegated_outcome(&rows, commit.changes()),
+                Err(e) if is_conflict(&e) => Ok(conflict_from(&e, commit)),
+                Err(e) => Err(classify(e)),
+            };
+        }
         let queried = if also.is_empty() {
             COMMIT.query(client, via, &params).await
         } else {
@@ -1382,7 +1395,49 @@ fn outcome_of(rows: &[Row], changes: &[super::KeyChange]) -> Result<CommitOutcom
             key: StateKey::from_stored(key),
         });
     }
-    let versions: Vec<i64> = row.try_get(1).map_err(unexpected)?;
+    versions_of(row.try_get(1).map_err(unexpected)?, changes)
+}
+
+/// What `turnstile_commit_in`'s JSON answer (`citus/functions.sql`) says of a commit of
+/// `changes`: as [`outcome_of`].
+fn delegated_outcome(
+    rows: &[Row],
+    changes: &[super::KeyChange],
+) -> Result<CommitOutcome, StoreError> {
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        conflict: Option<String>,
+        versions: Option<Vec<i64>>,
+    }
+    let [row] = rows else {
+        return Err(StoreError::Unexpected(anyhow!(
+            "turnstile_commit_in returned {} rows",
+            rows.len()
+        )));
+    };
+    let Json(answer): Json<Answer> = row.try_get(0).map_err(unexpected)?;
+    match answer {
+        Answer {
+            conflict: Some(key),
+            ..
+        } => Ok(CommitOutcome::Conflict {
+            key: StateKey::from_stored(key),
+        }),
+        Answer {
+            versions: Some(versions),
+            ..
+        } => versions_of(versions, changes),
+        Answer { .. } => Err(StoreError::Unexpected(anyhow!(
+            "turnstile_commit_in answered neither a conflict nor versions"
+        ))),
+    }
+}
+
+/// The versions a commit of `changes` wrote or checked, one per change (0: checked absent).
+fn versions_of(
+    versions: Vec<i64>,
+    changes: &[super::KeyChange],
+) -> Result<CommitOutcome, StoreError> {
     if versions.len() != changes.len() {
         return Err(StoreError::Unexpected(anyhow!(
             "turnstile_commit returned {} versions for {} keys",

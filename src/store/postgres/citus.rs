@@ -22,6 +22,11 @@ use super::Sql;
 const DISTRIBUTE: &str = include_str!("citus/distribute.sql");
 /// Turnstile's functions as Citus runs them: installed after every migration.
 const FUNCTIONS: &str = include_str!("citus/functions.sql");
+/// The functions Citus runs where their shard is (`turnstile_commit_in`), once the tables are
+/// distributed.
+const DELEGATE: &str = "SELECT create_distributed_function( \
+    'turnstile_commit_in(text, text[], bigint[], jsonb[], text, jsonb)', 'p_shard', \
+    colocate_with => 'turnstile_state')";
 
 /// Whether `turnstile migrate` lays the tables out for Citus.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -142,6 +147,13 @@ pub(super) async fn apply(
                 source,
             })?;
     }
+    transaction
+        .batch_execute(DELEGATE)
+        .await
+        .map_err(|source| CitusError::Statement {
+            doing: "distributing the commit function by its shard",
+            source,
+        })?;
     transaction
         .commit()
         .await
@@ -281,3 +293,73 @@ pub(super) const SWEEP: Sql = Sql {
     ],
     on_citus: None,
 };
+/// A commit whose keys and receipt all share one shard (`$1`, [`shard_of`]):
+/// `turnstile_commit_in`, which Citus runs on the worker holding that shard, whole.
+pub(super) const COMMIT_IN: Sql = Sql {
+    text: "SELECT turnstile_commit_in($1, $2, $3, $4, $5, $6)",
+    types: &[
+        Type::TEXT,
+        Type::TEXT_ARRAY,
+        Type::INT8_ARRAY,
+        Type::JSONB_ARRAY,
+        Type::TEXT,
+        Type::JSONB,
+    ],
+    on_citus: None,
+};
+
+/// The shard of a key, as `turnstile_key_shard` computes it: its first four `/`-separated parts
+/// (`{bot}/{channel}/conversations/{conversation}` or `{bot}/{channel}/users/{user}`; no part of
+/// a key holds a `/`, `crate::state::key`), or the whole key when it has fewer.
+pub(super) fn shard_of(key: &str) -> &str {
+    key.match_indices('/')
+        .nth(3)
+        .map_or(key, |(at, _)| &key[..at])
+}
+
+/// The one shard that every key of `keys` is on, if there is one.
+pub(super) fn one_shard<'k>(mut keys: impl Iterator<Item = &'k str>) -> Option<&'k str> {
+    let first = shard_of(keys.next()?);
+    keys.all(|key| shard_of(key) == first).then_some(first)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_keys_shard_is_its_conversation_or_its_user() {
+        assert_eq!(
+            shard_of("bot/ch/conversations/c1"),
+            "bot/ch/conversations/c1"
+        );
+        assert_eq!(
+            shard_of("bot/ch/conversations/c1/users/u1"),
+            "bot/ch/conversations/c1"
+        );
+        assert_eq!(
+            shard_of("bot/ch/conversations/c1/%hold"),
+            "bot/ch/conversations/c1"
+        );
+        assert_eq!(
+            shard_of("bot/ch/conversations/c1/activities/a1"),
+            "bot/ch/conversations/c1"
+        );
+        assert_eq!(shard_of("bot/ch/users/u1"), "bot/ch/users/u1");
+        assert_eq!(shard_of("short/key"), "short/key");
+        assert_eq!(
+            one_shard(
+                [
+                    "bot/ch/conversations/c1",
+                    "bot/ch/conversations/c1/activities/a"
+                ]
+                .into_iter()
+            ),
+            Some("bot/ch/conversations/c1")
+        );
+        assert_eq!(
+            one_shard(["bot/ch/conversations/c1", "bot/ch/users/u1"].into_iter()),
+            None
+        );
+    }
+}

@@ -348,3 +348,23 @@ BEGIN
     END IF;
 END
 $$;
+
+-- A commit whose keys and receipt are all on shard `p_shard` (src/store/postgres/citus.rs,
+-- COMMIT_IN): `turnstile_commit`, its answer as JSON (`conflict`, `versions`). Distributed by
+-- `p_shard` (citus.rs), so that Citus sends the whole call to the worker that holds the shard, to
+-- run there next to its rows: one round trip from the coordinator instead of one per statement.
+-- Called inside a transaction (a turn holding its conversation lock), it runs on the coordinator
+-- like any function.
+CREATE OR REPLACE FUNCTION turnstile_commit_in(
+    p_shard text, p_keys text[], p_expected bigint[], p_states jsonb[], p_receipt_key text,
+    p_receipt jsonb)
+RETURNS jsonb
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    outcome record;
+BEGIN
+    SELECT * INTO outcome
+      FROM turnstile_commit(p_keys, p_expected, p_states, p_receipt_key, p_receipt);
+    RETURN jsonb_build_object('conflict', outcome.conflict_key, 'versions', outcome.versions);
+END
+$$;
