@@ -299,21 +299,30 @@ fn summary(name: &str, m: &Measured, fault: &Fault, elapsed: Duration) -> String
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_stopped_and_restarted_under_load() {
     let world = World::start("pg-restart", false).await;
-    let load = world.start_load();
-    sleep(LEAD_IN).await;
-
-    let began = Instant::now();
     let Database::Single(cluster) = &world.database else {
         unreachable!("a single cluster")
     };
     let cluster = Arc::clone(cluster);
-    tokio::task::spawn_blocking(move || {
-        cluster.stop();
-        std::thread::sleep(Duration::from_millis(1500));
-        cluster.resume();
-    })
-    .await
-    .expect("stopping and restarting PostgreSQL");
+    stopped_and_restarted(world, move || outage(&cluster)).await;
+}
+
+/// Stops `node` for 1.5 s, then starts it again.
+fn outage(node: &Cluster) {
+    node.stop();
+    std::thread::sleep(Duration::from_millis(1500));
+    node.resume();
+}
+
+/// Runs `restart` (a database node stopped and started again) under load, and checks that the
+/// fault was noticed and that the service recovered.
+async fn stopped_and_restarted(world: World, restart: impl FnOnce() + Send + 'static) {
+    let load = world.start_load();
+    sleep(LEAD_IN).await;
+
+    let began = Instant::now();
+    tokio::task::spawn_blocking(restart)
+        .await
+        .expect("stopping and restarting PostgreSQL");
     let fault = Fault {
         began,
         over: Instant::now(),
@@ -353,37 +362,11 @@ async fn on_citus_a_worker_stopped_and_restarted_under_load() {
         return;
     }
     let world = World::start_on_citus("citus-worker-restart").await;
-    let load = world.start_load();
-    sleep(LEAD_IN).await;
-
-    let began = Instant::now();
     let Database::Citus(citus) = &world.database else {
         unreachable!("a Citus cluster")
     };
     let citus = Arc::clone(citus);
-    tokio::task::spawn_blocking(move || {
-        let worker = &citus.workers[0];
-        worker.stop();
-        std::thread::sleep(Duration::from_millis(1500));
-        worker.resume();
-    })
-    .await
-    .expect("stopping and restarting a Citus worker");
-    let fault = Fault {
-        began,
-        over: Instant::now(),
-        injected: 1,
-    };
-
-    let m = world.finish(load, &fault).await;
-    assert!(
-        m.failures_in_fault > 0,
-        "nobody noticed the worker was down"
-    );
-    assert!(
-        m.acks_after_fault > 0,
-        "no turn succeeded after the restart"
-    );
+    stopped_and_restarted(world, move || outage(&citus.workers[0])).await;
 }
 
 async fn server_killed_and_restarted(mut world: World) {
