@@ -597,8 +597,21 @@ impl Store for CountingHolds {
 /// taking the conversation one by one; and the lease ends with the last of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_hot_conversations_queued_turns_share_one_lease() {
+    queued_turns_share_one_lease(&support::pg::fresh_database().await).await;
+}
+
+/// The same on Citus: the lease's lock table on the coordinator, its turns' rows on a worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_citus_a_hot_conversations_queued_turns_share_one_lease() {
+    if !support::citus::installed() {
+        return;
+    }
+    queued_turns_share_one_lease(&support::citus::shared().fresh_database().await).await;
+}
+
+async fn queued_turns_share_one_lease(url: &str) {
     const QUEUED: usize = 10;
-    let url = support::pg::fresh_database().await;
+    let url = url.to_owned();
     let db_url = DatabaseUrl::new(url.clone());
     postgres::migrate(&db_url).await.unwrap();
     let store = Arc::new(CountingHolds {
