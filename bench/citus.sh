@@ -81,7 +81,7 @@ serve_and_bench() {
     kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
     PIDS=()
 }
-counters() { psql_at "$COORD" service "SELECT sum(query_execution_single_shard), sum(query_execution_multi_shard), (SELECT count(*) FROM pg_dist_transaction) FROM citus_stat_counters"; }
+counters() { psql_at "$COORD" service "SELECT sum(query_execution_single_shard), sum(query_execution_multi_shard), (SELECT count(*) FROM pg_dist_transaction), sum(connection_establishment_succeeded), sum(connection_reused) FROM citus_stat_counters"; }
 field() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 
 echo "machine: $(nproc) cores, $(uname -sr); $(date -u +%Y-%m-%dT%H:%MZ); PostgreSQL $("$PGBIN/postgres" --version | awk '{print $3}'), Citus $(psql_at "$COORD" service "SELECT extversion FROM pg_extension WHERE extname = 'citus'")"
@@ -105,9 +105,10 @@ for round in $(seq 1 "$ROUNDS"); do
 import sys
 b = [int(x) for x in sys.argv[1].split("|")]
 a = [int(x) for x in sys.argv[2].split("|")]
-single, multi, two_phase = (a[i] - b[i] for i in range(3))
+single, multi, two_phase, opened, reused = (a[i] - b[i] for i in range(5))
 print(f"       citus counted, warm-up and prefill included: {single} single-shard and {multi} "
       f"multi-shard statements ({single / max(1, single + multi):.1%} router-planned), "
-      f"{two_phase} two-phase commits; {sys.argv[3]} measured turns")
+      f"{two_phase} two-phase commits, {opened} connections to workers opened and {reused} "
+      f"reused; {sys.argv[3]} measured turns")
 PY
 done
