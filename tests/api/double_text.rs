@@ -149,11 +149,22 @@ async fn enqueue_lets_a_double_text_wait_and_run_after_the_turn() {
     assert_eq!(texts(&third), ["wait, second, third"]);
 }
 
-/// Two replicas over one fresh database — or, `embedded`, one replica over its in-memory store,
-/// named twice — of the [`DoubleTexts`] bot with `policy`; its gate and run count.
+/// Where [`recording`]'s replicas keep their state.
+#[derive(Clone, Copy)]
+enum On {
+    /// One replica's in-memory store.
+    Embedded,
+    /// A fresh database of the shared PostgreSQL.
+    Postgres,
+    /// A fresh database of the shared Citus cluster.
+    Citus,
+}
+
+/// Two replicas over one fresh database — or, [`On::Embedded`], one replica over its in-memory
+/// store, named twice — of the [`DoubleTexts`] bot with `policy`; its gate and run count.
 async fn recording(
     policy: DoubleText,
-    embedded: bool,
+    on: On,
 ) -> (
     TestServer,
     Option<TestServer>,
@@ -173,11 +184,14 @@ async fn recording(
         .with_double_text("texts", policy)
         .unwrap()
     };
-    if embedded {
-        let only = TestServer::start(Config::default(), bots()).await;
-        return (only, None, gate, runs);
-    }
-    let url = support::pg::fresh_database().await;
+    let url = match on {
+        On::Embedded => {
+            let only = TestServer::start(Config::default(), bots()).await;
+            return (only, None, gate, runs);
+        }
+        On::Postgres => support::pg::fresh_database().await,
+        On::Citus => support::citus::shared().fresh_database().await,
+    };
     (
         TestServer::start(postgres_config(&url), bots()).await,
         Some(TestServer::start(postgres_config(&url), bots()).await),
@@ -197,8 +211,8 @@ async fn until_running(runs: &AtomicU32, n: u32) {
     panic!("the bot never ran {n} times");
 }
 
-async fn interrupt_hands_the_running_message_on(embedded: bool) {
-    let (a, b, _gate, runs) = recording(DoubleText::Interrupt, embedded).await;
+async fn interrupt_hands_the_running_message_on(on: On) {
+    let (a, b, _gate, runs) = recording(DoubleText::Interrupt, on).await;
     let b = b.as_ref().unwrap_or(&a);
     let first = message("int", "ada", "wait");
     let running = send(&a, &first);
@@ -234,16 +248,26 @@ async fn interrupt_hands_the_running_message_on(embedded: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn interrupt_stops_the_running_turn_on_another_replica_and_hands_its_message_on() {
-    interrupt_hands_the_running_message_on(false).await;
+    interrupt_hands_the_running_message_on(On::Postgres).await;
+}
+
+/// The same with the tables distributed by Citus: the mark and its announcement, and the hand-on,
+/// through the hold's Citus statements.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_citus_interrupt_stops_the_running_turn_on_another_replica_and_hands_its_message_on() {
+    if !support::citus::installed() {
+        return;
+    }
+    interrupt_hands_the_running_message_on(On::Citus).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn interrupt_on_the_embedded_store_hands_the_running_message_on() {
-    interrupt_hands_the_running_message_on(true).await;
+    interrupt_hands_the_running_message_on(On::Embedded).await;
 }
 
-async fn coalesce_answers_the_waiting_messages_in_one_run(embedded: bool) {
-    let (a, b, gate, runs) = recording(DoubleText::Coalesce, embedded).await;
+async fn coalesce_answers_the_waiting_messages_in_one_run(on: On) {
+    let (a, b, gate, runs) = recording(DoubleText::Coalesce, on).await;
     let b = b.as_ref().unwrap_or(&a);
     let first = message("co", "ada", "wait");
     let running = send(&a, &first);
@@ -315,18 +339,27 @@ async fn coalesce_answers_the_waiting_messages_in_one_run(embedded: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coalesce_answers_the_messages_of_a_running_turn_in_one_run_across_replicas() {
-    coalesce_answers_the_waiting_messages_in_one_run(false).await;
+    coalesce_answers_the_waiting_messages_in_one_run(On::Postgres).await;
+}
+
+/// The same with the tables distributed by Citus (`turnstile_hold_add_pending`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_citus_coalesce_answers_the_messages_of_a_running_turn_in_one_run_across_replicas() {
+    if !support::citus::installed() {
+        return;
+    }
+    coalesce_answers_the_waiting_messages_in_one_run(On::Citus).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coalesce_on_the_embedded_store_answers_the_waiting_messages_in_one_run() {
-    coalesce_answers_the_waiting_messages_in_one_run(true).await;
+    coalesce_answers_the_waiting_messages_in_one_run(On::Embedded).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enqueue_serves_the_waiting_turns_of_every_replica_in_arrival_order() {
     // A bot named with `enqueue` holds its conversations: its waiting turns line up at the hold.
-    let (a, b, gate, runs) = recording(DoubleText::Enqueue, false).await;
+    let (a, b, gate, runs) = recording(DoubleText::Enqueue, On::Postgres).await;
     let b = b.unwrap();
     // Both replicas connected and ready, so that a message reaches the database when it is sent.
     for server in [&a, &b] {
@@ -367,7 +400,7 @@ async fn enqueue_serves_the_waiting_turns_of_every_replica_in_arrival_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interrupted_streamed_turn_resets_its_drafts_and_ends_superseded() {
     use support::streams;
-    let (a, b, _gate, runs) = recording(DoubleText::Interrupt, false).await;
+    let (a, b, _gate, runs) = recording(DoubleText::Interrupt, On::Postgres).await;
     let b = b.unwrap();
     // The first message's turn is streamed; its bot drafts, then holds.
     let first = message("stream", "ada", "wait");
@@ -397,7 +430,7 @@ async fn an_interrupted_streamed_turn_resets_its_drafts_and_ends_superseded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coalesced_streamed_turns_are_answered_by_one_run_whose_reply_comes_once() {
     use support::streams;
-    let (a, b, gate, runs) = recording(DoubleText::Coalesce, false).await;
+    let (a, b, gate, runs) = recording(DoubleText::Coalesce, On::Postgres).await;
     let b = b.unwrap();
     let running = send(&a, &message("streams", "ada", "wait"));
     until_running(&runs, 1).await;

@@ -236,15 +236,11 @@ pub(super) const LOAD_HOLDING: Sql = Sql {
     types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
     on_citus: None,
 };
-/// [`super::COMMIT_WITH_RECEIPTS`] on Citus: the other receipts written one router-planned insert
-/// at a time (`turnstile_receipt_write`), after the commit and only if it applied.
+/// [`super::COMMIT_WITH_RECEIPTS`] on Citus: `turnstile_commit_also`, the other receipts written
+/// one router-planned insert at a time (`turnstile_receipt_write`), after the commit and only if
+/// it applied.
 pub(super) const COMMIT_WITH_RECEIPTS: Sql = Sql {
-    text: "SELECT c.conflict_key, c.versions \
-             FROM turnstile_commit($1, $2, $3, $4, $5) c \
-             LEFT JOIN LATERAL ( \
-               SELECT sum(turnstile_receipt_write(r.key, r.payload, true)) \
-                 FROM unnest($6::text[], $7::jsonb[]) AS r(key, payload) \
-                WHERE c.conflict_key IS NULL) w ON true",
+    text: "SELECT conflict_key, versions FROM turnstile_commit_also($1, $2, $3, $4, $5, $6, $7)",
     types: &[
         Type::TEXT_ARRAY,
         Type::INT8_ARRAY,

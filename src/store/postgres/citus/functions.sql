@@ -368,3 +368,29 @@ BEGIN
     RETURN jsonb_build_object('conflict', outcome.conflict_key, 'versions', outcome.versions);
 END
 $$;
+
+-- `turnstile_commit`, and if it applied, the receipts `p_also_keys` (payloads `p_also`) of the
+-- other activities the run answered, each kept if it exists (src/store/postgres.rs,
+-- COMMIT_WITH_RECEIPTS): one transaction, all or none.
+CREATE OR REPLACE FUNCTION turnstile_commit_also(
+    p_keys text[],
+    p_expected bigint[],
+    p_states jsonb[],
+    p_receipt_key text,
+    p_receipt jsonb,
+    p_also_keys text[],
+    p_also jsonb[],
+    OUT conflict_key text,
+    OUT versions bigint[]
+)
+LANGUAGE plpgsql AS $$
+BEGIN
+    SELECT c.conflict_key, c.versions INTO conflict_key, versions
+      FROM turnstile_commit(p_keys, p_expected, p_states, p_receipt_key, p_receipt) c;
+    IF conflict_key IS NULL THEN
+        FOR i IN 1 .. coalesce(array_length(p_also_keys, 1), 0) LOOP
+            PERFORM turnstile_receipt_write(p_also_keys[i], p_also[i], true);
+        END LOOP;
+    END IF;
+END
+$$;
