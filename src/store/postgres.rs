@@ -1250,6 +1250,7 @@ impl PostgresStore {
         let names: Vec<&str> = keys.iter().map(StateKey::as_str).collect();
         let receipt_key = receipt.map(StateKey::as_str);
         let rows = match held {
+            None if via.citus => citus::load_by_shard(client, via, &names, receipt_key).await,
             None => LOAD.query(client, via, &[&names, &receipt_key]).await,
             Some(held) => {
                 let params: [&(dyn ToSql + Sync); 3] = [&names, &receipt_key, &held.as_str()];
@@ -1355,7 +1356,7 @@ impl PostgresStore {
             return match citus::COMMIT_IN.query(client, via, &params).await {
                 Ok(rows) => delegated_outcome(&rows, commit.changes()),
                 Err(e) if is_conflict(&e) => Ok(conflict_from(&e, commit)),
-                Err(e) => Err(classify(e)),
+                Err(e) => Err(classify_commit(e, via)),
             };
         }
         let queried = if also.is_empty() {
@@ -1375,7 +1376,7 @@ impl PostgresStore {
         match queried {
             Ok(rows) => outcome_of(&rows, commit.changes()),
             Err(e) if is_conflict(&e) => Ok(conflict_from(&e, commit)),
-            Err(e) => Err(classify(e)),
+            Err(e) => Err(classify_commit(e, via)),
         }
     }
 }
@@ -1559,6 +1560,19 @@ fn conflict_from(e: &tokio_postgres::Error, commit: &Commit) -> CommitOutcome {
 
 fn unexpected(e: tokio_postgres::Error) -> StoreError {
     StoreError::Unexpected(e.into())
+}
+
+/// [`classify`] for a commit's error. On Citus a commit the coordinator could not finish on a
+/// worker (one lost at that moment: "could not commit transaction for shard … on at least one
+/// active node") may have committed there or not, as when the connection itself is lost; Citus
+/// raises it as an internal error (XX000), with no class of its own. So there an internal error
+/// is an unknown outcome, which the engine resolves through the turn's receipt.
+pub(super) fn classify_commit(e: tokio_postgres::Error, via: Via) -> StoreError {
+    if via.citus && e.code() == Some(&SqlState::INTERNAL_ERROR) {
+        StoreError::Unavailable(e.into())
+    } else {
+        classify(e)
+    }
 }
 
 /// Sorts a driver error into "could not reach the database" and "something is wrong", by what

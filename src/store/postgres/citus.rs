@@ -22,11 +22,18 @@ use super::Sql;
 const DISTRIBUTE: &str = include_str!("citus/distribute.sql");
 /// Turnstile's functions as Citus runs them: installed after every migration.
 const FUNCTIONS: &str = include_str!("citus/functions.sql");
-/// The functions Citus runs where their shard is (`turnstile_commit_in`), once the tables are
-/// distributed.
-const DELEGATE: &str = "SELECT create_distributed_function( \
-    'turnstile_commit_in(text, text[], bigint[], jsonb[], text, jsonb)', 'p_shard', \
-    colocate_with => 'turnstile_state')";
+/// Once the tables are distributed: the functions the workers run. `turnstile_commit_in`, by its
+/// shard argument, runs where its shard is. The migrations' functions that statements sent to a
+/// worker call are made known to every node: Citus propagates a function created while it is
+/// installed, but not one a database had before (a single PostgreSQL moved to Citus).
+const DELEGATE: &str = "\
+    SELECT create_distributed_function( \
+        'turnstile_commit_in(text, text[], bigint[], jsonb[], text, jsonb)', 'p_shard', \
+        colocate_with => 'turnstile_state'); \
+    SELECT create_distributed_function('turnstile_key_hash(text)'); \
+    SELECT create_distributed_function('turnstile_key_conversation(text)'); \
+    SELECT create_distributed_function('turnstile_key_user(text)'); \
+    SELECT create_distributed_function('turnstile_receipt_slot(timestamptz)');";
 
 /// Whether `turnstile migrate` lays the tables out for Citus.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -230,6 +237,65 @@ pub(super) const LOAD: Sql = Sql {
     types: &[Type::TEXT_ARRAY, Type::TEXT],
     on_citus: None,
 };
+/// A turn's load on Citus from one shard (`$3`): the state rows of its keys `$1` with their
+/// ages, their tombstones (a reference table, on every node), and receipt `$2` when it is on this
+/// shard. Every table it reads is named by the shard or is a reference table, so Citus sends the
+/// whole union to the worker that holds the shard, as one query ([`load_by_shard`]).
+const LOAD_SHARD: Sql = Sql {
+    text: "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
+             FROM turnstile_state WHERE shard = $3 AND key = ANY($1) \
+           UNION ALL \
+           SELECT 2::int2, k, NULL, t.version, NULL FROM unnest($1::text[]) AS k \
+             JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k) \
+           UNION ALL \
+           SELECT 1::int2, key, payload, 0, NULL FROM ( \
+             SELECT key, payload FROM turnstile_receipt WHERE shard = $3 AND key = $2 \
+             UNION ALL \
+             SELECT key, payload FROM turnstile_receipt_legacy WHERE shard = $3 AND key = $2 \
+              LIMIT 1) r",
+    types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
+    on_citus: None,
+};
+
+/// [`super::LOAD`]'s rows on Citus: one [`LOAD_SHARD`] per shard of `keys` (and of `receipt`),
+/// sent together on `client`, so in one round trip: a turn reads its conversation's shard and its
+/// user's. The parts are not one snapshot, and need not be: the commit checks every key the turn
+/// read against the version it saw.
+///
+/// # Errors
+/// A statement failed.
+pub(super) async fn load_by_shard(
+    client: &deadpool_postgres::ClientWrapper,
+    via: super::Via,
+    keys: &[&str],
+    receipt: Option<&str>,
+) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
+    let mut shards: Vec<(&str, Vec<&str>)> = Vec::new();
+    for key in keys.iter().copied().chain(receipt) {
+        let shard = shard_of(key);
+        let keys_of = match shards.iter_mut().find(|(s, _)| *s == shard) {
+            Some((_, keys_of)) => keys_of,
+            None => {
+                shards.push((shard, Vec::new()));
+                &mut shards.last_mut().expect("just pushed").1
+            }
+        };
+        if Some(key) != receipt {
+            keys_of.push(key);
+        }
+    }
+    let parts = shards.iter().map(|(shard, keys_of)| {
+        let receipt = receipt.filter(|r| shard_of(r) == *shard);
+        async move {
+            LOAD_SHARD
+                .query(client, via, &[keys_of, &receipt, shard])
+                .await
+        }
+    });
+    let parts = futures::future::try_join_all(parts).await?;
+    Ok(parts.into_iter().flatten().collect())
+}
+
 /// [`super::LOAD_HOLDING`] on Citus.
 pub(super) const LOAD_HOLDING: Sql = Sql {
     text: "SELECT kind, key, state, version, age FROM turnstile_load($1, $2, $3)",

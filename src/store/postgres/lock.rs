@@ -67,7 +67,7 @@ use tokio_postgres::error::SqlState;
 
 use super::{
     CALL_TIMEOUT, COMMIT, LOAD, LOAD_HOLDING, PostgresStore, Statements, Via, classify,
-    within_call_timeout,
+    classify_commit, within_call_timeout,
 };
 use crate::state::StateKey;
 use crate::store::{
@@ -379,7 +379,7 @@ impl LockedTurn for PgLockedTurn {
             // Dropping `self` rolls back, or closes the connection.
             Err(e) => return Err(e),
         };
-        let ended = self.ended(ended.map_err(classify));
+        let ended = self.ended(ended.map_err(|e| classify_commit(e, via)));
         match outcome {
             // Until COMMIT answered, the outcome was unknown: its failure is `Unavailable`,
             // which the engine resolves through the receipt.
