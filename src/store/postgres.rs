@@ -894,12 +894,10 @@ impl PostgresStore {
         self.group.stats()
     }
 
-    /// A pooled connection; the first that finds Turnstile's tables also tells the store whether
-    /// Citus distributes them.
+    /// A pooled connection, once the store knows whether Citus distributes its tables.
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
-        let client = client_of(&self.pool).await?;
-        self.engine.learn(&client).await.map_err(classify)?;
-        Ok(client)
+        self.engine.learn(&self.pool).await?;
+        client_of(&self.pool).await
     }
 
     /// How this store's statements are sent: as configured, in the dialect the tables need.
@@ -957,9 +955,7 @@ impl Store for PostgresStore {
         // Each commit's future boxed where it is made: unboxed, it made this future kilobytes
         // large, and the timeout, the span wrapper and `async_trait`'s box each copied it whole
         // (`bench/RESULTS.md`).
-        if !self.engine.is_known() {
-            drop(self.client().await?);
-        }
+        self.engine.learn(&self.pool).await?;
         if self.engine.is_citus() {
             // Each commit on its own, through `turnstile_commit`: the group commit's statements
             // write the keys of many conversations at once, which on Citus is every shard.

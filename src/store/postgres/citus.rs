@@ -12,11 +12,10 @@
 //! turnstile_key_shard(key)`, which Citus turns into the one shard to ask before it runs the
 //! statement, so the parameters are the same as on a single PostgreSQL.
 
-use std::sync::OnceLock;
-
 use tokio_postgres::types::Type;
 
 use super::Sql;
+use crate::store::StoreError;
 
 /// Distributes the tables: run once, in the migration's transaction.
 const DISTRIBUTE: &str = include_str!("citus/distribute.sql");
@@ -175,11 +174,19 @@ pub(super) async fn apply(
     })
 }
 
-/// Whether the tables a store serves are distributed by Citus: learned from the first connection
-/// that finds them, then fixed for the store's life (a layout changes only by a migration, which
-/// the replicas' restart follows).
+/// Whether the tables a store serves are distributed by Citus: learned once, from the first
+/// connection that finds them, then fixed for the store's life (a layout changes only by a
+/// migration, which the replicas' restart follows).
 #[derive(Debug, Default)]
-pub(super) struct Engine(OnceLock<bool>);
+pub(super) struct Engine(tokio::sync::OnceCell<bool>);
+
+/// Why [`Engine::learn`] learned nothing.
+enum NotLearned {
+    /// The tables are not there, or not yet distributed on a Citus coordinator.
+    Yet,
+    /// No connection, or the query failed.
+    Failed(StoreError),
+}
 
 impl Engine {
     /// Whether the store's statements must be Citus' ([`Sql::on`]); `false` until learned.
@@ -187,47 +194,59 @@ impl Engine {
         self.0.get().copied().unwrap_or(false)
     }
 
-    /// Whether the layout is learned.
-    pub(super) fn is_known(&self) -> bool {
-        self.0.get().is_some()
-    }
-
-    /// Learns the layout on `client`, unless known: a `shard` column on `turnstile_state` is
-    /// Citus'. Nothing is learned while the table does not exist (a database not yet migrated),
-    /// nor while a database with the `citus` extension has the table without the column: its
-    /// migration has applied the migrations and not yet distributed the tables, which it does
-    /// next.
+    /// Learns the layout on a connection from `pool`, unless known: a `shard` column on
+    /// `turnstile_state` is Citus'. One caller asks; those that come meanwhile wait for its
+    /// answer rather than each asking on a connection of its own (a fresh store's first calls
+    /// would otherwise reach the database one connection apart). Nothing is learned while the
+    /// table does not exist (a database not yet migrated), nor while a database with the `citus`
+    /// extension has the table without the column: its migration has applied the migrations and
+    /// not yet distributed the tables, which it does next.
     ///
     /// # Errors
-    /// The query failed.
-    pub(super) async fn learn(
-        &self,
-        client: &tokio_postgres::Client,
-    ) -> Result<(), tokio_postgres::Error> {
-        if self.0.get().is_some() {
+    /// [`StoreError`] when no connection could be had or the query failed.
+    pub(super) async fn learn(&self, pool: &deadpool_postgres::Pool) -> Result<(), StoreError> {
+        if self.0.initialized() {
             return Ok(());
         }
-        // A simple query: no prepared statement, so through a transaction-mode pooler too.
-        let rows = client
-            .simple_query(
-                "SELECT to_regclass('turnstile_state') IS NOT NULL, EXISTS ( \
-                   SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('turnstile_state') \
-                      AND attname = 'shard' AND NOT attisdropped), \
-                   EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')",
-            )
-            .await?;
-        let row = rows.iter().find_map(|m| match m {
-            tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
-            _ => None,
-        });
-        if let Some(row) = row {
-            let (table, shard, extension) = (row.get(0), row.get(1), row.get(2));
-            if table == Some("t") && (shard == Some("t") || extension != Some("t")) {
-                let _ = self.0.set(shard == Some("t"));
-            }
+        let learned = self
+            .0
+            .get_or_try_init(|| async {
+                let client = super::client_of(pool).await.map_err(NotLearned::Failed)?;
+                match layout_of(&client).await {
+                    Ok(Some(citus)) => Ok(citus),
+                    Ok(None) => Err(NotLearned::Yet),
+                    Err(e) => Err(NotLearned::Failed(super::classify(e))),
+                }
+            })
+            .await;
+        match learned {
+            Ok(_) | Err(NotLearned::Yet) => Ok(()),
+            Err(NotLearned::Failed(e)) => Err(e),
         }
-        Ok(())
     }
+}
+
+/// Whether `client`'s database has Turnstile's tables distributed by Citus; `None` while that
+/// cannot be told yet ([`Engine::learn`]).
+async fn layout_of(client: &tokio_postgres::Client) -> Result<Option<bool>, tokio_postgres::Error> {
+    // A simple query: no prepared statement, so through a transaction-mode pooler too.
+    let rows = client
+        .simple_query(
+            "SELECT to_regclass('turnstile_state') IS NOT NULL, EXISTS ( \
+               SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('turnstile_state') \
+                  AND attname = 'shard' AND NOT attisdropped), \
+               EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')",
+        )
+        .await?;
+    let row = rows.iter().find_map(|m| match m {
+        tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
+        _ => None,
+    });
+    Ok(row.and_then(|row| {
+        let (table, shard, extension) = (row.get(0), row.get(1), row.get(2));
+        (table == Some("t") && (shard == Some("t") || extension != Some("t")))
+            .then_some(shard == Some("t"))
+    }))
 }
 
 /// [`super::LOAD`] on Citus: `turnstile_load` (`citus/functions.sql`), each part asked of its
