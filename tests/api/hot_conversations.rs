@@ -45,19 +45,40 @@ impl Bot for Counted {
     }
 }
 
+/// [`Counted`], thinking for a moment first. On a Citus cluster sharing two cores with the rest
+/// of the suite, a turn takes long enough that 40 sent at once can reach the bot one after
+/// another, and never race; the pause keeps each turn's load and commit apart, so they do.
+struct Pondering(Arc<AtomicU32>);
+
+#[async_trait]
+impl Bot for Pondering {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        Counted(Arc::clone(&self.0)).on_turn(turn).await
+    }
+}
+
 /// Three replicas over one fresh database, each with its own pool, hosting the counted pizza bot
 /// under `policy`; and the shared run counter.
 async fn replicas(policy: ConcurrencyPolicy) -> (Vec<TestServer>, Arc<AtomicU32>) {
-    replicas_on(&support::pg::fresh_database().await, policy).await
+    replicas_on(&support::pg::fresh_database().await, policy, false).await
 }
 
-/// [`replicas`] over database `url`.
-async fn replicas_on(url: &str, policy: ConcurrencyPolicy) -> (Vec<TestServer>, Arc<AtomicU32>) {
+/// [`replicas`] over database `url`, the bot [`Pondering`] when `ponder` says so.
+async fn replicas_on(
+    url: &str,
+    policy: ConcurrencyPolicy,
+    ponder: bool,
+) -> (Vec<TestServer>, Arc<AtomicU32>) {
     let runs = Arc::new(AtomicU32::new(0));
     let bots = || {
-        BotRegistry::new("pizza", Counted(Arc::clone(&runs)))
-            .with_policy("pizza", policy)
-            .unwrap()
+        if ponder {
+            BotRegistry::new("pizza", Pondering(Arc::clone(&runs)))
+        } else {
+            BotRegistry::new("pizza", Counted(Arc::clone(&runs)))
+        }
+        .with_policy("pizza", policy)
+        .unwrap()
     };
     let (a, b, c) = tokio::join!(
         TestServer::start(postgres_config(url), bots()),
@@ -148,8 +169,10 @@ async fn on_citus_optimistic_turns_that_conflict_queue_for_the_lock_and_run_at_m
         return;
     }
     let url = support::citus::shared().fresh_database().await;
-    optimistic_turns_queue_for_the_lock(replicas_on(&url, ConcurrencyPolicy::Optimistic).await)
-        .await;
+    optimistic_turns_queue_for_the_lock(
+        replicas_on(&url, ConcurrencyPolicy::Optimistic, true).await,
+    )
+    .await;
 }
 
 async fn optimistic_turns_queue_for_the_lock((servers, runs): (Vec<TestServer>, Arc<AtomicU32>)) {
@@ -190,7 +213,11 @@ async fn on_citus_a_serialized_bot_runs_exactly_once_per_turn() {
         return;
     }
     let url = support::citus::shared().fresh_database().await;
-    serialized_runs_once(replicas_on(&url, ConcurrencyPolicy::Serialized).await, 16).await;
+    serialized_runs_once(
+        replicas_on(&url, ConcurrencyPolicy::Serialized, false).await,
+        16,
+    )
+    .await;
 }
 
 async fn serialized_runs_once((servers, runs): (Vec<TestServer>, Arc<AtomicU32>), turns: usize) {
@@ -320,7 +347,7 @@ async fn until_nothing_is_held(db: &tokio_postgres::Client, what: &str) {
     let until = Instant::now() + Duration::from_secs(10);
     while conversation_locks(db, true).await > 0 {
         assert!(Instant::now() < until, "{what}: a lock is still held");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
@@ -329,7 +356,7 @@ async fn until_someone_waits(db: &tokio_postgres::Client, what: &str) {
     let until = Instant::now() + Duration::from_secs(20);
     while lock_waiters(db).await == 0 {
         assert!(Instant::now() < until, "{what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
