@@ -190,26 +190,34 @@ async fn gateway(args: turnstile::gateway::GatewayArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Completes at the first SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
+/// Completes at the first SIGINT or SIGTERM. The handlers are in place from this call on, not
+/// from the future's first poll: a server answers as soon as it is up, and a SIGTERM sent the
+/// moment it answered must stop it gracefully rather than kill it (its first poll can come later,
+/// on a busy machine).
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
     {
-        let mut terminate = match tokio::signal::unix::signal(
-            tokio::signal::unix::SignalKind::terminate(),
-        ) {
-            Ok(signal) => signal,
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM; only SIGINT stops the server");
-                let _ = interrupt.await;
-                return;
+        use tokio::signal::unix::{SignalKind, signal};
+        let handlers = signal(SignalKind::interrupt()).and_then(|interrupt| {
+            signal(SignalKind::terminate()).map(|terminate| (interrupt, terminate))
+        });
+        async move {
+            match handlers {
+                Ok((mut interrupt, mut terminate)) => {
+                    tokio::select! {
+                        _ = interrupt.recv() => {},
+                        _ = terminate.recv() => {},
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot listen for SIGTERM; only SIGINT stops the server");
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
-        };
-        tokio::select! {
-            _ = interrupt => {},
-            _ = terminate.recv() => {},
         }
     }
     #[cfg(not(unix))]
-    let _ = interrupt.await;
+    async {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
