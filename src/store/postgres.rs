@@ -51,6 +51,30 @@ macro_rules! idle_past_its_ttl {
     };
 }
 
+/// The tombstones of the rows a statement's `gone` deleted (`migrations/V4__erasure.sql`): a CTE,
+/// for the erasures and the sweep on every engine.
+macro_rules! tombstones_of_gone {
+    () => {
+        "tombs AS (INSERT INTO turnstile_tombstone (key_hash, version) \
+           SELECT turnstile_key_hash(key), version FROM gone \
+           ON CONFLICT (key_hash) DO UPDATE \
+              SET version = greatest(turnstile_tombstone.version, excluded.version), \
+                  erased_at = excluded.erased_at)"
+    };
+}
+
+/// The end of a sweep's step: the tombstones of what it deleted, then the last key it looked at
+/// (of `batch`), how many it looked at, and how many went (`gone`).
+macro_rules! sweep_answer {
+    () => {
+        concat!(
+            tombstones_of_gone!(),
+            " SELECT (SELECT max(key) FROM batch), (SELECT count(*) FROM batch), \
+                     (SELECT count(*) FROM gone)"
+        )
+    };
+}
+
 mod citus;
 mod diagnose;
 mod group_commit;
@@ -92,7 +116,8 @@ const LOAD: Sql = Sql {
              UNION ALL \
              SELECT key, payload FROM turnstile_receipt_legacy WHERE key = $2 LIMIT 1) r",
     types: &[Type::TEXT_ARRAY, Type::TEXT],
-    on_citus: Some(&citus::LOAD),
+    // On Citus a load goes shard by shard (`citus::load_by_shard`), not through this.
+    on_citus: None,
 };
 /// [`LOAD`] for a turn holding its conversation lock, which also locks the conversation's row
 /// (`$3`) against writes until the turn's transaction ends: another replica's optimistic commit
@@ -201,13 +226,9 @@ macro_rules! erase {
         concat!(
             "WITH gone AS (DELETE FROM turnstile_state WHERE ",
             $state,
-            " RETURNING key, version), \
-             tombs AS (INSERT INTO turnstile_tombstone (key_hash, version) \
-               SELECT turnstile_key_hash(key), version FROM gone \
-               ON CONFLICT (key_hash) DO UPDATE \
-                  SET version = greatest(turnstile_tombstone.version, excluded.version), \
-                      erased_at = excluded.erased_at), \
-             receipts AS (DELETE FROM turnstile_receipt WHERE ",
+            " RETURNING key, version), ",
+            tombstones_of_gone!(),
+            ", receipts AS (DELETE FROM turnstile_receipt WHERE ",
             $receipts,
             " RETURNING key), \
              legacy AS (DELETE FROM turnstile_receipt_legacy WHERE ",
@@ -254,15 +275,8 @@ const SWEEP: Sql = Sql {
         " FOR UPDATE SKIP LOCKED), \
            gone AS ( \
              DELETE FROM turnstile_state WHERE key IN (SELECT key FROM expired) \
-             RETURNING key, version), \
-           tombs AS ( \
-             INSERT INTO turnstile_tombstone (key_hash, version) \
-             SELECT turnstile_key_hash(key), version FROM gone \
-             ON CONFLICT (key_hash) DO UPDATE \
-                SET version = greatest(turnstile_tombstone.version, excluded.version), \
-                    erased_at = excluded.erased_at) \
-           SELECT (SELECT max(key) FROM batch), (SELECT count(*) FROM batch), \
-                  (SELECT count(*) FROM gone)"
+             RETURNING key, version), ",
+        sweep_answer!()
     ),
     types: &[
         Type::TEXT,

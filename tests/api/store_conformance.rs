@@ -864,14 +864,7 @@ async fn citus_store_keeps_the_contract() {
     crossing_commits_do_not_deadlock(citus_store().await).await;
     receipts(citus_store().await).await;
     one_receipt_per_activity_under_concurrency(citus_store().await).await;
-    let url = DatabaseUrl::new(support::citus::shared().fresh_database().await);
-    postgres::migrate(&url).await.unwrap();
-    expiry(Arc::new(
-        PostgresStore::connect(&url, 2)
-            .unwrap()
-            .with_ttls(conversation_ttl()),
-    ))
-    .await;
+    expiry(expiring_store(&support::citus::shared().fresh_database().await).await).await;
 }
 
 /// The store as it runs behind a transaction-mode pooler: every statement unnamed, typed here.
@@ -1696,14 +1689,18 @@ fn conversation_ttl() -> turnstile::store::Ttls {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn both_stores_expire_state_and_sweep_it() {
     expiry(Arc::new(MemoryStore::new().with_ttls(conversation_ttl()))).await;
-    let url = DatabaseUrl::new(support::pg::fresh_database().await);
+    expiry(expiring_store(&support::pg::fresh_database().await).await).await;
+}
+
+/// A store over database `url`, migrated, whose conversations live [`conversation_ttl`].
+async fn expiring_store(url: &str) -> Arc<dyn Store> {
+    let url = DatabaseUrl::new(url);
     postgres::migrate(&url).await.unwrap();
-    expiry(Arc::new(
+    Arc::new(
         PostgresStore::connect(&url, 2)
             .unwrap()
             .with_ttls(conversation_ttl()),
-    ))
-    .await;
+    )
 }
 
 /// A conversation's hold deleted with the conversation is taken again above its old fence: the

@@ -249,13 +249,6 @@ async fn layout_of(client: &tokio_postgres::Client) -> Result<Option<bool>, toki
     }))
 }
 
-/// [`super::LOAD`] on Citus: `turnstile_load` (`citus/functions.sql`), each part asked of its
-/// own shards.
-pub(super) const LOAD: Sql = Sql {
-    text: "SELECT kind, key, state, version, age FROM turnstile_load($1, $2, NULL)",
-    types: &[Type::TEXT_ARRAY, Type::TEXT],
-    on_citus: None,
-};
 /// A turn's load on Citus from one shard (`$3`): the state rows of its keys `$1` with their
 /// ages, their tombstones (a reference table, on every node), and receipt `$2` when it is on this
 /// shard. Every table it reads is named by the shard or is a reference table, so Citus sends the
@@ -315,7 +308,8 @@ pub(super) async fn load_by_shard(
     Ok(parts.into_iter().flatten().collect())
 }
 
-/// [`super::LOAD_HOLDING`] on Citus.
+/// [`super::LOAD_HOLDING`] on Citus: `turnstile_load` (`citus/functions.sql`), which locks the
+/// conversation's row too.
 pub(super) const LOAD_HOLDING: Sql = Sql {
     text: "SELECT kind, key, state, version, age FROM turnstile_load($1, $2, $3)",
     types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
@@ -355,15 +349,8 @@ pub(super) const SWEEP: Sql = Sql {
            gone AS ( \
              DELETE FROM turnstile_state s WHERE s.key IN (SELECT key FROM batch) AND ",
         idle_past_its_ttl!(),
-        " RETURNING s.key, s.version), \
-           tombs AS ( \
-             INSERT INTO turnstile_tombstone (key_hash, version) \
-             SELECT turnstile_key_hash(key), version FROM gone \
-             ON CONFLICT (key_hash) DO UPDATE \
-                SET version = greatest(turnstile_tombstone.version, excluded.version), \
-                    erased_at = excluded.erased_at) \
-           SELECT (SELECT max(key) FROM batch), (SELECT count(*) FROM batch), \
-                  (SELECT count(*) FROM gone)"
+        " RETURNING s.key, s.version), ",
+        sweep_answer!()
     ),
     types: &[
         Type::TEXT,

@@ -26,35 +26,27 @@ AS $$
       FROM unnest(p_keys) AS k
 $$;
 
--- A turn's load (src/store/postgres.rs, LOAD): the state rows of `p_keys` with their ages, the
--- tombstones of those keys, and receipt `p_receipt`; with `p_held`, that conversation's row is
--- locked until the transaction ends (LOAD_HOLDING). In one statement, the rows of a turn that
--- also reads its user's scope (another shard) would make Citus plan the union through
--- intermediate results sent to every node; here each part is a query of its own: the rows, from
--- their shards at once; the tombstones, read where the function runs; the receipt, from its
--- conversation's shard. The parts are not one snapshot, and need not be: the commit checks every
--- key the turn read against the version it saw.
+-- The load of a turn holding its conversation's lock (src/store/postgres.rs, LOAD_HOLDING): the
+-- state rows of `p_keys` with their ages, conversation `p_held`'s row locked until the
+-- transaction ends, the keys' tombstones, and receipt `p_receipt`. (A turn without the lock
+-- loads shard by shard: src/store/postgres/citus.rs, LOAD_SHARD.) Each part is a query of its
+-- own, as Citus cannot lock a row in a statement over several shards. The parts are not one
+-- snapshot, and need not be: the commit checks every key the turn read against the version it
+-- saw.
 CREATE OR REPLACE FUNCTION turnstile_load(p_keys text[], p_receipt text, p_held text)
 RETURNS TABLE (kind int2, key text, state jsonb, version bigint, age float8)
 LANGUAGE plpgsql AS $$
 BEGIN
-    IF p_held IS NULL THEN
-        RETURN QUERY
-        SELECT 0::int2, s.key, s.state, s.version, extract(epoch FROM now() - s.updated_at)::float8
-          FROM turnstile_state s
-         WHERE s.shard = ANY(turnstile_key_shards(p_keys)) AND s.key = ANY(p_keys);
-    ELSE
-        RETURN QUERY
-        SELECT 0::int2, s.key, s.state, s.version, extract(epoch FROM now() - s.updated_at)::float8
-          FROM turnstile_state s
-         WHERE s.shard = turnstile_key_shard(p_held) AND s.key = p_held
-           FOR UPDATE;
-        RETURN QUERY
-        SELECT 0::int2, s.key, s.state, s.version, extract(epoch FROM now() - s.updated_at)::float8
-          FROM turnstile_state s
-         WHERE s.shard = ANY(turnstile_key_shards(p_keys)) AND s.key = ANY(p_keys)
-           AND s.key <> p_held;
-    END IF;
+    RETURN QUERY
+    SELECT 0::int2, s.key, s.state, s.version, extract(epoch FROM now() - s.updated_at)::float8
+      FROM turnstile_state s
+     WHERE s.shard = turnstile_key_shard(p_held) AND s.key = p_held
+       FOR UPDATE;
+    RETURN QUERY
+    SELECT 0::int2, s.key, s.state, s.version, extract(epoch FROM now() - s.updated_at)::float8
+      FROM turnstile_state s
+     WHERE s.shard = ANY(turnstile_key_shards(p_keys)) AND s.key = ANY(p_keys)
+       AND s.key <> p_held;
     RETURN QUERY
     SELECT 2::int2, k, NULL::jsonb, t.version, NULL::float8 FROM unnest(p_keys) AS k
       JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k);
@@ -69,7 +61,6 @@ BEGIN
     END IF;
 END
 $$;
-
 
 CREATE OR REPLACE FUNCTION turnstile_receipt_slots(p_key text, p_if_absent boolean DEFAULT false)
 RETURNS int2[]
