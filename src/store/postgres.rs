@@ -363,17 +363,6 @@ pub(super) struct Sql {
     on_citus: Option<&'static Sql>,
 }
 
-impl Via {
-    /// `statements` on a single PostgreSQL: the group commit's, which a store on Citus does not
-    /// use.
-    pub(super) fn single(statements: Statements) -> Self {
-        Self {
-            statements,
-            citus: false,
-        }
-    }
-}
-
 impl Sql {
     /// The statement to send `via` there.
     fn on(&self, via: Via) -> &Self {
@@ -826,10 +815,12 @@ impl PostgresStore {
             .runtime(Runtime::Tokio1)
             .build()
             .map_err(DatabaseError::PoolBuild)?;
+        let engine = Arc::<citus::Engine>::default();
         Ok(Self {
             group: Arc::new(GroupCommit::new(
                 pool.clone(),
                 statements,
+                Arc::clone(&engine),
                 DEFAULT_COMMITS_IN_FLIGHT,
             )),
             leases: lock::LeaseSlots::new(lease_slots(pool_size)),
@@ -839,7 +830,7 @@ impl PostgresStore {
             target,
             waker,
             ttls: super::Ttls::NONE,
-            engine: Arc::default(),
+            engine,
         })
     }
 
@@ -893,7 +884,12 @@ impl PostgresStore {
             return self;
         };
         Self {
-            group: Arc::new(GroupCommit::new(self.pool.clone(), self.statements, slots)),
+            group: Arc::new(GroupCommit::new(
+                self.pool.clone(),
+                self.statements,
+                Arc::clone(&self.engine),
+                slots,
+            )),
             ..self
         }
     }
@@ -970,9 +966,10 @@ impl Store for PostgresStore {
         // large, and the timeout, the span wrapper and `async_trait`'s box each copied it whole
         // (`bench/RESULTS.md`).
         self.engine.learn(&self.pool).await?;
-        if self.engine.is_citus() {
-            // Each commit on its own, through `turnstile_commit`: the group commit's statements
-            // write the keys of many conversations at once, which on Citus is every shard.
+        if self.engine.is_citus() && !on_one_shard(&commit) {
+            // A user's scope written with a conversation's receipt: two shards, so two-phase
+            // commit, by the coordinator. The group commit sends together the writes that one
+            // node runs whole.
             return within_call_timeout(Box::pin(self.commit_now(&commit))).await;
         }
         match SingleWrite::try_from(commit) {
@@ -1356,10 +1353,7 @@ impl PostgresStore {
             .iter()
             .map(|(_, payload)| jsonb::Jsonb::Text(payload.text()))
             .collect();
-        let shard = (via.citus && also.is_empty())
-            .then(|| citus::one_shard(keys.iter().copied().chain(receipt_key)))
-            .flatten();
-        if let Some(shard) = shard {
+        if let CommitBy::Shard(shard) = CommitBy::of(via, commit) {
             // On Citus, a commit on one shard goes to the worker that holds it, whole.
             let params: [&(dyn ToSql + Sync); 6] =
                 [&shard, &keys, &expected, &states, &receipt_key, &receipt];
@@ -1387,6 +1381,49 @@ impl PostgresStore {
             Ok(rows) => outcome_of(&rows, commit.changes()),
             Err(e) if is_conflict(&e) => Ok(conflict_from(&e, commit)),
             Err(e) => Err(classify_commit(e, via)),
+        }
+    }
+}
+
+/// Whether every key `commit` writes or checks, and its receipt, are on one Citus shard.
+fn on_one_shard(commit: &Commit) -> bool {
+    one_shard_of(commit).is_some()
+}
+
+/// The one Citus shard of every key `commit` writes or checks and of its receipt, if there is one.
+fn one_shard_of(commit: &Commit) -> Option<&str> {
+    let keys = commit.changes().iter().map(|c| c.key.as_str());
+    let receipt = commit.receipt().map(|(key, _)| key.as_str());
+    citus::one_shard(keys.chain(receipt))
+}
+
+/// Which statement [`PostgresStore::commit_on`] sends for a commit.
+enum CommitBy<'c> {
+    /// On Citus, a commit on this one shard, without other receipts: [`citus::COMMIT_IN`].
+    Shard(&'c str),
+    /// A commit that also writes the receipts of other activities: [`COMMIT_WITH_RECEIPTS`].
+    WithReceipts,
+    /// Any other: [`COMMIT`].
+    Plain,
+}
+
+impl<'c> CommitBy<'c> {
+    fn of(via: Via, commit: &'c Commit) -> Self {
+        if !commit.receipts_also().is_empty() {
+            return Self::WithReceipts;
+        }
+        match one_shard_of(commit) {
+            Some(shard) if via.citus => Self::Shard(shard),
+            _ => Self::Plain,
+        }
+    }
+
+    /// The statement, for preparing it before it is sent with others ([`Sql::ready`]).
+    pub(super) fn statement(&self) -> &'static Sql {
+        match self {
+            Self::Shard(_) => &citus::COMMIT_IN,
+            Self::WithReceipts => &COMMIT_WITH_RECEIPTS,
+            Self::Plain => &COMMIT,
         }
     }
 }

@@ -5,7 +5,10 @@
 use crate::support;
 
 use support::{TestServer, message, postgres_config, request, texts};
-use turnstile::store::postgres::{self, Citus, CitusLayout, DatabaseUrl};
+use turnstile::activity::incoming::{ActivityId, ChannelId, ConversationId};
+use turnstile::state::StateKey;
+use turnstile::store::postgres::{self, Citus, CitusLayout, DatabaseUrl, PostgresStore};
+use turnstile::store::{Commit, CommitOutcome, Expected, KeyChange, Store, Version};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_single_postgres_database_moved_to_citus_keeps_its_state_and_receipts() {
@@ -158,4 +161,92 @@ async fn conversation_only_turns_commit_without_two_phase_commit() {
         "a conversation-only turn committed in two phases"
     );
     assert!(single_after - single >= 20, "each commit asks one shard");
+}
+
+/// The group commit on Citus sends together the single-scope writes whose shards one node holds,
+/// and that node runs them in one local transaction: the commits of many conversations that
+/// arrive at once batch up, and no node commits in two phases (a write sent to a node that does
+/// not hold its shard would be committed in two phases by that node, and counted there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_commit_batches_by_node_without_two_phase_commit() {
+    if !support::citus::installed() {
+        return;
+    }
+    let citus = tokio::task::spawn_blocking(|| {
+        support::citus::CitusCluster::start_with(2, &["citus.recover_2pc_interval=-1"])
+    })
+    .await
+    .unwrap();
+    let url = citus.fresh_database().await;
+    let name = url
+        .parse::<tokio_postgres::Config>()
+        .unwrap()
+        .get_dbname()
+        .unwrap()
+        .to_owned();
+    let url = DatabaseUrl::new(url);
+    postgres::migrate_with(&url, CitusLayout::Required)
+        .await
+        .unwrap();
+    let mut nodes = vec![support::pg::session(&citus.coordinator.url(&name)).await];
+    for worker in &citus.workers {
+        nodes.push(support::pg::session(&worker.url(&name)).await);
+    }
+    let two_phase = || async {
+        let mut counts = Vec::new();
+        for node in &nodes {
+            let row = node
+                .query_one("SELECT count(*) FROM pg_dist_transaction", &[])
+                .await
+                .unwrap();
+            counts.push(row.get::<_, i64>(0));
+        }
+        counts
+    };
+    let before = two_phase().await;
+
+    let store = PostgresStore::connect(&url, 4).unwrap();
+    let channel = ChannelId::parse("test", "channel_id").unwrap();
+    let conversations: Vec<ConversationId> = (0..48)
+        .map(|i| ConversationId::parse(&format!("node-batch-{i}"), "conversation.id").unwrap())
+        .collect();
+    let turn = |round: u64, conversation: &ConversationId| {
+        let key = StateKey::conversation("bot", &channel, conversation);
+        let expected = match round {
+            0 => Expected::Absent,
+            n => Expected::Version(Version::new(n)),
+        };
+        let activity = ActivityId::parse(&format!("a{round}"), "id").unwrap();
+        let receipt = StateKey::receipt("bot", &channel, conversation, &activity);
+        Commit::new(vec![KeyChange {
+            key,
+            expected,
+            write: Some(std::sync::Arc::new(serde_json::Map::from_iter([(
+                "round".to_owned(),
+                round.into(),
+            )]))),
+        }])
+        .with_receipt(receipt, serde_json::json!({ "round": round }))
+    };
+    for round in 0..3 {
+        let commits = conversations.iter().map(|c| store.commit(turn(round, c)));
+        for outcome in futures::future::join_all(commits).await {
+            match outcome.unwrap() {
+                CommitOutcome::Committed(_) => {}
+                other => panic!("round {round}: {other:?}"),
+            }
+        }
+    }
+    let stats = store.group_commit_stats();
+    eprintln!("group commit on Citus: {stats:?}");
+    assert_eq!(stats.commits, 3 * 48, "{stats:?}");
+    assert!(
+        stats.largest >= 8,
+        "the commits that arrived together were not batched: {stats:?}"
+    );
+    assert_eq!(
+        two_phase().await,
+        before,
+        "a node committed a batch in two phases (coordinator, worker 1, worker 2)"
+    );
 }

@@ -1041,3 +1041,82 @@ async fn a_redelivery_takes_up_the_place_its_first_delivery_had_in_the_line() {
     second.await.unwrap();
     assert_eq!(*order.lock().unwrap(), ["first", "second"]);
 }
+
+/// A turn holding the conversation lock commits before any turn that took no lock, however its
+/// connection came: the other turn's commit waits for the held row and then conflicts. The
+/// holder's store is fresh, so its connection has prepared nothing yet: a commit statement
+/// prepared on the way would leave after the `COMMIT` sent with it, and run once the lock had
+/// ended (the Citus commit of one shard did, until it was prepared first too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_lock_holder_commits_before_a_turn_that_took_no_lock() {
+    holder_commits_first(support::pg::fresh_database().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_citus_the_lock_holder_commits_before_a_turn_that_took_no_lock() {
+    if !support::citus::installed() {
+        return;
+    }
+    holder_commits_first(support::citus::shared().fresh_database().await).await;
+}
+
+async fn holder_commits_first(url: String) {
+    let db_url = DatabaseUrl::new(url);
+    postgres::migrate(&db_url).await.unwrap();
+    let other = Arc::new(PostgresStore::connect(&db_url, 2).unwrap());
+    let key = StateKey::conversation(
+        "pizza",
+        &ChannelId::parse("test", "channelId").unwrap(),
+        &ConversationId::parse("held-row", "conversation.id").unwrap(),
+    );
+    let written = |expected, by: &str| {
+        let state = serde_json::Map::from_iter([("by".to_owned(), by.into())]);
+        Commit::new(vec![KeyChange {
+            key: key.clone(),
+            expected,
+            write: Some(Arc::new(state)),
+        }])
+    };
+    let first = other
+        .commit(written(Expected::Absent, "first"))
+        .await
+        .unwrap();
+    assert!(matches!(first, CommitOutcome::Committed(_)), "{first:?}");
+
+    let holder = PostgresStore::connect(&db_url, 2).unwrap();
+    let keys = [key.clone()];
+    let ConversationLock::Held { turn, snapshot } = holder
+        .lock_conversation(&key, &keys, None, Duration::from_secs(5))
+        .await
+        .unwrap()
+    else {
+        panic!("the lock of a conversation nobody holds");
+    };
+    assert_eq!(
+        snapshot.get(&key).map(|row| row.version),
+        Some(Version::FIRST)
+    );
+    let racing = tokio::spawn({
+        let other = Arc::clone(&other);
+        let commit = written(Expected::Version(Version::FIRST), "racing");
+        async move { other.commit(commit).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !racing.is_finished(),
+        "a commit that took no lock got past the held row"
+    );
+    let held = turn
+        .commit(written(Expected::Version(Version::FIRST), "holder"))
+        .await
+        .unwrap();
+    assert!(
+        matches!(held, CommitOutcome::Committed(_)),
+        "the lock holder lost: {held:?}"
+    );
+    let racing = racing.await.unwrap().unwrap();
+    assert!(
+        matches!(racing, CommitOutcome::Conflict { .. }),
+        "{racing:?}"
+    );
+}

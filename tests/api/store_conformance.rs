@@ -1081,10 +1081,34 @@ async fn a_database_that_stops_answering_fails_every_commit_within_a_bound() {
 
 /// The receipt stored for activity `act`, if any.
 async fn stored_receipt(store: &dyn Store, act: &str) -> Option<serde_json::Value> {
-    let snapshot = store.load(&[], Some(&receipt(act))).await.unwrap();
+    stored_receipt_of(store, &receipt(act)).await
+}
+
+async fn stored_receipt_of(store: &dyn Store, key: &StateKey) -> Option<serde_json::Value> {
+    let snapshot = store.load(&[], Some(key)).await.unwrap();
     snapshot
         .receipt()
         .map(|r| r.to_value().expect("a stored receipt is JSON"))
+}
+
+/// A store of 4 connections over a fresh database of the machine's PostgreSQL, or of the shared
+/// Citus cluster's, migrated. A pool of 4 runs one batch at a time, so commits sent together
+/// while it runs queue up.
+async fn group_commit_store(on: Engine) -> PostgresStore {
+    let url = match on {
+        Engine::Single => support::pg::fresh_database().await,
+        Engine::Citus => support::citus::shared().fresh_database().await,
+    };
+    let url = DatabaseUrl::new(url);
+    postgres::migrate(&url).await.unwrap();
+    PostgresStore::connect(&url, 4).unwrap()
+}
+
+/// Where a test's store keeps its tables.
+#[derive(Clone, Copy)]
+enum Engine {
+    Single,
+    Citus,
 }
 
 /// PostgreSQL's group commit: single-scope commits that arrive together are applied by one
@@ -1093,20 +1117,37 @@ async fn stored_receipt(store: &dyn Store, act: &str) -> Option<serde_json::Valu
 /// commit of a key in the same batch waits for the next one.
 #[tokio::test]
 async fn group_commit_gives_each_commit_its_own_outcome() {
-    let url = DatabaseUrl::new(support::pg::fresh_database().await);
-    postgres::migrate(&url).await.unwrap();
-    // A pool of 4 runs one batch at a time, so commits sent together while it runs queue up.
-    let store = PostgresStore::connect(&url, 4).unwrap();
-    let keys: Vec<StateKey> = (0..10).map(|i| conversation(&format!("g{i}"))).collect();
+    each_commit_its_own_outcome(Engine::Single).await;
+}
+
+/// The same on Citus, where a batch is one statement per node, each run there whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_citus_group_commit_gives_each_commit_its_own_outcome() {
+    if !support::citus::installed() {
+        return;
+    }
+    each_commit_its_own_outcome(Engine::Citus).await;
+}
+
+async fn each_commit_its_own_outcome(on: Engine) {
+    let store = group_commit_store(on).await;
+    let ids: Vec<String> = (0..10).map(|i| format!("g{i}")).collect();
+    let keys: Vec<StateKey> = ids.iter().map(|id| conversation(id)).collect();
     for key in &keys {
         committed(commit(&store, vec![write(key, Expected::Absent, json!({"n": 1}))]).await);
     }
     let before = store.group_commit_stats();
 
-    let single = |key: &StateKey, expected, n: i64, act: Option<&str>| {
-        let commit = Commit::new(vec![write(key, expected, json!({ "n": n }))]);
+    // Each receipt in its commit's conversation, as a turn's is: on Citus, on the same shard.
+    let mut receipts = std::collections::HashMap::new();
+    let mut single = |id: &str, expected, n: i64, act: Option<&str>| {
+        let commit = Commit::new(vec![write(&conversation(id), expected, json!({ "n": n }))]);
         match act {
-            Some(act) => commit.with_receipt(receipt(act), json!({ "act": act })),
+            Some(act) => {
+                let key = receipt_in(id, act);
+                receipts.insert(act.to_owned(), key.clone());
+                commit.with_receipt(key, json!({ "act": act }))
+            }
             None => commit,
         }
     };
@@ -1114,22 +1155,22 @@ async fn group_commit_gives_each_commit_its_own_outcome() {
     let fresh: Vec<StateKey> = (0..3).map(|i| conversation(&format!("new{i}"))).collect();
     let commits = vec![
         // The first goes alone; the rest queue behind it and go together.
-        single(&keys[9], v1, 2, None),
-        single(&keys[0], v1, 2, Some("a0")),
-        single(&keys[1], v1, 2, Some("a1")),
-        single(&keys[2], v1, 2, None),
+        single(&ids[9], v1, 2, None),
+        single(&ids[0], v1, 2, Some("a0")),
+        single(&ids[1], v1, 2, Some("a1")),
+        single(&ids[2], v1, 2, None),
         single(
-            &keys[3],
+            &ids[3],
             Expected::Version(Version::new(7)),
             2,
             Some("stale"),
         ),
-        single(&keys[4], Expected::Absent, 2, Some("appeared")),
-        single(&fresh[0], Expected::Absent, 1, Some("n0")),
-        single(&fresh[1], Expected::Absent, 1, None),
-        single(&fresh[2], v1, 1, Some("absent")),
-        single(&keys[5], v1, 2, Some("first")),
-        single(&keys[5], v1, 3, Some("second")),
+        single(&ids[4], Expected::Absent, 2, Some("appeared")),
+        single("new0", Expected::Absent, 1, Some("n0")),
+        single("new1", Expected::Absent, 1, None),
+        single("new2", v1, 1, Some("absent")),
+        single(&ids[5], v1, 2, Some("first")),
+        single(&ids[5], v1, 3, Some("second")),
     ];
     let outcomes = futures::future::join_all(commits.into_iter().map(|c| store.commit(c))).await;
     let outcomes: Vec<CommitOutcome> = outcomes.into_iter().map(Result::unwrap).collect();
@@ -1184,7 +1225,7 @@ async fn group_commit_gives_each_commit_its_own_outcome() {
         ("second", false),
     ] {
         assert_eq!(
-            stored_receipt(&store, act).await,
+            stored_receipt_of(&store, &receipts[act]).await,
             stored.then(|| json!({ "act": act })),
             "receipt {act}"
         );
@@ -1195,29 +1236,51 @@ async fn group_commit_gives_each_commit_its_own_outcome() {
 /// commit is then tried alone, so only that one conflicts (on its receipt) and the rest apply.
 #[tokio::test]
 async fn group_commit_isolates_a_receipt_that_exists() {
-    let url = DatabaseUrl::new(support::pg::fresh_database().await);
-    postgres::migrate(&url).await.unwrap();
-    let store = PostgresStore::connect(&url, 4).unwrap();
-    let done = conversation("done");
+    isolates_a_receipt_that_exists(Engine::Single).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_citus_group_commit_isolates_a_receipt_that_exists() {
+    if !support::citus::installed() {
+        return;
+    }
+    isolates_a_receipt_that_exists(Engine::Citus).await;
+}
+
+async fn isolates_a_receipt_that_exists(on: Engine) {
+    let store = group_commit_store(on).await;
+    // The activity `taken` of conversation i3 committed already, on another key of i3.
+    let taken = receipt_in("i3", "taken");
     committed(
         store
             .commit(
-                Commit::new(vec![write(&done, Expected::Absent, json!({}))])
-                    .with_receipt(receipt("taken"), json!({ "act": "taken" })),
+                Commit::new(vec![write(
+                    &StateKey::private_conversation(
+                        "bot",
+                        &ChannelId::parse("test", "channel_id").unwrap(),
+                        &ConversationId::parse("i3", "conversation.id").unwrap(),
+                        &UserId::parse("ann", "from.id").unwrap(),
+                    ),
+                    Expected::Absent,
+                    json!({}),
+                )])
+                .with_receipt(taken.clone(), json!({ "act": "taken" })),
             )
             .await
             .unwrap(),
     );
     let keys: Vec<StateKey> = (0..6).map(|i| conversation(&format!("i{i}"))).collect();
+    let receipt_of = |i: usize| {
+        if i == 3 {
+            taken.clone()
+        } else {
+            receipt_in(&format!("i{i}"), &format!("i{i}"))
+        }
+    };
     let before = store.group_commit_stats();
     let commits = keys.iter().enumerate().map(|(i, key)| {
-        let act = if i == 3 {
-            "taken".to_owned()
-        } else {
-            format!("i{i}")
-        };
         Commit::new(vec![write(key, Expected::Absent, json!({ "i": i }))])
-            .with_receipt(receipt(&act), json!({ "act": act }))
+            .with_receipt(receipt_of(i), json!({ "act": i }))
     });
     let outcomes = futures::future::join_all(commits.map(|c| store.commit(c))).await;
     let after = store.group_commit_stats();
@@ -1225,19 +1288,19 @@ async fn group_commit_isolates_a_receipt_that_exists() {
     for (i, outcome) in outcomes.into_iter().enumerate() {
         let outcome = outcome.unwrap();
         if i == 3 {
-            assert_eq!(conflict(outcome), receipt("taken"));
+            assert_eq!(conflict(outcome), taken);
             assert_eq!(version_of(&store, &keys[i]).await, None);
         } else {
             assert_eq!(committed(outcome)[&keys[i]], Version::FIRST);
-            let act = format!("i{i}");
-            assert!(
-                stored_receipt(&store, &act).await.is_some(),
-                "receipt of {act}"
+            assert_eq!(
+                stored_receipt_of(&store, &receipt_of(i)).await,
+                Some(json!({ "act": i })),
+                "receipt of {i}"
             );
         }
     }
     assert_eq!(
-        stored_receipt(&store, "taken").await,
+        stored_receipt_of(&store, &taken).await,
         Some(json!({ "act": "taken" }))
     );
 }

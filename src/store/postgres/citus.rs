@@ -12,6 +12,8 @@
 //! turnstile_key_shard(key)`, which Citus turns into the one shard to ask before it runs the
 //! statement, so the parameters are the same as on a single PostgreSQL.
 
+use std::sync::{Arc, Mutex, PoisonError};
+
 use tokio_postgres::types::Type;
 
 use super::Sql;
@@ -21,13 +23,16 @@ use crate::store::StoreError;
 const DISTRIBUTE: &str = include_str!("citus/distribute.sql");
 /// Turnstile's functions as Citus runs them: installed after every migration.
 const FUNCTIONS: &str = include_str!("citus/functions.sql");
-/// Once the tables are distributed: the functions the workers run. `turnstile_commit_in`, by its
-/// shard argument, runs where its shard is. The migrations' functions that statements sent to a
+/// Once the tables are distributed: the functions the workers run. `turnstile_commit_in` and the
+/// group commit's `turnstile_commit_many_in`, by their shard argument, run where that shard is. The migrations' functions that statements sent to a
 /// worker call are made known to every node: Citus propagates a function created while it is
 /// installed, but not one a database had before (a single PostgreSQL moved to Citus).
 const DELEGATE: &str = "\
     SELECT create_distributed_function( \
         'turnstile_commit_in(text, text[], bigint[], jsonb[], text, jsonb)', 'p_shard', \
+        colocate_with => 'turnstile_state'); \
+    SELECT create_distributed_function( \
+        'turnstile_commit_many_in(text, text[], jsonb[], bigint[], text[], jsonb[])', 'p_shard', \
         colocate_with => 'turnstile_state'); \
     SELECT create_distributed_function('turnstile_key_hash(text)'); \
     SELECT create_distributed_function('turnstile_key_conversation(text)'); \
@@ -176,9 +181,13 @@ pub(super) async fn apply(
 
 /// Whether the tables a store serves are distributed by Citus: learned once, from the first
 /// connection that finds them, then fixed for the store's life (a layout changes only by a
-/// migration, which the replicas' restart follows).
+/// migration, which the replicas' restart follows). On Citus, also where the shards are
+/// ([`ShardMap`]), which the group commit asks.
 #[derive(Debug, Default)]
-pub(super) struct Engine(tokio::sync::OnceCell<bool>);
+pub(super) struct Engine {
+    citus: tokio::sync::OnceCell<bool>,
+    shards: Mutex<Option<Arc<ShardMap>>>,
+}
 
 /// Why [`Engine::learn`] learned nothing.
 enum NotLearned {
@@ -191,7 +200,7 @@ enum NotLearned {
 impl Engine {
     /// Whether the store's statements must be Citus' ([`Sql::on`]); `false` until learned.
     pub(super) fn is_citus(&self) -> bool {
-        self.0.get().copied().unwrap_or(false)
+        self.citus.get().copied().unwrap_or(false)
     }
 
     /// Learns the layout on a connection from `pool`, unless known: a `shard` column on
@@ -205,11 +214,11 @@ impl Engine {
     /// # Errors
     /// [`StoreError`] when no connection could be had or the query failed.
     pub(super) async fn learn(&self, pool: &deadpool_postgres::Pool) -> Result<(), StoreError> {
-        if self.0.initialized() {
+        if self.citus.initialized() {
             return Ok(());
         }
         let learned = self
-            .0
+            .citus
             .get_or_try_init(|| async {
                 let client = super::client_of(pool).await.map_err(NotLearned::Failed)?;
                 match layout_of(&client).await {
@@ -224,6 +233,158 @@ impl Engine {
             Err(NotLearned::Failed(e)) => Err(e),
         }
     }
+
+    /// Where the cluster keeps the shards, as read on `client` at most [`ShardMap::FRESH_FOR`]
+    /// ago; `None` when it cannot be read (the group commit then sends each write alone).
+    pub(super) async fn shard_map(&self, client: &tokio_postgres::Client) -> Option<Arc<ShardMap>> {
+        let known = self
+            .shards
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        if let Some(map) = known.as_ref().filter(|map| map.is_fresh()) {
+            return Some(Arc::clone(map));
+        }
+        match ShardMap::read(client).await {
+            Ok(map) => {
+                let map = Arc::new(map);
+                *self.shards.lock().unwrap_or_else(PoisonError::into_inner) =
+                    Some(Arc::clone(&map));
+                Some(map)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read where Citus keeps the shards");
+                known
+            }
+        }
+    }
+}
+
+/// Where a Citus cluster keeps `turnstile_state`'s shards: for each shard's range of hash values,
+/// the node group that holds it. Citus places a row by `hashtext` of its shard column; so does
+/// [`ShardMap::node_of`], so that the group commit can send together the writes that one node
+/// runs, without asking. A map that has gone stale (shards moved by a rebalance) costs speed,
+/// never correctness: a write sent with another node's commits still commits, in two phases.
+#[derive(Debug)]
+pub(super) struct ShardMap {
+    /// Each shard's highest hash value and its node group, by hash value.
+    ranges: Vec<(i32, i32)>,
+    read_at: std::time::Instant,
+}
+
+impl ShardMap {
+    /// How long a map is trusted before it is read again.
+    const FRESH_FOR: std::time::Duration = std::time::Duration::from_secs(60);
+
+    /// The map as `client`'s coordinator has it now. A simple query: through a transaction-mode
+    /// pooler too.
+    async fn read(client: &tokio_postgres::Client) -> Result<Self, tokio_postgres::Error> {
+        let messages = client
+            .simple_query(
+                "SELECT s.shardmaxvalue, min(p.groupid) \
+                   FROM pg_dist_shard s JOIN pg_dist_placement p USING (shardid) \
+                  WHERE s.logicalrelid = 'turnstile_state'::regclass \
+                  GROUP BY s.shardmaxvalue",
+            )
+            .await?;
+        let mut ranges: Vec<(i32, i32)> = messages
+            .iter()
+            .filter_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(row) => Some(row),
+                _ => None,
+            })
+            .filter_map(|row| {
+                let max = row.get(0)?.parse().ok()?;
+                let group = row.get(1)?.parse().ok()?;
+                Some((max, group))
+            })
+            .collect();
+        ranges.sort_unstable();
+        Ok(Self {
+            ranges,
+            read_at: std::time::Instant::now(),
+        })
+    }
+
+    fn is_fresh(&self) -> bool {
+        self.read_at.elapsed() < Self::FRESH_FOR
+    }
+
+    /// The node group that holds `shard` (a value of the shard column, [`shard_of`]).
+    pub(super) fn node_of(&self, shard: &str) -> Option<i32> {
+        let hash = hashtext(shard.as_bytes());
+        let at = self.ranges.partition_point(|(max, _)| *max < hash);
+        self.ranges.get(at).map(|(_, group)| *group)
+    }
+}
+
+/// PostgreSQL's `hashtext` of a text in a deterministic collation: its `hash_bytes` (Bob
+/// Jenkins' lookup3, as `src/common/hashfn.c` has it on a little-endian server), by which Citus
+/// places a row of a table distributed by a text column.
+fn hashtext(key: &[u8]) -> i32 {
+    fn mix(a: &mut u32, b: &mut u32, c: &mut u32) {
+        *a = a.wrapping_sub(*c);
+        *a ^= c.rotate_left(4);
+        *c = c.wrapping_add(*b);
+        *b = b.wrapping_sub(*a);
+        *b ^= a.rotate_left(6);
+        *a = a.wrapping_add(*c);
+        *c = c.wrapping_sub(*b);
+        *c ^= b.rotate_left(8);
+        *b = b.wrapping_add(*a);
+        *a = a.wrapping_sub(*c);
+        *a ^= c.rotate_left(16);
+        *c = c.wrapping_add(*b);
+        *b = b.wrapping_sub(*a);
+        *b ^= a.rotate_left(19);
+        *a = a.wrapping_add(*c);
+        *c = c.wrapping_sub(*b);
+        *c ^= b.rotate_left(4);
+        *b = b.wrapping_add(*a);
+    }
+    /// The bytes as a little-endian word, the missing high bytes zero.
+    fn word(bytes: &[u8]) -> u32 {
+        bytes
+            .iter()
+            .rev()
+            .fold(0, |word, &byte| (word << 8) | u32::from(byte))
+    }
+    // Keys are far shorter than 4 GiB; PostgreSQL takes the length as an int.
+    let len = u32::try_from(key.len()).unwrap_or(u32::MAX);
+    let mut a = 0x9e37_79b9_u32.wrapping_add(len).wrapping_add(3_923_095);
+    let (mut b, mut c) = (a, a);
+    let mut chunks = key.chunks_exact(12);
+    for chunk in chunks.by_ref() {
+        a = a.wrapping_add(word(&chunk[0..4]));
+        b = b.wrapping_add(word(&chunk[4..8]));
+        c = c.wrapping_add(word(&chunk[8..12]));
+        mix(&mut a, &mut b, &mut c);
+    }
+    let rest = chunks.remainder();
+    a = a.wrapping_add(word(&rest[..rest.len().min(4)]));
+    if rest.len() > 4 {
+        b = b.wrapping_add(word(&rest[4..rest.len().min(8)]));
+    }
+    if rest.len() > 8 {
+        // The lowest byte of `c` is left for the length.
+        c = c.wrapping_add(word(&rest[8..]) << 8);
+    }
+    c ^= b;
+    c = c.wrapping_sub(b.rotate_left(14));
+    a ^= c;
+    a = a.wrapping_sub(c.rotate_left(11));
+    b ^= a;
+    b = b.wrapping_sub(a.rotate_left(25));
+    c ^= b;
+    c = c.wrapping_sub(b.rotate_left(16));
+    a ^= c;
+    a = a.wrapping_sub(c.rotate_left(4));
+    b ^= a;
+    b = b.wrapping_sub(a.rotate_left(14));
+    c ^= b;
+    c = c.wrapping_sub(b.rotate_left(24));
+    // The same bits, as PostgreSQL returns them: an int4.
+    i32::from_ne_bytes(c.to_ne_bytes())
 }
 
 /// Whether `client`'s database has Turnstile's tables distributed by Citus; `None` while that
@@ -376,6 +537,23 @@ pub(super) const COMMIT_IN: Sql = Sql {
     on_citus: None,
 };
 
+/// The group commit's statement on Citus: the single-scope writes of many turns (`$2`…`$6`, as
+/// [`super::group_commit`]'s own statement takes them), each by `turnstile_commit`, in one call
+/// that Citus runs on the node holding shard `$1`. Answers each write's new version, NULL where
+/// its key moved.
+pub(super) const COMMIT_MANY_IN: Sql = Sql {
+    text: "SELECT turnstile_commit_many_in($1, $2, $3, $4, $5, $6)",
+    types: &[
+        Type::TEXT,
+        Type::TEXT_ARRAY,
+        Type::JSONB_ARRAY,
+        Type::INT8_ARRAY,
+        Type::TEXT_ARRAY,
+        Type::JSONB_ARRAY,
+    ],
+    on_citus: None,
+};
+
 /// The shard of a key, as `turnstile_key_shard` computes it: its first four `/`-separated parts
 /// (`{bot}/{channel}/conversations/{conversation}` or `{bot}/{channel}/users/{user}`; no part of
 /// a key holds a `/`, `crate::state::key`), or the whole key when it has fewer.
@@ -429,5 +607,49 @@ mod tests {
             one_shard(["bot/ch/conversations/c1", "bot/ch/users/u1"].into_iter()),
             None
         );
+    }
+
+    /// Values read from PostgreSQL 15's `SELECT hashtext(s)`: every length of tail (0 to 11
+    /// bytes after the 12-byte blocks), several blocks, and multi-byte UTF-8.
+    #[test]
+    fn keys_hash_as_postgresql_hashes_them() {
+        for (text, expected) in [
+            ("", -1_477_818_771),
+            ("a", 1_075_015_857),
+            ("ab", 1_718_550_461),
+            ("abc", -785_388_649),
+            ("abcd", -393_934_804),
+            ("abcde", -445_659_580),
+            ("abcdefg", 501_636_814),
+            ("abcdefgh", -1_960_928_205),
+            ("abcdefghi", -92_131_489),
+            ("abcdefghijk", -1_483_803_693),
+            ("abcdefghijkl", -1_586_087_212),
+            ("abcdefghijklm", 405_849_808),
+            ("b/web/conversations/c3", 924_467_343),
+            ("bot/msteams/users/29:1Xy-ünïcødé€", 2_087_928_496),
+            (
+                "bot/directline/conversations/ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789abcdef",
+                -1_806_019_949,
+            ),
+        ] {
+            assert_eq!(hashtext(text.as_bytes()), expected, "hashtext({text:?})");
+        }
+    }
+
+    #[test]
+    fn a_shard_is_on_the_node_whose_range_holds_its_hash() {
+        let map = ShardMap {
+            ranges: vec![(-1, 1), (i32::MAX, 2)],
+            read_at: std::time::Instant::now(),
+        };
+        // hashtext("b/web/conversations/c3") = 924467343: the upper half.
+        assert_eq!(map.node_of("b/web/conversations/c3"), Some(2));
+        assert_eq!(map.node_of("abc"), Some(1));
+        let empty = ShardMap {
+            ranges: Vec::new(),
+            read_at: std::time::Instant::now(),
+        };
+        assert_eq!(empty.node_of("abc"), None);
     }
 }

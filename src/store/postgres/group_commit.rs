@@ -29,6 +29,13 @@
 //! deadlock with another replica's batch — and then each turn of the batch is committed alone, so
 //! that each gets the outcome that is its own. A batch never holds two writes of one key, nor two
 //! receipts of one activity: the second waits for the next batch.
+//!
+//! On Citus a statement over many conversations' rows would touch every node and commit in two
+//! phases. There a batch is one statement per node instead (`turnstile_commit_many_in`, run whole
+//! by the node that holds the shards of its writes, in one local transaction), all sent together
+//! on the lane's connection: the committer sorts the batch by the node that holds each write's
+//! shard, which it computes as Citus does ([`super::citus::ShardMap`]). Only a write whose key
+//! and receipt share a shard comes here; the store commits any other on its own.
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -38,10 +45,13 @@ use anyhow::anyhow;
 use deadpool_postgres::{ClientWrapper, Object, Pool};
 use tokio::sync::{Notify, OnceCell, OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::time::{Instant, timeout_at};
-use tokio_postgres::types::Type;
+use tokio_postgres::Row;
+use tokio_postgres::types::{ToSql, Type};
 
+use super::citus::{self, Engine};
 use super::jsonb::Jsonb;
-use super::{Sql, Statements, Via, classify, client_of, is_conflict, taken_receipt, unexpected};
+use super::{Sql, Statements, Via, classify_commit, client_of, is_conflict, taken_receipt};
+use super::{no_answer, unexpected, within_deadline};
 use crate::activity::JsonMap;
 use crate::state::StateKey;
 use crate::store::{Commit, CommitOutcome, Expected, KeyChange, StoreError, Version};
@@ -195,10 +205,21 @@ pub(super) struct GroupCommit {
     queue: Mutex<Option<Queue>>,
 }
 
-/// Where the commits go: the pool, and how statements are sent on its connections.
+/// Where the commits go: the pool, how statements are sent on its connections, and whether the
+/// tables are distributed by Citus (learned by the store before its first commit).
 struct Db {
     pool: Pool,
     statements: Statements,
+    engine: Arc<Engine>,
+}
+
+impl Db {
+    fn via(&self) -> Via {
+        Via {
+            statements: self.statements,
+            citus: self.engine.is_citus(),
+        }
+    }
 }
 
 /// What the callers and the committer task share.
@@ -244,12 +265,16 @@ impl Counts {
 }
 
 impl GroupCommit {
-    /// A group commit over `pool`, its statements sent as `statements` says, with at most
-    /// `slots` statements in flight at once.
-    pub fn new(pool: Pool, statements: Statements, slots: usize) -> Self {
+    /// A group commit over `pool`, its statements sent as `statements` says and written for the
+    /// layout `engine` learns, with at most `slots` statements in flight at once.
+    pub fn new(pool: Pool, statements: Statements, engine: Arc<Engine>, slots: usize) -> Self {
         Self {
             shared: Arc::new(Shared {
-                db: Db { pool, statements },
+                db: Db {
+                    pool,
+                    statements,
+                    engine,
+                },
                 slots: Arc::new(Semaphore::new(slots.max(1))),
                 answered: Notify::new(),
                 counts: Counts::default(),
@@ -290,7 +315,7 @@ impl GroupCommit {
             // Boxed: the timer would otherwise move the whole statement's future.
             return super::within_call_timeout(Box::pin(async {
                 let client = client_of(&shared.db.pool).await?;
-                commit_alone(&client, shared.db.statements, &write).await
+                commit_alone(&client, shared.db.via(), &write).await
             }))
             .await;
         }
@@ -557,7 +582,7 @@ impl Lane {
         db: &Db,
         write: &SingleWrite,
     ) -> Result<CommitOutcome, StoreError> {
-        commit_alone(self.client(&db.pool).await?, db.statements, write).await
+        commit_alone(self.client(&db.pool).await?, db.via(), write).await
     }
 
     /// [`commit_together`] on the lane's connection.
@@ -566,7 +591,30 @@ impl Lane {
         db: &Db,
         writes: &[&SingleWrite],
     ) -> Result<Together, StoreError> {
-        commit_together(self.client(&db.pool).await?, db.statements, writes).await
+        commit_together(self.client(&db.pool).await?, db.via(), writes).await
+    }
+
+    /// Puts `commits` in the order the batch's statements take them, and says how many each
+    /// statement takes. On a single PostgreSQL, one statement, the commits sorted by key, so that
+    /// batches lock rows in one order wherever the plan allows. On Citus, one per node, each
+    /// run there whole ([`citus::COMMIT_MANY_IN`]): the commits sorted by the node that holds
+    /// their shard, then by key. Without a map of the shards, each commit is a statement of its
+    /// own, run where its shard is.
+    async fn parts(&self, db: &Db, commits: &mut [Queued]) -> Result<Vec<usize>, StoreError> {
+        commits.sort_by(|a, b| a.write.key.cmp(&b.write.key));
+        if !db.engine.is_citus() {
+            return Ok(vec![commits.len()]);
+        }
+        let Some(map) = db.engine.shard_map(self.client(&db.pool).await?).await else {
+            return Ok(vec![1; commits.len()]);
+        };
+        let node = |queued: &Queued| map.node_of(citus::shard_of(queued.write.key.as_str()));
+        // Stable: each node's commits stay sorted by key.
+        commits.sort_by_cached_key(node);
+        Ok(commits
+            .chunk_by(|a, b| node(a).is_some() && node(a) == node(b))
+            .map(<[Queued]>::len)
+            .collect())
     }
 }
 
@@ -613,7 +661,7 @@ impl Batch<'_> {
 
     /// Runs a formed batch on `lane` and answers every commit in it, each by its deadline.
     ///
-    /// The lane is let go as soon as the statement has answered, before the turns are: the
+    /// The lane is let go as soon as the statements have answered, before the turns are: the
     /// committer, woken by it, then sends the next batch while the turns just answered encode
     /// their replies, instead of after them. Answering first kept the database idle for about
     /// 0.3 ms between batches at 32 calls (`bench/RESULTS.md`).
@@ -627,8 +675,7 @@ impl Batch<'_> {
         if commits.len() == 1
             && let Some(only) = commits.pop()
         {
-            let outcome =
-                super::within_deadline(only.deadline, lane.commit_alone(db, &only.write)).await;
+            let outcome = within_deadline(only.deadline, lane.commit_alone(db, &only.write)).await;
             answered(lane);
             let _ = only.outcome.send(outcome);
             return;
@@ -637,49 +684,74 @@ impl Batch<'_> {
             answered(lane);
             return;
         };
-        // Sorted by key, so that batches lock rows in one order wherever the plan allows.
-        commits.sort_by(|a, b| a.write.key.cmp(&b.write.key));
-        let writes: Vec<&SingleWrite> = commits.iter().map(|c| &c.write).collect();
-        match super::within_deadline(earliest, lane.commit_together(db, &writes)).await {
-            Ok(Together::Outcomes(outcomes)) => {
-                answered(lane);
-                for (queued, outcome) in commits.into_iter().zip(outcomes) {
-                    let _ = queued.outcome.send(Ok(outcome));
-                }
-            }
-            Ok(Together::Failed) => {
-                // One turn's receipt, or a deadlock, failed them all: each alone, to find out
-                // whose it was, on the same lane.
-                for queued in commits {
-                    let outcome = if queued.deadline <= Instant::now() {
-                        Err(super::no_answer())
-                    } else {
-                        super::within_deadline(
-                            queued.deadline,
-                            lane.commit_alone(db, &queued.write),
-                        )
-                        .await
-                    };
-                    let _ = queued.outcome.send(outcome);
-                }
-                answered(lane);
-            }
+        let ran = within_deadline(earliest, async {
+            let parts = lane.parts(db, &mut commits).await?;
+            let writes: Vec<&SingleWrite> = commits.iter().map(|c| &c.write).collect();
+            let mut from = 0;
+            // Sent together on the lane's connection: one round trip for every part.
+            let statements = parts.iter().map(|&len| {
+                let part = &writes[from..from + len];
+                from += len;
+                lane.commit_together(db, part)
+            });
+            let together = futures::future::join_all(statements).await;
+            Ok(parts.into_iter().zip(together).collect::<Vec<_>>())
+        })
+        .await;
+        let ran = match ran {
+            Ok(ran) => ran,
             Err(e) => {
                 answered(lane);
                 // Unavailable, or unexpected, for every commit of the batch, for one cause.
-                let unavailable = matches!(e, StoreError::Unavailable(_));
-                let (StoreError::Unavailable(cause) | StoreError::Unexpected(cause)) = e;
-                let cause = format!("{cause:#}");
                 for queued in commits {
-                    let cause = anyhow!("{cause}");
-                    let _ = queued.outcome.send(Err(if unavailable {
-                        StoreError::Unavailable(cause)
-                    } else {
-                        StoreError::Unexpected(cause)
-                    }));
+                    let _ = queued.outcome.send(Err(same_error(&e)));
                 }
+                return;
+            }
+        };
+        let mut commits = commits.into_iter();
+        let mut answers = Vec::with_capacity(commits.len());
+        let mut alone = Vec::new();
+        for (len, together) in ran {
+            let part = commits.by_ref().take(len);
+            match together {
+                Ok(Together::Outcomes(outcomes)) => {
+                    answers.extend(part.zip(outcomes.into_iter().map(Ok)));
+                }
+                // One turn's receipt, or a deadlock, failed them all: each alone, to find out
+                // whose it was, on the same lane.
+                Ok(Together::Failed(_)) => alone.extend(part),
+                Err(e) => answers.extend(part.map(|queued| (queued, Err(same_error(&e))))),
             }
         }
+        let answer = |answers: Vec<(Queued, Result<CommitOutcome, StoreError>)>| {
+            for (queued, outcome) in answers {
+                let _ = queued.outcome.send(outcome);
+            }
+        };
+        if alone.is_empty() {
+            answered(lane);
+            answer(answers);
+            return;
+        }
+        answer(answers);
+        for queued in alone {
+            let outcome = if queued.deadline <= Instant::now() {
+                Err(no_answer())
+            } else {
+                within_deadline(queued.deadline, lane.commit_alone(db, &queued.write)).await
+            };
+            let _ = queued.outcome.send(outcome);
+        }
+        answered(lane);
+    }
+}
+
+/// `e` again, for another commit that failed of the same cause.
+fn same_error(e: &StoreError) -> StoreError {
+    match e {
+        StoreError::Unavailable(cause) => StoreError::Unavailable(anyhow!("{cause:#}")),
+        StoreError::Unexpected(cause) => StoreError::Unexpected(anyhow!("{cause:#}")),
     }
 }
 
@@ -687,14 +759,17 @@ impl Batch<'_> {
 enum Together {
     /// Each commit's own outcome, in the batch's order.
     Outcomes(Vec<CommitOutcome>),
-    /// The statement failed as a whole on a receipt that exists or a deadlock; nothing applied.
-    Failed,
+    /// The statement failed as a whole on a receipt that exists or a deadlock (this error);
+    /// nothing applied.
+    Failed(tokio_postgres::Error),
 }
 
-/// Commits `writes` by [`WRITE_MANY`] on `client`.
+/// Commits `writes` on `client` by [`WRITE_MANY`], or on Citus by [`citus::COMMIT_MANY_IN`],
+/// which the node holding the first write's shard runs (the committer sends together the writes
+/// of one node, [`Lane::parts`]).
 async fn commit_together(
     client: &ClientWrapper,
-    statements: Statements,
+    via: Via,
     writes: &[&SingleWrite],
 ) -> Result<Together, StoreError> {
     let keys: Vec<&str> = writes.iter().map(|w| w.key.as_str()).collect();
@@ -715,29 +790,26 @@ async fn commit_together(
                 .map(|(_, payload)| Jsonb::Text(payload.text()))
         })
         .collect();
-    let rows = match WRITE_MANY
-        .query(
-            client,
-            Via::single(statements),
-            &[&keys, &states, &expected, &receipt_keys, &receipts],
-        )
-        .await
-    {
-        Ok(rows) => rows,
-        Err(e) if is_conflict(&e) => return Ok(Together::Failed),
-        Err(e) => return Err(classify(e)),
+    let params: [&(dyn ToSql + Sync); 5] = [&keys, &states, &expected, &receipt_keys, &receipts];
+    let queried = match keys.first() {
+        Some(first) if via.citus => {
+            let shard = citus::shard_of(first);
+            let params: [&(dyn ToSql + Sync); 6] =
+                [&shard, &keys, &states, &expected, &receipt_keys, &receipts];
+            citus::COMMIT_MANY_IN.query(client, via, &params).await
+        }
+        _ => WRITE_MANY.query(client, via, &params).await,
     };
-    let mut versions: Vec<Option<Version>> = vec![None; writes.len()];
-    for row in &rows {
-        let ord: i64 = row.try_get(0).map_err(unexpected)?;
-        let version: i64 = row.try_get(1).map_err(unexpected)?;
-        let slot = usize::try_from(ord)
-            .ok()
-            .and_then(|ord| ord.checked_sub(1))
-            .and_then(|i| versions.get_mut(i))
-            .ok_or_else(|| StoreError::Unexpected(anyhow!("a batch commit returned row {ord}")))?;
-        *slot = Some(stored_version(version)?);
-    }
+    let rows = match queried {
+        Ok(rows) => rows,
+        Err(e) if is_conflict(&e) => return Ok(Together::Failed(e)),
+        Err(e) => return Err(classify_commit(e, via)),
+    };
+    let versions = if via.citus {
+        delegated_versions(&rows, writes.len())?
+    } else {
+        written_versions(&rows, writes.len())?
+    };
     Ok(Together::Outcomes(
         writes
             .iter()
@@ -747,12 +819,64 @@ async fn commit_together(
     ))
 }
 
-/// Commits `write` by itself on `client`, by [`UPDATE_ONE`] or [`CREATE_ONE`].
+/// The versions [`WRITE_MANY`]'s rows give `count` writes: a row `(ord, version)` for each
+/// write that applied.
+fn written_versions(rows: &[Row], count: usize) -> Result<Vec<Option<Version>>, StoreError> {
+    let mut versions: Vec<Option<Version>> = vec![None; count];
+    for row in rows {
+        let ord: i64 = row.try_get(0).map_err(unexpected)?;
+        let version: i64 = row.try_get(1).map_err(unexpected)?;
+        let slot = usize::try_from(ord)
+            .ok()
+            .and_then(|ord| ord.checked_sub(1))
+            .and_then(|i| versions.get_mut(i))
+            .ok_or_else(|| StoreError::Unexpected(anyhow!("a batch commit returned row {ord}")))?;
+        *slot = Some(stored_version(version)?);
+    }
+    Ok(versions)
+}
+
+/// The versions [`citus::COMMIT_MANY_IN`]'s one row gives `count` writes: an array with each
+/// write's version, NULL for one that did not apply.
+fn delegated_versions(rows: &[Row], count: usize) -> Result<Vec<Option<Version>>, StoreError> {
+    let [row] = rows else {
+        return Err(StoreError::Unexpected(anyhow!(
+            "turnstile_commit_many_in returned {} rows",
+            rows.len()
+        )));
+    };
+    let versions: Vec<Option<i64>> = row.try_get(0).map_err(unexpected)?;
+    if versions.len() != count {
+        return Err(StoreError::Unexpected(anyhow!(
+            "turnstile_commit_many_in returned {} versions for {count} writes",
+            versions.len()
+        )));
+    }
+    versions
+        .into_iter()
+        .map(|version| version.map(stored_version).transpose())
+        .collect()
+}
+
+/// Commits `write` by itself on `client`, by [`UPDATE_ONE`] or [`CREATE_ONE`]; on Citus, by the
+/// batch statement with one write, which the node holding its shard runs.
 async fn commit_alone(
     client: &ClientWrapper,
-    statements: Statements,
+    via: Via,
     write: &SingleWrite,
 ) -> Result<CommitOutcome, StoreError> {
+    if via.citus {
+        return match commit_together(client, via, &[write]).await? {
+            Together::Outcomes(mut outcomes) if outcomes.len() == 1 => Ok(outcomes.remove(0)),
+            Together::Outcomes(outcomes) => Err(StoreError::Unexpected(anyhow!(
+                "a commit of one write had {} outcomes",
+                outcomes.len()
+            ))),
+            Together::Failed(e) => Ok(CommitOutcome::Conflict {
+                key: conflict_key(&e, write).clone(),
+            }),
+        };
+    }
     let key = write.key.as_str();
     let state = Jsonb::Map(&write.state);
     let receipt_key = write.receipt.as_ref().map(|(key, _)| key.as_str());
@@ -766,7 +890,7 @@ async fn commit_alone(
             CREATE_ONE
                 .query(
                     client,
-                    Via::single(statements),
+                    via,
                     &[&key, &state, &receipt_key, &receipt, &expected],
                 )
                 .await
@@ -775,7 +899,7 @@ async fn commit_alone(
             UPDATE_ONE
                 .query(
                     client,
-                    Via::single(statements),
+                    via,
                     &[&key, &state, &expected, &receipt_key, &receipt],
                 )
                 .await
@@ -784,16 +908,27 @@ async fn commit_alone(
     let rows = match rows {
         Ok(rows) => rows,
         Err(e) if is_conflict(&e) => {
-            let key = taken_receipt(&e, write.receipt.as_ref()).unwrap_or(&write.key);
-            return Ok(CommitOutcome::Conflict { key: key.clone() });
+            return Ok(CommitOutcome::Conflict {
+                key: conflict_key(&e, write).clone(),
+            });
         }
-        Err(e) => return Err(classify(e)),
+        Err(e) => return Err(classify_commit(e, via)),
     };
     let version = match rows.first() {
         Some(row) => Some(stored_version(row.try_get(0).map_err(unexpected)?)?),
         None => None,
     };
     Ok(outcome_of(write, version))
+}
+
+/// The key a commit of `write` that failed with `e` conflicted on: its receipt when that exists
+/// already (or `e`'s DETAIL names it, as `turnstile_commit` raises it on Citus), else its key.
+fn conflict_key<'w>(e: &tokio_postgres::Error, write: &'w SingleWrite) -> &'w StateKey {
+    let detail = e.as_db_error().and_then(|db| db.detail());
+    match &write.receipt {
+        Some((receipt, _)) if detail == Some(receipt.as_str()) => receipt,
+        _ => taken_receipt(e, write.receipt.as_ref()).unwrap_or(&write.key),
+    }
 }
 
 /// The outcome of `write`, given the version its key has now if the write applied.

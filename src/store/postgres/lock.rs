@@ -66,7 +66,7 @@ use tokio_postgres::SimpleQueryMessage;
 use tokio_postgres::error::SqlState;
 
 use super::{
-    CALL_TIMEOUT, COMMIT, LOAD, LOAD_HOLDING, PostgresStore, Statements, Via, classify,
+    CALL_TIMEOUT, CommitBy, LOAD, LOAD_HOLDING, PostgresStore, Statements, Via, classify,
     classify_commit, within_call_timeout,
 };
 use crate::state::StateKey;
@@ -366,8 +366,14 @@ impl LockedTurn for PgLockedTurn {
         let client = self.client()?;
         let via = self.via;
         let answered = within_call_timeout(async {
-            // Prepared first, so that it leaves before the `COMMIT`.
-            COMMIT.ready(client, via).await.map_err(classify)?;
+            // Prepared first, so that it leaves before the `COMMIT`: prepared as part of the
+            // query, it would leave after, and run on its own once the transaction, and the lock
+            // with it, had ended.
+            CommitBy::of(via, &commit)
+                .statement()
+                .ready(client, via)
+                .await
+                .map_err(classify)?;
             Ok(futures::join!(
                 PostgresStore::commit_on(client, via, &commit),
                 client.batch_execute("COMMIT"),

@@ -360,6 +360,34 @@ BEGIN
 END
 $$;
 
+-- The group commit's statement on Citus (src/store/postgres/group_commit.rs): the single-scope
+-- commits of many turns, write `i` of key `p_keys[i]` over version `p_expected[i]` with receipt
+-- `p_receipt_keys[i]`, each by `turnstile_commit`, in one transaction. Answers each write's new
+-- version, NULL where its key moved (that turn alone is a conflict, nothing of it written).
+-- Distributed by `p_shard`, a shard of one of the writes, like `turnstile_commit_in`: the
+-- committer sends together the writes whose shards live on one node, so Citus runs the whole
+-- call there and every statement in it on a shard of that node, in one local transaction. A
+-- write whose shard is elsewhere (moved since the committer looked) still commits with the
+-- others, Citus then committing in two phases from the node.
+CREATE OR REPLACE FUNCTION turnstile_commit_many_in(
+    p_shard text, p_keys text[], p_states jsonb[], p_expected bigint[], p_receipt_keys text[],
+    p_receipts jsonb[])
+RETURNS bigint[]
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    outcome record;
+    versions bigint[] := '{}';
+BEGIN
+    FOR i IN 1 .. coalesce(array_length(p_keys, 1), 0) LOOP
+        SELECT * INTO outcome
+          FROM turnstile_commit(ARRAY[p_keys[i]], ARRAY[p_expected[i]], ARRAY[p_states[i]],
+                                p_receipt_keys[i], p_receipts[i]);
+        versions := versions || outcome.versions[1];
+    END LOOP;
+    RETURN versions;
+END
+$$;
+
 -- `turnstile_commit`, and if it applied, the receipts `p_also_keys` (payloads `p_also`) of the
 -- other activities the run answered, each kept if it exists (src/store/postgres.rs,
 -- COMMIT_WITH_RECEIPTS): one transaction, all or none.
