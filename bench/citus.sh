@@ -2,6 +2,7 @@
 # Turnstile on Citus against Turnstile on one PostgreSQL, in the same run on the same machine.
 #
 #   bench/citus.sh    about 3 minutes after the release build
+#   SERVE_ARGS='--commits-in-flight 4' bench/citus.sh    a tuned variant, beside the shipped one
 #
 # Starts a single PostgreSQL and a Citus cluster (a coordinator and 2 workers, every node with
 # default settings, Citus' recovery of two-phase commits off so that its records can be counted),
@@ -70,7 +71,8 @@ psql_at "$COORD" service "SELECT citus_add_node('127.0.0.1', $W2)" >/dev/null
 serve_and_bench() {
     local db=$1; shift
     local port; port=$(free_port)
-    "$BIN/turnstile" serve --listen "127.0.0.1:$port" \
+    # shellcheck disable=SC2086 # SERVE_ARGS: a tuned variant's flags, empty for the product as shipped
+    "$BIN/turnstile" serve --listen "127.0.0.1:$port" ${SERVE_ARGS:-} \
         --database-url "postgres://postgres@127.0.0.1:$db/service" >>"$WORK/service.log" 2>&1 &
     local pid=$!
     PIDS+=("$pid")
@@ -81,7 +83,11 @@ serve_and_bench() {
     kill -TERM "$pid"; wait "$pid" 2>/dev/null || true
     PIDS=()
 }
-counters() { psql_at "$COORD" service "SELECT sum(query_execution_single_shard), sum(query_execution_multi_shard), (SELECT count(*) FROM pg_dist_transaction), sum(connection_establishment_succeeded), sum(connection_reused) FROM citus_stat_counters"; }
+# Two-phase commits are counted on every node: the group commit's batches run on the workers, and
+# a batch that wrote a shard of another node would be committed in two phases by its worker.
+counters() {
+    echo "$(psql_at "$COORD" service "SELECT sum(query_execution_single_shard), sum(query_execution_multi_shard), (SELECT count(*) FROM pg_dist_transaction), sum(connection_establishment_succeeded), sum(connection_reused) FROM citus_stat_counters")|$(psql_at "$W1" service "SELECT count(*) FROM pg_dist_transaction")|$(psql_at "$W2" service "SELECT count(*) FROM pg_dist_transaction")"
+}
 field() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 
 echo "machine: $(nproc) cores, $(uname -sr); $(date -u +%Y-%m-%dT%H:%MZ); PostgreSQL $("$PGBIN/postgres" --version | awk '{print $3}'), Citus $(psql_at "$COORD" service "SELECT extversion FROM pg_extension WHERE extname = 'citus'")"
@@ -105,10 +111,10 @@ for round in $(seq 1 "$ROUNDS"); do
 import sys
 b = [int(x) for x in sys.argv[1].split("|")]
 a = [int(x) for x in sys.argv[2].split("|")]
-single, multi, two_phase, opened, reused = (a[i] - b[i] for i in range(5))
+single, multi, two_phase, opened, reused, by_w1, by_w2 = (a[i] - b[i] for i in range(7))
 print(f"       citus counted, warm-up and prefill included: {single} single-shard and {multi} "
       f"multi-shard statements ({single / max(1, single + multi):.1%} router-planned), "
-      f"{two_phase} two-phase commits, {opened} connections to workers opened and {reused} "
-      f"reused; {sys.argv[3]} measured turns")
+      f"{two_phase} two-phase commits by the coordinator and {by_w1} / {by_w2} by the workers, "
+      f"{opened} connections to workers opened and {reused} reused; {sys.argv[3]} measured turns")
 PY
 done
