@@ -51,6 +51,14 @@ macro_rules! idle_past_its_ttl {
     };
 }
 
+/// The tombstones older than a day, which [`PRUNE_TOMBSTONES`] deletes: a `FROM` clause, for
+/// deleting them and for asking whether there are any.
+macro_rules! old_tombstones {
+    () => {
+        "FROM turnstile_tombstone WHERE erased_at < now() - interval '1 day'"
+    };
+}
+
 /// The tombstones of the rows a statement's `gone` deleted (`migrations/V4__erasure.sql`): a CTE,
 /// for the erasures and the sweep on every engine.
 macro_rules! tombstones_of_gone {
@@ -295,10 +303,20 @@ const PRUNE_BATCH: u64 = 1000;
 /// Deletes one batch of tombstones older than a day (`migrations/V4__erasure.sql`): no turn
 /// lives that long, nor does a cached guess (`cached::MAX_GUESS_AGE`).
 const PRUNE_TOMBSTONES: Sql = Sql {
-    text: "DELETE FROM turnstile_tombstone WHERE key_hash IN ( \
-             SELECT key_hash FROM turnstile_tombstone \
-              WHERE erased_at < now() - interval '1 day' \
-              LIMIT 1000 FOR UPDATE SKIP LOCKED)",
+    text: concat!(
+        "DELETE FROM turnstile_tombstone WHERE key_hash IN ( \
+           SELECT key_hash ",
+        old_tombstones!(),
+        " LIMIT 1000 FOR UPDATE SKIP LOCKED)"
+    ),
+    types: &[],
+    on_citus: None,
+};
+/// Whether [`PRUNE_TOMBSTONES`] has anything to delete: asked first, because on Citus the
+/// tombstones are a reference table, every write of which (even one that deletes nothing) is a
+/// two-phase commit over all the nodes.
+const OLD_TOMBSTONES: Sql = Sql {
+    text: concat!("SELECT EXISTS (SELECT 1 ", old_tombstones!(), ")"),
     types: &[],
     on_citus: None,
 };
@@ -1185,11 +1203,18 @@ impl Store for PostgresStore {
         let pruned = receipts::prune(self, age).await?;
         let client = self.client().await?;
         // Tombstones, on the same schedule: few, and usually none.
-        while PRUNE_TOMBSTONES
-            .execute(&client, self.via(), &[])
+        let any = OLD_TOMBSTONES
+            .query(&client, self.via(), &[])
             .await
             .map_err(classify)?
-            >= PRUNE_BATCH
+            .first()
+            .is_some_and(|row| row.get::<_, bool>(0));
+        while any
+            && PRUNE_TOMBSTONES
+                .execute(&client, self.via(), &[])
+                .await
+                .map_err(classify)?
+                >= PRUNE_BATCH
         {}
         Ok(pruned)
     }

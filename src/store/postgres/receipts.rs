@@ -32,6 +32,16 @@ use super::{PostgresStore, Sql, StoreError, classify};
 /// How many slots `turnstile_receipt` has (`migrations/V5__receipt_slots.sql`).
 const SLOTS: i16 = 4;
 
+/// The receipts' clock: the slots' width, in seconds, and whether the legacy table is still read.
+/// Read before either is written, so that a pass that changes nothing writes nothing: on Citus
+/// the clock is a reference table, whose every write is a two-phase commit over all the nodes,
+/// whether it changes a row or not.
+const CLOCK: Sql = Sql {
+    text: "SELECT width_secs, legacy FROM turnstile_receipt_clock",
+    types: &[],
+    on_citus: None,
+};
+
 /// Sets the slots' width, in seconds, to `$1` (half the retention) if it is not that already.
 const SET_WIDTH: Sql = Sql {
     text: "UPDATE turnstile_receipt_clock SET width_secs = $1 WHERE width_secs <> $1",
@@ -136,10 +146,25 @@ impl Slot {
 pub(super) async fn prune(store: &PostgresStore, retention: Duration) -> Result<u64, StoreError> {
     let client = store.client().await?;
     let width = (retention.as_secs_f64() / 2.0).max(1.0);
-    SET_WIDTH
-        .execute(&client, store.via(), &[&width])
+    let clock = CLOCK
+        .query(&client, store.via(), &[])
         .await
         .map_err(classify)?;
+    let (set_width, legacy_read): (f64, bool) = match clock.first() {
+        Some(row) => (
+            row.try_get(0).map_err(classify)?,
+            row.try_get(1).map_err(classify)?,
+        ),
+        None => (f64::NAN, true),
+    };
+    // Exact: the width stored is this very value when it was set from the same retention.
+    #[allow(clippy::float_cmp)]
+    if set_width != width {
+        SET_WIDTH
+            .execute(&client, store.via(), &[&width])
+            .await
+            .map_err(classify)?;
+    }
     let retention = retention.as_secs_f64();
     let slots: Vec<Slot> = STATUS
         .query(&client, store.via(), &[&retention])
@@ -164,7 +189,7 @@ pub(super) async fn prune(store: &PostgresStore, retention: Duration) -> Result<
     let citus = store.via().citus;
     for slot in &slots {
         let outcome = if slot.n == SLOTS {
-            empty_legacy(&client, slot, citus).await
+            empty_legacy(&client, slot, legacy_read, citus).await
         } else if citus {
             recycle_in_place(&client, slot).await
         } else {
@@ -329,20 +354,24 @@ async fn truncate_briefly(
         .await
 }
 
-/// Once nothing in the legacy table is within the retention: stops reading it, and truncates it,
-/// waiting at most a moment for the lock (a turn reading it holds it until its transaction ends).
-/// Returns about how many receipts it held when it was truncated.
+/// Once nothing in the legacy table is within the retention: stops reading it (if the turns
+/// still do, `read`), and truncates it, waiting at most a moment for the lock (a turn reading it
+/// holds it until its transaction ends). Returns about how many receipts it held when it was
+/// truncated.
 async fn empty_legacy(
     client: &tokio_postgres::Client,
     legacy: &Slot,
+    read: bool,
     citus: bool,
 ) -> Result<Option<f64>, tokio_postgres::Error> {
     if legacy.has_recent {
         return Ok(None);
     }
-    client
-        .batch_execute("UPDATE turnstile_receipt_clock SET legacy = false WHERE legacy")
-        .await?;
+    if read {
+        client
+            .batch_execute("UPDATE turnstile_receipt_clock SET legacy = false WHERE legacy")
+            .await?;
+    }
     if !legacy.has_rows {
         return Ok(None);
     }
