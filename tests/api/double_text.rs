@@ -161,7 +161,8 @@ enum On {
 }
 
 /// Two replicas over one fresh database — or, [`On::Embedded`], one replica over its in-memory
-/// store, named twice — of the [`DoubleTexts`] bot with `policy`; its gate and run count.
+/// store, named twice — of the [`DoubleTexts`] bot with `policy`; its gate and run count, and
+/// the database's URL.
 async fn recording(
     policy: DoubleText,
     on: On,
@@ -170,6 +171,7 @@ async fn recording(
     Option<TestServer>,
     Arc<Semaphore>,
     Arc<AtomicU32>,
+    Option<String>,
 ) {
     let gate = Arc::new(Semaphore::new(0));
     let runs = Arc::new(AtomicU32::new(0));
@@ -187,7 +189,7 @@ async fn recording(
     let url = match on {
         On::Embedded => {
             let only = TestServer::start(Config::default(), bots()).await;
-            return (only, None, gate, runs);
+            return (only, None, gate, runs, None);
         }
         On::Postgres => support::pg::fresh_database().await,
         On::Citus => support::citus::shared().fresh_database().await,
@@ -197,7 +199,35 @@ async fn recording(
         Some(TestServer::start(postgres_config(&url), bots()).await),
         gate,
         runs,
+        Some(url),
     )
+}
+
+/// Until the hold of the only conversation in the database at `url` lists `n` activities
+/// waiting to be answered together; without a database, a moment (one replica's in-memory
+/// store registers a waiting message at once).
+async fn until_pending(url: Option<&str>, n: i32) {
+    let Some(url) = url else {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        return;
+    };
+    let db = support::pg::session(url).await;
+    for _ in 0..1000 {
+        let pending: i32 = db
+            .query_one(
+                "SELECT coalesce(max(jsonb_array_length(state->'pending')), 0) \
+                   FROM turnstile_state WHERE right(key, 5) = '%hold'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if pending >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{n} messages never waited at the hold");
 }
 
 /// Until the first message's run holds on the gate.
@@ -212,7 +242,7 @@ async fn until_running(runs: &AtomicU32, n: u32) {
 }
 
 async fn interrupt_hands_the_running_message_on(on: On) {
-    let (a, b, _gate, runs) = recording(DoubleText::Interrupt, on).await;
+    let (a, b, _gate, runs, _) = recording(DoubleText::Interrupt, on).await;
     let b = b.as_ref().unwrap_or(&a);
     let first = message("int", "ada", "wait");
     let running = send(&a, &first);
@@ -267,13 +297,14 @@ async fn interrupt_on_the_embedded_store_hands_the_running_message_on() {
 }
 
 async fn coalesce_answers_the_waiting_messages_in_one_run(on: On) {
-    let (a, b, gate, runs) = recording(DoubleText::Coalesce, on).await;
+    let (a, b, gate, runs, url) = recording(DoubleText::Coalesce, on).await;
     let b = b.as_ref().unwrap_or(&a);
     let first = message("co", "ada", "wait");
     let running = send(&a, &first);
     until_running(&runs, 1).await;
 
-    // Three more while it runs, on both replicas, one after the other.
+    // Three more while it runs, on both replicas, one after the other: each sent once the one
+    // before waits at the hold (150 ms apart was not always enough on a loaded Citus cluster).
     let mut later = Vec::new();
     for (n, text) in ["large", "no olives", "and a coke"].into_iter().enumerate() {
         let activity = message("co", "ada", text);
@@ -283,7 +314,7 @@ async fn coalesce_answers_the_waiting_messages_in_one_run(on: On) {
             send(server, &activity),
             activity,
         ));
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        until_pending(url.as_deref(), i32::try_from(n).unwrap() + 1).await;
     }
     assert!(
         later.iter().all(|(_, call, _)| !call.is_finished()),
@@ -359,7 +390,7 @@ async fn coalesce_on_the_embedded_store_answers_the_waiting_messages_in_one_run(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enqueue_serves_the_waiting_turns_of_every_replica_in_arrival_order() {
     // A bot named with `enqueue` holds its conversations: its waiting turns line up at the hold.
-    let (a, b, gate, runs) = recording(DoubleText::Enqueue, On::Postgres).await;
+    let (a, b, gate, runs, _) = recording(DoubleText::Enqueue, On::Postgres).await;
     let b = b.unwrap();
     // Both replicas connected and ready, so that a message reaches the database when it is sent.
     for server in [&a, &b] {
@@ -400,7 +431,7 @@ async fn enqueue_serves_the_waiting_turns_of_every_replica_in_arrival_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interrupted_streamed_turn_resets_its_drafts_and_ends_superseded() {
     use support::streams;
-    let (a, b, _gate, runs) = recording(DoubleText::Interrupt, On::Postgres).await;
+    let (a, b, _gate, runs, _) = recording(DoubleText::Interrupt, On::Postgres).await;
     let b = b.unwrap();
     // The first message's turn is streamed; its bot drafts, then holds.
     let first = message("stream", "ada", "wait");
@@ -430,7 +461,7 @@ async fn an_interrupted_streamed_turn_resets_its_drafts_and_ends_superseded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coalesced_streamed_turns_are_answered_by_one_run_whose_reply_comes_once() {
     use support::streams;
-    let (a, b, gate, runs) = recording(DoubleText::Coalesce, On::Postgres).await;
+    let (a, b, gate, runs, _) = recording(DoubleText::Coalesce, On::Postgres).await;
     let b = b.unwrap();
     let running = send(&a, &message("streams", "ada", "wait"));
     until_running(&runs, 1).await;
