@@ -131,6 +131,10 @@ pub struct Connections {
     pub keepalive_interval: Option<Duration>,
     /// How long a ping may go unanswered before the connection is closed.
     pub keepalive_timeout: Duration,
+    /// How many calls one connection may carry at once (HTTP/2's `MAX_CONCURRENT_STREAMS`);
+    /// `None`: no limit. A client past it waits for a call of its own to end before it sends
+    /// another, instead of queueing calls in the server where no limit sees them.
+    pub max_streams: Option<u32>,
 }
 
 impl Default for Connections {
@@ -140,9 +144,15 @@ impl Default for Connections {
             max_age_grace: Some(Duration::from_secs(30)),
             keepalive_interval: Some(Duration::from_secs(60)),
             keepalive_timeout: Duration::from_secs(20),
+            max_streams: Some(DEFAULT_MAX_CONCURRENT_STREAMS),
         }
     }
 }
+
+/// Calls one client connection may carry at once by default: above any one gateway's share of
+/// a replica's turns in flight (a few hundred), and far below what would let one connection
+/// queue thousands of calls in the server.
+pub const DEFAULT_MAX_CONCURRENT_STREAMS: u32 = 256;
 
 /// The in-flight limit with the memory store: it does no I/O, so turns are bounded by the CPU and
 /// the limit only bounds memory. A replica held 170 MiB at 2,048 concurrent calls (issue 11), so
@@ -574,6 +584,15 @@ pub struct ServeArgs {
     #[arg(help_heading = "Tuning", long, env = "TURNSTILE_HTTP2_KEEPALIVE_TIMEOUT_SECS", default_value_t = 20,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub http2_keepalive_timeout_secs: u64,
+    /// Calls one client connection may carry at once (HTTP/2 MAX_CONCURRENT_STREAMS); a client
+    /// past it waits for one of its calls to end; 0: no limit.
+    #[arg(
+        help_heading = "Tuning",
+        long,
+        env = "TURNSTILE_MAX_CONCURRENT_STREAMS",
+        default_value_t = DEFAULT_MAX_CONCURRENT_STREAMS
+    )]
+    pub max_concurrent_streams: u32,
 }
 
 /// Where `serve` runs its embedded gateway, if anywhere.
@@ -727,6 +746,7 @@ impl ServeArgs {
             max_age_grace: seconds_or_off(self.max_connection_age_grace_secs),
             keepalive_interval: seconds_or_off(self.http2_keepalive_interval_secs),
             keepalive_timeout: Duration::from_secs(self.http2_keepalive_timeout_secs),
+            max_streams: Some(self.max_concurrent_streams).filter(|&n| n > 0),
         }
     }
 }
@@ -922,7 +942,14 @@ mod server_flags {
             "0",
             "--http2-keepalive-interval-secs",
             "0",
+            "--max-concurrent-streams",
+            "0",
         ]);
+        assert_eq!(
+            defaults.connections.max_streams,
+            Some(DEFAULT_MAX_CONCURRENT_STREAMS)
+        );
+        assert_eq!(off.connections.max_streams, None);
         assert_eq!(off.connections.max_age, None);
         assert_eq!(off.connections.max_age_grace, None);
         assert_eq!(off.connections.keepalive_interval, None);

@@ -21,7 +21,7 @@ use crate::activity::incoming::IncomingActivity;
 use crate::activity::incoming::InvalidActivity;
 use crate::drafts::{DRAFT_BUFFER, DraftEvent, DraftKind, Drafts};
 use crate::engine::{Engine, StopError, StopOutcome, TurnError, TurnOutcome};
-use crate::server::drain::Drain;
+use crate::server::admission::Admitted;
 
 /// The events of one `StreamTurn` call: drafts and resets, then the outcome or an error status.
 pub type TurnEvents = Pin<Box<dyn Stream<Item = Result<pb::StreamTurnResponse, Status>> + Send>>;
@@ -33,17 +33,15 @@ pub struct TurnApi {
     /// drop frees them, on every turn (`bench/RESULTS.md`).
     engine: Arc<Engine>,
     limits: Limits,
-    drain: Arc<Drain>,
 }
 
 impl TurnApi {
-    /// Serves turns through `engine`, refusing activities over `limits`, and new turns once
-    /// `drain` has started.
-    pub fn new(engine: Engine, limits: Limits, drain: Arc<Drain>) -> Self {
+    /// Serves turns through `engine`, refusing activities over `limits`. Turns reach it
+    /// admitted ([`crate::server::admission`]), or refused before it.
+    pub fn new(engine: Engine, limits: Limits) -> Self {
         Self {
             engine: Arc::new(engine),
             limits,
-            drain,
         }
     }
 }
@@ -241,7 +239,12 @@ impl TurnApi {
         request: Request<pb::ProcessTurnRequest>,
         drafts: Option<Drafts>,
     ) -> Result<JoinHandle<Result<TurnOutcome, TurnError>>, Status> {
-        let in_flight = self.drain.enter()?;
+        // The turn's place among those in flight, taken before its request was read.
+        let in_flight = request
+            .extensions()
+            .get::<Admitted>()
+            .cloned()
+            .ok_or_else(|| Status::internal("a turn reached TurnService without admission"))?;
         let deadline = deadline(&request);
         let pb::ProcessTurnRequest { input, bot, .. } = request.into_inner();
         let incoming = self.check(input).inspect_err(|_| {

@@ -78,11 +78,6 @@ impl Drain {
         self.draining.store(true, Ordering::SeqCst);
     }
 
-    /// Whether draining has started.
-    pub fn is_draining(&self) -> bool {
-        self.draining.load(Ordering::SeqCst)
-    }
-
     /// How many turns are in flight.
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::SeqCst)

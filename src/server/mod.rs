@@ -3,10 +3,12 @@
 //!
 //! The gRPC plumbing only the server needs lives beside it: how calls reach the four services
 //! (`routes`), the size limit's status (`too_large`), connections ended at an age
-//! (`connection_age`), and the count of turns in flight that refuses past a limit and waits for
-//! them on shutdown (`drain`). What a call means — its parsing, its errors, the services
+//! (`connection_age`), the count of turns in flight that refuses past a limit and waits for them
+//! on shutdown (`drain`), and the layer that takes a turn's place in it, or refuses the turn,
+//! before its request is read (`admission`). What a call means — its parsing, its errors, the services
 //! themselves — is `crate::grpc`'s.
 
+pub(crate) mod admission;
 pub(crate) mod connection_age;
 pub(crate) mod drain;
 pub(crate) mod routes;
@@ -39,6 +41,7 @@ use crate::store::Store;
 use crate::store::memory::MemoryStore;
 use crate::store::postgres::{self, PostgresStore};
 use crate::telemetry::rpc::RpcTelemetryLayer;
+use admission::AdmissionLayer;
 use connection_age::Deadlined;
 use drain::Drain;
 use routes::Services;
@@ -212,7 +215,8 @@ pub async fn serve(
     let max_in_flight = config.max_in_flight();
     tracing::info!(max_in_flight, "turns in flight beyond this are refused");
     let drain = Drain::new(max_in_flight);
-    let turns = turn_service(engine(store, bots, &config), &config, Arc::clone(&drain))?;
+    let turns = turn_service(engine(store, bots, &config), &config)?;
+    let admission = AdmissionLayer::new(Arc::clone(&drain));
     let (health_reporter, health) = tonic_health::server::health_reporter();
     let schema_watch = report_readiness(&health_reporter, unmigrated).await;
     let (reflection_v1, reflection_v1alpha) = reflection()?;
@@ -235,6 +239,7 @@ pub async fn serve(
         .with(reflection_v1alpha);
     let server = server_builder(&config)?
         .layer(RpcTelemetryLayer::default())
+        .layer(admission)
         .serve_with_incoming_shutdown(services, incoming(listener, &config), signal);
     tracing::info!(address = ?local_addr, "serving TurnService");
 
@@ -276,14 +281,10 @@ fn max_message(config: &Config) -> usize {
 
 /// `TurnService` as served: limited in message size, with the bearer-token check when tokens
 /// are configured.
-fn turn_service(
-    engine: Engine,
-    config: &Config,
-    drain: Arc<Drain>,
-) -> Result<TurnService, ServeError> {
+fn turn_service(engine: Engine, config: &Config) -> Result<TurnService, ServeError> {
     let max_message = max_message(config);
     let authenticate = authenticate(config)?;
-    let turns = TurnServiceServer::new(TurnApi::new(engine, config.limits, drain))
+    let turns = TurnServiceServer::new(TurnApi::new(engine, config.limits))
         .max_decoding_message_size(max_message)
         .max_encoding_message_size(max_message);
     // Without tokens the interceptor only lets every call through, after converting its request
@@ -429,7 +430,8 @@ fn server_builder(config: &Config) -> Result<Server, ServeError> {
     let connections = config.connections;
     let mut builder = Server::builder()
         .http2_keepalive_interval(connections.keepalive_interval)
-        .http2_keepalive_timeout(Some(connections.keepalive_timeout));
+        .http2_keepalive_timeout(Some(connections.keepalive_timeout))
+        .max_concurrent_streams(connections.max_streams);
     if let Some(age) = connections.max_age {
         builder = builder.max_connection_age(age);
     }

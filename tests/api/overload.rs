@@ -143,6 +143,11 @@ async fn calls_past_the_limit_are_refused_at_once_and_admitted_turns_are_exact()
         assert_overloaded(&result.expect_err("refused while the gate is shut"));
         slowest_refusal = slowest_refusal.max(took);
     }
+    // Refused before its request is read: bytes that are no request at all (which an admitted
+    // call would have refused as INVALID_ARGUMENT) get the same answer as a valid one.
+    let unread =
+        support::raw::send_raw(server.addr, vec![0xff, 0xff, 0xff, 0x0f, 0x01], None).await;
+    assert_overloaded(&unread);
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(
         results.try_recv().is_err(),
