@@ -106,6 +106,10 @@ struct Args {
     /// conversation of its own, so that none waits for another's turn.
     #[arg(long)]
     distinct: bool,
+    /// Retry a refused or failed call at once, without the back-off a gateway waits: a caller
+    /// that ignores `RetryInfo`, as an overload test wants (`bench/overload.sh`).
+    #[arg(long, conflicts_with = "stream")]
+    retry_at_once: bool,
 }
 
 fn parse_cpu_of(s: &str) -> Result<(String, u32), String> {
@@ -474,7 +478,9 @@ impl Worker {
             for attempt in 0..=RETRIES {
                 if attempt > 0 {
                     tally.retries += 1;
-                    tokio::time::sleep(Duration::from_millis(20 << attempt.min(5))).await;
+                    if !self.args.retry_at_once {
+                        tokio::time::sleep(Duration::from_millis(20 << attempt.min(5))).await;
+                    }
                 }
                 let sent = Instant::now();
                 let outcome = match &self.gateway {
