@@ -5,9 +5,9 @@
 //! it first, so the callers that retry at once without waiting (as `RetryInfo` asks them to)
 //! took CPU from the admitted turns: under 16 times the load the replica can serve, the admitted
 //! turns' p99 rose 6.7 times. This layer decides at the request's headers instead, from its path
-//! alone: a turn method takes a place in the drain or is answered at once, its body never read.
-//! The place it took goes with the request to the handler ([`Admitted`]), which keeps it until
-//! the turn ends.
+//! alone: a turn method takes a place in the drain or is refused, its body never decoded (only
+//! read to its end and dropped, [`REFUSED_BODY_READ`]). The place it took goes with the request
+//! to the handler ([`Admitted`]), which keeps it until the turn ends.
 //!
 //! HTTP/2 bounds the rest: a connection carries at most `--max-concurrent-streams` calls at once
 //! (`Server::max_concurrent_streams`), so one caller cannot queue calls without bound where no
