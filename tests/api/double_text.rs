@@ -203,31 +203,33 @@ async fn recording(
     )
 }
 
-/// Until the hold of the only conversation in the database at `url` lists `n` activities
-/// waiting to be answered together; without a database, a moment (one replica's in-memory
-/// store registers a waiting message at once).
-async fn until_pending(url: Option<&str>, n: i32) {
+/// Until activity `id` is among those the hold of the only conversation in the database at
+/// `url` lists as waiting to be answered together; without a database, a moment (one replica's
+/// in-memory store registers a waiting message at once).
+async fn until_pending(url: Option<&str>, id: &str) {
     let Some(url) = url else {
         tokio::time::sleep(Duration::from_millis(150)).await;
         return;
     };
     let db = support::pg::session(url).await;
+    // The activity's JSON in the list holds `"id": "<id>"`: the id quoted is found nowhere else.
+    let quoted = format!("\"{id}\"");
     for _ in 0..1000 {
-        let pending: i32 = db
+        let waiting: bool = db
             .query_one(
-                "SELECT coalesce(max(jsonb_array_length(state->'pending')), 0) \
-                   FROM turnstile_state WHERE right(key, 5) = '%hold'",
-                &[],
+                "SELECT EXISTS (SELECT 1 FROM turnstile_state \
+                  WHERE right(key, 5) = '%hold' AND strpos(state->>'pending', $1) > 0)",
+                &[&quoted],
             )
             .await
             .unwrap()
             .get(0);
-        if pending >= n {
+        if waiting {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!("{n} messages never waited at the hold");
+    panic!("{id} never waited at the hold");
 }
 
 /// Until the first message's run holds on the gate.
@@ -309,12 +311,9 @@ async fn coalesce_answers_the_waiting_messages_in_one_run(on: On) {
     for (n, text) in ["large", "no olives", "and a coke"].into_iter().enumerate() {
         let activity = message("co", "ada", text);
         let server = if n % 2 == 0 { b } else { &a };
-        later.push((
-            activity.id.clone().unwrap(),
-            send(server, &activity),
-            activity,
-        ));
-        until_pending(url.as_deref(), i32::try_from(n).unwrap() + 1).await;
+        let id = activity.id.clone().unwrap();
+        later.push((id.clone(), send(server, &activity), activity));
+        until_pending(url.as_deref(), &id).await;
     }
     assert!(
         later.iter().all(|(_, call, _)| !call.is_finished()),

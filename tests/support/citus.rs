@@ -111,13 +111,27 @@ impl CitusCluster {
             .await
             .expect("naming the Citus coordinator");
         for worker in &self.workers {
-            coordinator
-                .execute(
-                    "SELECT citus_add_node('127.0.0.1', $1)",
-                    &[&i32::from(worker.port())],
-                )
-                .await
-                .expect("adding a Citus worker");
+            // Citus syncs its metadata to the worker as it adds it, and on a machine busy with
+            // the rest of the suite that sync sometimes fails ("failure on connection marked as
+            // essential", CI). The add is undone whole then, so it is asked again.
+            let mut tries = 0;
+            loop {
+                tries += 1;
+                match coordinator
+                    .execute(
+                        "SELECT citus_add_node('127.0.0.1', $1)",
+                        &[&i32::from(worker.port())],
+                    )
+                    .await
+                {
+                    Ok(_) => break,
+                    Err(e) if tries < 5 => {
+                        eprintln!("adding a Citus worker failed ({e}); again");
+                        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    }
+                    Err(e) => panic!("adding a Citus worker: {e:?}"),
+                }
+            }
         }
     }
 }
