@@ -3,7 +3,9 @@
 # admits retry at once, ignoring RetryInfo? (The load card issue's target: admitted turns' p99 at
 # most 3 times their p99 at capacity, memory bounded.)
 #
-#   bench/overload.sh    about 2 minutes after the release build
+#   bench/overload.sh         about 2 minutes after the release build
+#   PIN=1 bench/overload.sh   the load generator on CPU 0, the server and PostgreSQL on CPU 1: so
+#                             that the callers' own CPU does not slow the admitted turns
 #
 # One release server as shipped but for `--max-in-flight LIMIT` (64) over a throwaway PostgreSQL
 # (bench/pg.sh), the counter bot, 10,000 conversations prefilled. ROUNDS times, alternating on the
@@ -19,13 +21,22 @@ LIMIT=${LIMIT:-64}; OVER=${OVER:-16}; SECS=${SECS:-8}; ROUNDS=${ROUNDS:-3}; KEYS
 cargo build --release --bins -q
 BIN=$PWD/target/release
 start_pg overload
+# PIN=1: the server and PostgreSQL (its backends are forked from the postmaster, and inherit it)
+# on CPU 1, the load generator on CPU 0.
+SIDE=(); CLIENT=()
+if [ "${PIN:-}" = 1 ]; then
+    SIDE=(taskset -c 1); CLIENT=(taskset -c 0)
+    for pid in $(head -n 1 "$WORK/pg/data/postmaster.pid") $(pgrep -P "$(head -n 1 "$WORK/pg/data/postmaster.pid")"); do
+        taskset -p -c 1 "$pid" >/dev/null
+    done
+fi
 SERVER=
 cleanup() { [ -n "$SERVER" ] && kill "$SERVER" 2>/dev/null; stop_pg; rm -rf "$WORK"; }
 trap cleanup EXIT
 
 URL="postgres://postgres@127.0.0.1:$PORT/postgres"
 GRPC=$(free_port)
-"$BIN/turnstile" serve --listen "127.0.0.1:$GRPC" --database-url "$URL" \
+"${SIDE[@]}" "$BIN/turnstile" serve --listen "127.0.0.1:$GRPC" --database-url "$URL" \
     --max-in-flight "$LIMIT" >"$WORK/service.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$GRPC") 2>/dev/null && break; sleep 0.1; done
@@ -33,7 +44,7 @@ for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$GRPC") 2>/dev/null && br
 RUN=$(printf '%08x' $((RANDOM * RANDOM)))
 bench() {  # CALLS [FLAG...] -> JSON
     local calls=$1; shift
-    "$BIN/turnstile-bench" --target "127.0.0.1:$GRPC" --duration "$SECS" --warmup 1 \
+    "${CLIENT[@]}" "$BIN/turnstile-bench" --target "127.0.0.1:$GRPC" --duration "$SECS" --warmup 1 \
         --conversations "$KEYS" --concurrency "$calls" --run-id "$RUN" --no-verify --json \
         --cpu-of "server=$SERVER" "$@"
 }
@@ -41,7 +52,7 @@ bench() {  # CALLS [FLAG...] -> JSON
     --run-id "$RUN" --prefill --turns 1 --no-verify --json >/dev/null
 
 echo "machine: $(nproc) cores, $(uname -sr); $(date -u +%Y-%m-%dT%H:%MZ); commit $(git rev-parse --short HEAD)"
-echo "counter bot, $KEYS conversations prefilled, --max-in-flight $LIMIT, ${SECS}s per run"
+echo "counter bot, $KEYS conversations prefilled, --max-in-flight $LIMIT, ${SECS}s per run${PIN:+, pinned: client CPU 0, server and PostgreSQL CPU 1}"
 echo
 printf '%-6s %-24s %9s %8s %8s %s\n' round load "OK/s" "p50 ms" "p99 ms" "statuses; server CPU µs per OK turn; server peak RSS"
 for round in $(seq 1 "$ROUNDS"); do

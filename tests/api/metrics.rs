@@ -332,9 +332,11 @@ async fn gateway_probes_follow_turnstile_and_metrics_count_turns_and_deliveries(
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 
-    // A Turnstile address with nothing behind it yet.
-    let port = support::free_port();
-    let turnstile_addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    // A Turnstile address with nothing behind it yet: bound, so that no other test takes the
+    // port meanwhile (CI saw one do so), and not listening, so that connections are refused.
+    let reserved = tokio::net::TcpSocket::new_v4().unwrap();
+    reserved.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let turnstile_addr: SocketAddr = reserved.local_addr().unwrap();
     let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let scrape = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let (gateway, metrics) = (http.local_addr().unwrap(), scrape.local_addr().unwrap());
@@ -357,7 +359,7 @@ async fn gateway_probes_follow_turnstile_and_metrics_count_turns_and_deliveries(
     assert!(!body.contains("127.0.0.1"), "no internal address: {body}");
 
     // Turnstile comes up: ready within the cached answer's lifetime.
-    let listener = tokio::net::TcpListener::bind(turnstile_addr).await.unwrap();
+    let listener = reserved.listen(1024).unwrap();
     let (stop_server, server_stopped) = oneshot::channel::<()>();
     let server = tokio::spawn(turnstile::serve(
         Config::default(),
