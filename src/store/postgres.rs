@@ -984,7 +984,7 @@ impl Store for PostgresStore {
         // large, and the timeout, the span wrapper and `async_trait`'s box each copied it whole
         // (`bench/RESULTS.md`).
         self.engine.learn(&self.pool).await?;
-        if self.engine.is_citus() && !on_one_shard(&commit) {
+        if self.engine.is_citus() && one_shard_of(&commit).is_none() {
             // A user's scope written with a conversation's receipt: two shards, so two-phase
             // commit, by the coordinator. The group commit sends together the writes that one
             // node runs whole.
@@ -1408,11 +1408,6 @@ impl PostgresStore {
             Err(e) => Err(classify_commit(e, via)),
         }
     }
-}
-
-/// Whether every key `commit` writes or checks, and its receipt, are on one Citus shard.
-fn on_one_shard(commit: &Commit) -> bool {
-    one_shard_of(commit).is_some()
 }
 
 /// The one Citus shard of every key `commit` writes or checks and of its receipt, if there is one.

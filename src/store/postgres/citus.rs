@@ -322,25 +322,24 @@ impl ShardMap {
 /// Jenkins' lookup3, as `src/common/hashfn.c` has it on a little-endian server), by which Citus
 /// places a row of a table distributed by a text column.
 fn hashtext(key: &[u8]) -> i32 {
+    /// `x -= z; x ^= rot(z, k); z += y`: one step of lookup3's `mix`.
+    fn mix_step(x: &mut u32, y: u32, z: &mut u32, k: u32) {
+        *x = x.wrapping_sub(*z);
+        *x ^= z.rotate_left(k);
+        *z = z.wrapping_add(y);
+    }
     fn mix(a: &mut u32, b: &mut u32, c: &mut u32) {
-        *a = a.wrapping_sub(*c);
-        *a ^= c.rotate_left(4);
-        *c = c.wrapping_add(*b);
-        *b = b.wrapping_sub(*a);
-        *b ^= a.rotate_left(6);
-        *a = a.wrapping_add(*c);
-        *c = c.wrapping_sub(*b);
-        *c ^= b.rotate_left(8);
-        *b = b.wrapping_add(*a);
-        *a = a.wrapping_sub(*c);
-        *a ^= c.rotate_left(16);
-        *c = c.wrapping_add(*b);
-        *b = b.wrapping_sub(*a);
-        *b ^= a.rotate_left(19);
-        *a = a.wrapping_add(*c);
-        *c = c.wrapping_sub(*b);
-        *c ^= b.rotate_left(4);
-        *b = b.wrapping_add(*a);
+        mix_step(a, *b, c, 4);
+        mix_step(b, *c, a, 6);
+        mix_step(c, *a, b, 8);
+        mix_step(a, *b, c, 16);
+        mix_step(b, *c, a, 19);
+        mix_step(c, *a, b, 4);
+    }
+    /// `x ^= y; x -= rot(y, k)`: one step of lookup3's `final`.
+    fn final_step(x: &mut u32, y: u32, k: u32) {
+        *x ^= y;
+        *x = x.wrapping_sub(y.rotate_left(k));
     }
     /// The bytes as a little-endian word, the missing high bytes zero.
     fn word(bytes: &[u8]) -> u32 {
@@ -369,20 +368,13 @@ fn hashtext(key: &[u8]) -> i32 {
         // The lowest byte of `c` is left for the length.
         c = c.wrapping_add(word(&rest[8..]) << 8);
     }
-    c ^= b;
-    c = c.wrapping_sub(b.rotate_left(14));
-    a ^= c;
-    a = a.wrapping_sub(c.rotate_left(11));
-    b ^= a;
-    b = b.wrapping_sub(a.rotate_left(25));
-    c ^= b;
-    c = c.wrapping_sub(b.rotate_left(16));
-    a ^= c;
-    a = a.wrapping_sub(c.rotate_left(4));
-    b ^= a;
-    b = b.wrapping_sub(a.rotate_left(14));
-    c ^= b;
-    c = c.wrapping_sub(b.rotate_left(24));
+    final_step(&mut c, b, 14);
+    final_step(&mut a, c, 11);
+    final_step(&mut b, a, 25);
+    final_step(&mut c, b, 16);
+    final_step(&mut a, c, 4);
+    final_step(&mut b, a, 14);
+    final_step(&mut c, b, 24);
     // The same bits, as PostgreSQL returns them: an int4.
     i32::from_ne_bytes(c.to_ne_bytes())
 }
