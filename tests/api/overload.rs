@@ -238,3 +238,46 @@ async fn calls_past_the_limit_are_refused_at_once_and_admitted_turns_are_exact()
         "refused turns left no trace"
     );
 }
+
+/// `--max-concurrent-streams`: one connection carries at most that many calls at once; the
+/// client holds the others back, and they run as places free up, though the replica would admit
+/// them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_connection_carries_at_most_max_concurrent_streams_calls() {
+    let bot = GatedCounter {
+        gate: Arc::new(Semaphore::new(0)),
+        inside: Arc::default(),
+        most_inside: Arc::default(),
+        pause_ms: Arc::default(),
+    };
+    let mut config = Config {
+        max_in_flight: Some(64),
+        ..Config::default()
+    };
+    config.connections.max_streams = Some(2);
+    let server = TestServer::start(config, BotRegistry::new("counter", bot.clone())).await;
+    // One connection: its clones share it. A first call, let through, so that the client has
+    // the server's settings before it sends more (sent before them, extra streams are reset).
+    let mut client = server.client().await;
+    bot.gate.add_permits(1);
+    client.process_turn(turn("streams", 0)).await.unwrap();
+    bot.most_inside.store(0, Ordering::SeqCst);
+    let calls: Vec<_> = (0..5)
+        .map(|i| {
+            let mut client = client.clone();
+            tokio::spawn(async move { client.process_turn(turn("streams", i + 1)).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        bot.most_inside.load(Ordering::SeqCst),
+        2,
+        "calls in the bot at once over one connection limited to 2 streams"
+    );
+    bot.gate.add_permits(5);
+    for call in calls {
+        call.await
+            .unwrap()
+            .expect("every call runs once a stream is free");
+    }
+}
