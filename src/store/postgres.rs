@@ -108,23 +108,75 @@ mod embedded {
     refinery::embed_migrations!("migrations");
 }
 
+/// The load's last part: the receipt of `$2`, when it is not NULL.
+macro_rules! load_receipt {
+    () => {
+        "SELECT 1::int2, key, payload, 0, NULL FROM ( \
+           SELECT key, payload FROM turnstile_receipt WHERE key = $2 \
+           UNION ALL \
+           SELECT key, payload FROM turnstile_receipt_legacy WHERE key = $2 LIMIT 1) r"
+    };
+}
+
+/// The keys [`LOAD`] and [`LOAD_HOLDING`] read, one by one: `$1[1]` to `$1[3]` (the conversation,
+/// user and private-conversation scopes of a turn; NULL past the array's end), so that
+/// PostgreSQL's estimate for them is the same with and without the values. Written as
+/// `key = ANY($1)` instead, the estimate of a generic plan assumes ten keys, a plan for the
+/// values is always cheaper, and PostgreSQL plans the statement again at every execution: two
+/// thirds of what a load cost it (1,450,000 instructions a load against 450,000;
+/// `bench/RESULTS.md`). A load of more keys goes by [`LOAD_ANY`].
+const FEW_KEYS: usize = 3;
+macro_rules! few_keys {
+    () => {
+        "(($1::text[])[1], ($1::text[])[2], ($1::text[])[3])"
+    };
+}
+macro_rules! tombstones_of_few {
+    () => {
+        "SELECT 2::int2, v.k, NULL, t.version, NULL FROM (VALUES (($1::text[])[1]), (($1::text[])[2]), (($1::text[])[3])) AS v(k) \
+           JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(v.k)"
+    };
+}
+
+/// The held conversation's row (`$3`), locked until the transaction ends.
+macro_rules! load_held {
+    () => {
+        "SELECT 0::int2, key, state, version, age FROM ( \
+           SELECT key, state, version, extract(epoch FROM now() - updated_at)::float8 AS age \
+             FROM turnstile_state WHERE key = $3 FOR UPDATE) held"
+    };
+}
+
 /// State rows with their ages (seconds since written, for expiry), the tombstones of those of
 /// them that are gone (`migrations/V4__erasure.sql`), and, when `$2` is not NULL, the receipt:
 /// one statement, so one snapshot. The first column says which: [`ROW`], [`RECEIPT`] or
-/// [`GONE`].
+/// [`GONE`]. For up to [`FEW_KEYS`] keys in `$1`; [`load_of`] chooses.
 const LOAD: Sql = Sql {
-    text: "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
-             FROM turnstile_state WHERE key = ANY($1) \
-           UNION ALL \
-           SELECT 2::int2, k, NULL, t.version, NULL FROM unnest($1::text[]) AS k \
-             JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k) \
-           UNION ALL \
-           SELECT 1::int2, key, payload, 0, NULL FROM ( \
-             SELECT key, payload FROM turnstile_receipt WHERE key = $2 \
-             UNION ALL \
-             SELECT key, payload FROM turnstile_receipt_legacy WHERE key = $2 LIMIT 1) r",
+    text: concat!(
+        "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
+           FROM turnstile_state WHERE key IN ",
+        few_keys!(),
+        " UNION ALL ",
+        tombstones_of_few!(),
+        " UNION ALL ",
+        load_receipt!()
+    ),
     types: &[Type::TEXT_ARRAY, Type::TEXT],
     // On Citus a load goes shard by shard (`citus::load_by_shard`), not through this.
+    on_citus: None,
+};
+/// [`LOAD`] for any number of keys.
+const LOAD_ANY: Sql = Sql {
+    text: concat!(
+        "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
+           FROM turnstile_state WHERE key = ANY($1) \
+         UNION ALL \
+         SELECT 2::int2, k, NULL, t.version, NULL FROM unnest($1::text[]) AS k \
+           JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k) \
+         UNION ALL ",
+        load_receipt!()
+    ),
+    types: &[Type::TEXT_ARRAY, Type::TEXT],
     on_citus: None,
 };
 /// [`LOAD`] for a turn holding its conversation lock, which also locks the conversation's row
@@ -132,23 +184,48 @@ const LOAD: Sql = Sql {
 /// of that conversation waits, and then finds the version moved. So a turn holding the lock is
 /// not beaten by one that did not take it.
 const LOAD_HOLDING: Sql = Sql {
-    text: "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
-             FROM turnstile_state WHERE key = ANY($1) AND key <> $3 \
-           UNION ALL \
-           SELECT 0::int2, key, state, version, age FROM ( \
-             SELECT key, state, version, extract(epoch FROM now() - updated_at)::float8 AS age \
-               FROM turnstile_state WHERE key = $3 FOR UPDATE) held \
-           UNION ALL \
-           SELECT 2::int2, k, NULL, t.version, NULL FROM unnest($1::text[]) AS k \
-             JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k) \
-           UNION ALL \
-           SELECT 1::int2, key, payload, 0, NULL FROM ( \
-             SELECT key, payload FROM turnstile_receipt WHERE key = $2 \
-             UNION ALL \
-             SELECT key, payload FROM turnstile_receipt_legacy WHERE key = $2 LIMIT 1) r",
+    text: concat!(
+        "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
+           FROM turnstile_state WHERE key IN ",
+        few_keys!(),
+        " AND key <> $3 \
+         UNION ALL ",
+        load_held!(),
+        " UNION ALL ",
+        tombstones_of_few!(),
+        " UNION ALL ",
+        load_receipt!()
+    ),
     types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
     on_citus: Some(&citus::LOAD_HOLDING),
 };
+/// [`LOAD_HOLDING`] for any number of keys.
+const LOAD_HOLDING_ANY: Sql = Sql {
+    text: concat!(
+        "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
+           FROM turnstile_state WHERE key = ANY($1) AND key <> $3 \
+         UNION ALL ",
+        load_held!(),
+        " UNION ALL \
+         SELECT 2::int2, k, NULL, t.version, NULL FROM unnest($1::text[]) AS k \
+           JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k) \
+         UNION ALL ",
+        load_receipt!()
+    ),
+    types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
+    on_citus: Some(&citus::LOAD_HOLDING),
+};
+
+/// The load of `keys`: [`LOAD_HOLDING`] or its [`LOAD_HOLDING_ANY`] when `holding`, else [`LOAD`]
+/// or [`LOAD_ANY`], by how many keys there are.
+fn load_of(keys: usize, holding: bool) -> &'static Sql {
+    match (keys <= FEW_KEYS, holding) {
+        (true, false) => &LOAD,
+        (false, false) => &LOAD_ANY,
+        (true, true) => &LOAD_HOLDING,
+        (false, true) => &LOAD_HOLDING_ANY,
+    }
+}
 /// What a row of [`LOAD`] is: a state row.
 const ROW: i16 = 0;
 /// ... the receipt.
@@ -1283,10 +1360,14 @@ impl PostgresStore {
         let receipt_key = receipt.map(StateKey::as_str);
         let rows = match held {
             None if via.citus => citus::load_by_shard(client, via, &names, receipt_key).await,
-            None => LOAD.query(client, via, &[&names, &receipt_key]).await,
+            None => {
+                load_of(names.len(), false)
+                    .query(client, via, &[&names, &receipt_key])
+                    .await
+            }
             Some(held) => {
                 let params: [&(dyn ToSql + Sync); 3] = [&names, &receipt_key, &held.as_str()];
-                LOAD_HOLDING.query(client, via, &params).await
+                load_of(names.len(), true).query(client, via, &params).await
             }
         }
         .map_err(classify)?;

@@ -45,6 +45,7 @@ mod sample_bots;
 mod schema_health;
 mod sdk_protos;
 mod shutdown;
+mod statement_plans;
 mod stop_turn;
 mod store_conformance;
 mod streaming;

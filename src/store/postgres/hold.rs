@@ -442,7 +442,10 @@ async fn take(
     within_call_timeout(async {
         // Prepared first, so that both leave together, in this order.
         TAKE.ready(&client, via).await.map_err(classify)?;
-        super::LOAD.ready(&client, via).await.map_err(classify)?;
+        super::load_of(keys.len(), false)
+            .ready(&client, via)
+            .await
+            .map_err(classify)?;
         let seconds = HOLD_FOR.as_secs_f64();
         let key = key.as_str();
         let activity = receipt.map(StateKey::as_str);

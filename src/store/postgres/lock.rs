@@ -66,8 +66,8 @@ use tokio_postgres::SimpleQueryMessage;
 use tokio_postgres::error::SqlState;
 
 use super::{
-    CALL_TIMEOUT, CommitBy, LOAD, LOAD_HOLDING, PostgresStore, Statements, Via, classify,
-    classify_commit, within_call_timeout,
+    CALL_TIMEOUT, CommitBy, PostgresStore, Statements, Via, classify, classify_commit,
+    within_call_timeout,
 };
 use crate::state::StateKey;
 use crate::store::{
@@ -223,8 +223,8 @@ async fn hold(
     let client = store.client().await?;
     let via = store.via();
     let (load, holding) = match lease {
-        None => (LOAD_HOLDING, Some(conversation)),
-        Some(_) => (LOAD, None),
+        None => (super::load_of(keys.len(), true), Some(conversation)),
+        Some(_) => (super::load_of(keys.len(), false), None),
     };
     // Prepared before anything is sent (at once when the connection has it), so that the
     // requests below leave in the order they are written.
