@@ -6,6 +6,15 @@
 #   TURNS=N CHECKS=M bench/instructions.sh
 #   KEEP=1 bench/instructions.sh     keeps the callgrind files (for callgrind_annotate) and says where
 #   NO_BUILD=1 bench/instructions.sh measures target/release as it is
+#   CLIENT=k6 bench/instructions.sh  the measured turns sent by k6 (grpc-go, bench/drivers/turns.k6.js)
+#                                    instead of turnstile-bench (tonic): same calls, concurrency and
+#                                    conversations, one HTTP/2 connection per caller as k6 does
+#   CONVERSATIONS=1000000 bench/instructions.sh   cold: that many conversations, created straight in
+#                                    the database (seed_conversations), the warm-up WARMUP_TURNS
+#                                    random turns over them: nearly every measured turn misses the
+#                                    state cache and reads its row, as with a long tail of users
+#   DATABASE_URL=postgres://… RUN=… bench/instructions.sh   against that database (bench/run.sh
+#                                    --card's, already seeded with run RUN) instead of a throwaway one
 #
 # The workload: the release server, PostgreSQL in a throwaway cluster, the metrics endpoint on (as
 # deployed), the counter bot with ~1 KB of conversation state, 32 concurrent calls over 4 HTTP/2
@@ -27,8 +36,12 @@ cd "$(dirname "$0")/.."
 TURNS=${TURNS:-3000}
 CHECKS=${CHECKS:-3000}
 WARMUP_TURNS=${WARMUP_TURNS:-1000}
-CONVERSATIONS=1000
-PAD=1024
+CONVERSATIONS=${CONVERSATIONS:-1000}
+PAD=${PAD:-1024}
+CLIENT=${CLIENT:-turnstile-bench}
+# Up to 10,000 conversations the warm-up creates them through the service; past that they are
+# created in the database.
+SEED=0; [ "$CONVERSATIONS" -gt 10000 ] && SEED=1
 
 command -v valgrind >/dev/null || { echo "valgrind not found (apt-get install valgrind)" >&2; exit 1; }
 # NO_BUILD=1 measures the binaries as they are, without building them first.
@@ -46,7 +59,20 @@ cleanup() {
     if [ -n "${KEEP:-}" ]; then echo "kept $WORK (callgrind files: $WORK/callgrind.out.*)"; else rm -rf "$WORK"; fi
 }
 trap cleanup EXIT
-start_pg instructions
+if [ -n "${DATABASE_URL:-}" ]; then
+    WORK=$(mktemp -d /tmp/turnstile-instructions.XXXXXX)
+    URL=$DATABASE_URL
+else
+    start_pg instructions
+    URL="postgres://postgres@127.0.0.1:$PORT/postgres"
+fi
+
+RUN=${RUN:-$(printf '%08x' $((RANDOM * 32768 + RANDOM)))}
+if [ "$SEED" = 1 ] && [ -z "${DATABASE_URL:-}" ]; then
+    echo "creating $CONVERSATIONS conversations in the database" >&2
+    "$BIN/turnstile" migrate --database-url "$URL" >/dev/null
+    seed_conversations "$URL" "$RUN" 0 "$CONVERSATIONS" "$PAD"
+fi
 
 # --- the server under callgrind ------------------------------------------------------------------
 LISTEN=$(free_port)
@@ -55,7 +81,7 @@ METRICS=$(free_port)
 # bench/instructions.sh` measures another filter beside it.
 valgrind --tool=callgrind --callgrind-out-file="$WORK/callgrind.out.%p" \
     "$BIN/turnstile" serve --listen "127.0.0.1:$LISTEN" --metrics-listen "127.0.0.1:$METRICS" \
-    --database-url "postgres://postgres@127.0.0.1:$PORT/postgres" >"$WORK/server.log" 2>&1 &
+    --database-url "$URL" >"$WORK/server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 1 600); do
     (exec 3<>"/dev/tcp/127.0.0.1/$LISTEN") 2>/dev/null && break
@@ -63,7 +89,6 @@ for _ in $(seq 1 600); do
     sleep 0.2
 done
 
-RUN=$(printf '%08x' $((RANDOM * 32768 + RANDOM)))
 bench() {
     "$BIN/turnstile-bench" --target "127.0.0.1:$LISTEN" --concurrency 32 --connections 4 \
         --conversations "$CONVERSATIONS" --state-bytes "$PAD" --run-id "$RUN" --no-verify \
@@ -93,12 +118,32 @@ counted() {
     grep -E '^(totals|summary):' "$dump" | tail -n 1 | awk '{print $2}'
 }
 
-echo "warm-up: every conversation once, then $WARMUP_TURNS turns" >&2
-bench --prefill --turns "$WARMUP_TURNS" >/dev/null
+if [ "$SEED" = 1 ]; then
+    echo "warm-up: $WARMUP_TURNS turns over $CONVERSATIONS conversations" >&2
+    bench --turns "$WARMUP_TURNS" >/dev/null
+else
+    echo "warm-up: every conversation once, then $WARMUP_TURNS turns" >&2
+    bench --prefill --turns "$WARMUP_TURNS" >/dev/null
+fi
 counted start
-bench --turns "$TURNS" >"$WORK/turns.txt"
-TURN_IR=$(counted stop)
-grep -E 'turns/s|OK' "$WORK/turns.txt" | head -n 3 >&2 || true
+if [ "$CLIENT" = k6 ]; then
+    . bench/tools.sh
+    K6=$(k6_bin)
+    TARGET="127.0.0.1:$LISTEN" PROTO_DIR=$PWD/proto MODE=closed VUS=32 ITERATIONS=$TURNS \
+        CONVERSATIONS=$CONVERSATIONS PAD=$PAD RUN=$RUN CALL_TIMEOUT=120s SUMMARY="$WORK/k6.json" \
+        "$K6" run -q --no-usage-report bench/drivers/turns.k6.js >/dev/null 2>"$WORK/k6.log" \
+        || { cat "$WORK/k6.log" >&2; exit 1; }
+    TURN_IR=$(counted stop)
+    # Every measured call must have been a turn that committed, or the count per turn means nothing.
+    python3 -c 'import json, sys
+d = json.load(open(sys.argv[1]))
+print("k6:", d["calls"], "calls, by status", d["by_code"], file=sys.stderr)
+sys.exit(d["by_code"] != {"0": int(sys.argv[2])})' "$WORK/k6.json" "$TURNS" || { echo "k6: not every call was OK" >&2; exit 1; }
+else
+    bench --turns "$TURNS" >"$WORK/turns.txt"
+    TURN_IR=$(counted stop)
+    grep -E 'turns/s|OK' "$WORK/turns.txt" | head -n 3 >&2 || true
+fi
 
 bench --health --turns 1000 >/dev/null
 counted start

@@ -11,6 +11,8 @@
 #   bench/run.sh --workers the --quick workload on the counter bot in process, then on the same bot
 #                          as a Python bot worker (sdk/python/examples/counter.py) through the same
 #                          server, back to back in each round (about 90 s after the build)
+#   bench/run.sh --card    the load card (bench/card.sh, about 35 minutes after the build): writes
+#                          bench/CARD.md and its plots in bench/card/
 #   bench/run.sh --hot     hot conversations (about 2 minutes after the build): one conversation at
 #                          64 concurrent calls on one replica, then on three; then the `slow` bot
 #                          (200 ms per run), 8 concurrent on one conversation over three replicas,
@@ -35,7 +37,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-QUICK=0; SOAK=0; UNPREPARED=0; WORKERS=0; HOT=0
+QUICK=0; SOAK=0; UNPREPARED=0; WORKERS=0; HOT=0; CARD=0
+[ "${1:-}" = "--card" ] && CARD=1
 [ "${1:-}" = "--quick" ] && QUICK=1
 [ "${1:-}" = "--soak" ] && SOAK=1
 [ "${1:-}" = "--unprepared" ] && UNPREPARED=1
@@ -43,6 +46,8 @@ QUICK=0; SOAK=0; UNPREPARED=0; WORKERS=0; HOT=0
 [ "${1:-}" = "--hot" ] && HOT=1
 if [ "$QUICK" = 1 ] || [ "$UNPREPARED" = 1 ] || [ "$WORKERS" = 1 ]; then SECS=8; WARMUP=2; ROUNDS=3; else SECS=10; WARMUP=2; ROUNDS=3; fi
 [ "$SOAK" = 1 ] && SECS=${SOAK_SECONDS:-600}
+# BENCH_ROUNDS=N and BENCH_SECS_PER_RUN=S change the rounds and their length (a short trial of --card).
+SECS=${BENCH_SECS_PER_RUN:-$SECS}; ROUNDS=${BENCH_ROUNDS:-$ROUNDS}
 KEYS=10000
 PAD=1024
 
@@ -71,13 +76,17 @@ PSQL=(psql -h 127.0.0.1 -p "$PORT" -U postgres -v ON_ERROR_STOP=1 -q)
 "${PSQL[@]}" -d postgres -c "CREATE DATABASE anchor" -c "CREATE DATABASE service"
 
 # --- the anchor: pgbench with the naive per-turn SQL --------------------------------------------
-"${PSQL[@]}" -d anchor <<SQL
+anchor_state() {  # PAD: the anchor's KEYS rows, each with PAD bytes of padding
+    "${PSQL[@]}" -d anchor <<SQL
+DROP TABLE IF EXISTS state;
 CREATE TABLE state (key text PRIMARY KEY, state jsonb NOT NULL, version bigint NOT NULL);
 INSERT INTO state
-SELECT 'c' || i, jsonb_build_object('count', 0, 'pad', repeat('.', $PAD)), 1
+SELECT 'c' || i, jsonb_build_object('count', 0, 'pad', repeat('.', $1)), 1
   FROM generate_series(1, $KEYS) AS i;
 VACUUM ANALYZE state;
 SQL
+}
+anchor_state "$PAD"
 cat > "$WORK/turn.sql" <<SQL
 \set k random(1, $KEYS)
 SELECT state, version FROM state WHERE key = 'c' || :k \gset
@@ -233,10 +242,16 @@ echo
 cpu_of() { echo "$1" | field '", ".join(f"{k} {v:.0f}" for k, v in d["cpu_us_per_turn"].items())'; }
 
 # One round of the uniform workload: pgbench, then the service, back to back.
+# CONVERSATIONS and RUN_ID (both or neither): the service continues that many conversations of that
+# run, already in the database (bench/pg.sh's seed_conversations), instead of creating KEYS new ones.
 round_of() {  # CONCURRENCY -> sets TPS P99 CLIENT_CPU PG_CPU JSON STPS SP99
     read -r TPS P99 CLIENT_CPU PG_CPU <<<"$(pgbench_run turn.sql "$1")"
     start_servers 1
-    JSON=$(bench --conversations "$KEYS" --concurrency "$1" --prefill)
+    if [ -n "${RUN_ID:-}" ]; then
+        JSON=$(bench --conversations "$CONVERSATIONS" --run-id "$RUN_ID" --no-verify --concurrency "$1")
+    else
+        JSON=$(bench --conversations "$KEYS" --concurrency "$1" --prefill)
+    fi
     stop_servers
     STPS=$(echo "$JSON" | field 'round(d["turns_per_second"])')
     SP99=$(echo "$JSON" | field 'round(d["latency_ms"]["p99"], 2)')
@@ -248,7 +263,7 @@ round_of() {  # CONCURRENCY -> sets TPS P99 CLIENT_CPU PG_CPU JSON STPS SP99
 # with the median throughput ratio is the result.
 uniform() {  # CONCURRENCY [own] -- "own" also runs pgbench on the service's own commit statement
     local c=$1 r rounds=() otps op99 oclient opg best
-    echo "$KEYS conversations, $c concurrent, $LAYOUT cores:"
+    echo "${CONVERSATIONS:-$KEYS} conversations, $c concurrent, $LAYOUT cores:"
     for r in $(seq 1 "$ROUNDS"); do
         round_of "$c"
         echo "  round $r: service $STPS turns/s p99 $SP99 ms; pgbench $TPS turns/s p99 $P99 ms; ratios $(python3 -c "print(f'{$STPS/$TPS:.2f}, p99 {$SP99/$P99:.2f}')"); peak RSS $((PEAK_KB / 1024)) MiB"
@@ -256,12 +271,13 @@ uniform() {  # CONCURRENCY [own] -- "own" also runs pgbench on the service's own
         echo "    attempts $(echo "$JSON" | field 'd["attempts"]'), statuses $(echo "$JSON" | field 'd["statuses"]'), check $(echo "$JSON" | field 'd["verification"]')"
         rounds+=("$STPS $TPS $SP99 $P99")
     done
-    best=$(printf '%s\n' "${rounds[@]}" | python3 -c '
+    read -r MED_S MED_T MED_SP MED_P <<<"$(printf '%s\n' "${rounds[@]}" | python3 -c '
 import sys
 rounds = [tuple(map(float, l.split())) for l in sys.stdin if l.strip()]
 rounds.sort(key=lambda r: r[0] / r[1])
-s, t, sp, p = rounds[len(rounds) // 2]
-print(f"throughput ratio {s/t:.2f} (service {s:.0f} turns/s, pgbench {t:.0f}); p99 ratio {sp/p:.2f} (service {sp} ms, pgbench {p} ms)")')
+print(*rounds[len(rounds) // 2])')"
+    best=$(python3 -c "s, t, sp, p = $MED_S, $MED_T, $MED_SP, $MED_P
+print(f'throughput ratio {s/t:.2f} (service {s:.0f} turns/s, pgbench {t:.0f}); p99 ratio {sp/p:.2f} (service {sp} ms, pgbench {p} ms)')")
     if [ "${2:-}" = own ]; then
         read -r otps op99 oclient opg <<<"$(pgbench_run own.sql "$c")"
         echo "  pgbench running the service's own commit statement: $otps turns/s p99 $op99 ms (CPU µs per turn: pgbench $oclient, postgres $opg)"
@@ -336,6 +352,11 @@ slow_bot() {  # LABEL -- SERVER/SERVE_ARGS set by the caller
 }
 
 [ "$NCPU" -ge 2 ] || { echo "the split layout needs at least 2 cores" >&2; exit 1; }
+if [ "$CARD" = 1 ]; then
+    . bench/pg.sh  # seed_conversations
+    . bench/card.sh
+    exit 0
+fi
 if [ "$HOT" = 1 ]; then
     layout shared
     read -r htps hp99 _ _ <<<"$(pgbench_run hot_own.sql 1)"

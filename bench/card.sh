@@ -1,0 +1,193 @@
+# The load card: `bench/run.sh --card` sources this after setting up its cluster and functions
+# (layout, uniform, start_servers, bench, pgbench_run, tree_ticks); it is not run on its own.
+#
+# It measures the product as shipped (the release server with its default settings, RUST_LOG
+# unset) and writes bench/CARD.md with its plots in bench/card/ (bench/drivers/card.py draws them
+# with matplotlib). About 35 minutes after the build with the defaults below; each part can be
+# narrowed by its variable, and an empty list skips it:
+#
+#   CARD_STATES="256 8192 65536"              state sizes, in bytes: throughput and p99 against
+#                                             pgbench's naive SQL at 32 calls, both layouts
+#   CARD_CONVERSATIONS="10000 1000000 10000000"  conversations (256-byte states, created in the
+#                                             database), the service against pgbench at each
+#   CARD_LOADS="50 80 100"                    open-loop offered loads, % of the closed-loop maximum
+#   CARD_RECEIPTS="50000000"                  receipt backlogs to add, rows, after a run with none
+#   CARD_INSTRUCTIONS=0                       skips the instruction counts (bench/instructions.sh)
+#
+# Every throughput is a ratio against pgbench in the same round (bench/run.sh's rounds, median of
+# ROUNDS), so the machine's drift between parts does not move the card's comparisons.
+
+CARD_STATES=${CARD_STATES-256 8192 65536}
+CARD_CONVERSATIONS=${CARD_CONVERSATIONS-10000 1000000 10000000}
+CARD_LOADS=${CARD_LOADS-50 80 100}
+CARD_RECEIPTS=${CARD_RECEIPTS-50000000}
+CARD_DIR=$PWD/bench/card
+DATA=$WORK/card.jsonl
+SERVICE_URL="postgres://postgres@127.0.0.1:$PORT/service"
+. bench/tools.sh
+K6=$(k6_bin)
+PLOT_PATH=$(plot_python)
+mkdir -p "$CARD_DIR"
+: >"$DATA"
+
+record() {  # JSON: one result, a line of $DATA
+    echo "$1" >>"$DATA"
+}
+sql() { psql "$SERVICE_URL" -v ON_ERROR_STOP=1 -qAt -c "$1"; }
+
+# --- what was measured, on what -------------------------------------------------------------------
+"$BIN/turnstile" migrate --database-url "$SERVICE_URL" >/dev/null 2>&1
+record "$(python3 - "$(git rev-parse --short HEAD)" "$(git status --porcelain | grep -vc '^??' || true)" \
+    "$FLUSH_MS" "$("$PGBIN/postgres" --version)" "${PG_OPTIONS:-}" \
+    "$(sql "SELECT string_agg(name || '=' || setting || coalesce(unit, ''), ' ' ORDER BY name) FROM pg_settings
+            WHERE name IN ('shared_buffers', 'max_connections', 'synchronous_commit', 'fsync', 'wal_level',
+                           'max_wal_size', 'checkpoint_timeout', 'work_mem', 'effective_cache_size',
+                           'random_page_cost', 'jit', 'huge_pages')")" <<'PY'
+import json, os, platform, sys
+commit, dirty, flush, pg, options, settings = sys.argv[1:]
+model = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+mem = next(int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("MemTotal"))
+print(json.dumps({"kind": "meta", "commit": commit, "dirty_files": int(dirty), "cores": os.cpu_count(),
+                  "cpu": model, "memory_gib": round(mem / 1048576), "kernel": platform.release(),
+                  "postgres": pg, "pg_options": options, "pg_settings": settings,
+                  "flush_ms": float(flush), "date": __import__("datetime").datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC")}))
+PY
+)"
+
+# --- instructions per turn at the shipped defaults (bench/instructions.sh, its own clusters) ------
+instructions() {  # LABEL ENV... -> records the count
+    local label=$1 line
+    shift
+    line=$(env NO_BUILD=1 "$@" bash bench/instructions.sh 2>"$WORK/instructions.log" | tail -n 1) \
+        || { cat "$WORK/instructions.log" >&2; exit 1; }
+    echo "instructions, $label: $line"
+    record "$(python3 - "$label" "$line" <<'PY'
+import json, re, sys
+turn, check = (int(n.replace(",", "")) for n in re.findall(r"[\d,]+", sys.argv[2].split(":", 1)[1])[:2])
+print(json.dumps({"kind": "instructions", "label": sys.argv[1], "per_turn": turn, "health_check": check}))
+PY
+)"
+}
+if [ "${CARD_INSTRUCTIONS:-1}" != 0 ]; then
+    instructions "warm, 1,000 conversations, turnstile-bench" CONVERSATIONS=1000
+    instructions "warm, 1,000 conversations, k6" CONVERSATIONS=1000 CLIENT=k6
+    instructions "cold, 1,000,000 conversations, turnstile-bench" CONVERSATIONS=1000000
+fi
+
+# --- state sizes: the service against pgbench, 32 calls, both layouts ------------------------------
+for size in $CARD_STATES; do
+    PAD=$size
+    anchor_state "$size"
+    for where in shared split; do
+        sql "TRUNCATE turnstile.turnstile_state, turnstile.turnstile_receipt"
+        layout "$where"
+        uniform 32
+        record "{\"kind\": \"state\", \"bytes\": $size, \"layout\": \"$where\", \"service_tps\": $MED_S, \"pgbench_tps\": $MED_T, \"service_p99_ms\": $MED_SP, \"pgbench_p99_ms\": $MED_P}"
+    done
+done
+PAD=1024
+anchor_state "$PAD"
+
+# --- open loop: k6 at fixed arrival rates, shared layout -------------------------------------------
+# The maximum is k6's own closed loop (32 callers) on the same server, so that the client's CPU,
+# which competes with the server on this machine, is in both.
+k6_run() {  # MODE RATE SECONDS -> records one run
+    local mode=$1 rate=$2 secs=$3 s0 s1 p0 p1 w0 w1
+    s0=$(tree_ticks "$SERVER_PID"); p0=$(tree_ticks "$PGPID")
+    w0=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
+    TARGET=$TARGETS PROTO_DIR=$PWD/proto MODE=$mode RATE=$rate DURATION=${secs}s VUS=32 MAX_VUS=1024 \
+        CONVERSATIONS=$KEYS PAD=$PAD RUN=$OPEN_RUN SUMMARY="$WORK/k6.json" \
+        "${CLIENT[@]}" "$K6" run -q --no-usage-report bench/drivers/turns.k6.js >/dev/null 2>"$WORK/k6.log" \
+        || { cat "$WORK/k6.log" >&2; exit 1; }
+    s1=$(tree_ticks "$SERVER_PID"); p1=$(tree_ticks "$PGPID")
+    w1=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
+    K6_LINE=$(python3 - "$WORK/k6.json" "$mode" "$((s1 - s0))" "$((p1 - p0))" "$((w1 - w0))" "$NCPU" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+server, postgres, wal, cores = (int(a) for a in sys.argv[3:])
+ok = d["by_code"].get("0", 0)
+d.update(kind="open" if sys.argv[2] == "open" else "closed", ok=ok, ok_per_second=ok / d["seconds"],
+         server_cpu_us_per_turn=server / 100 * 1e6 / max(ok, 1), postgres_cpu_us_per_turn=postgres / 100 * 1e6 / max(ok, 1),
+         wal_bytes_per_turn=wal / max(ok, 1), cores=cores)
+d["turns_per_server_core_second"] = 1e6 / max(d["server_cpu_us_per_turn"], 1e-9)
+d["turns_per_postgres_core_second"] = 1e6 / max(d["postgres_cpu_us_per_turn"], 1e-9)
+print(json.dumps(d))
+PY
+)
+    record "$K6_LINE"
+    python3 - "$K6_LINE" <<'PY'
+import json, sys
+d = json.loads(sys.argv[1]); l = d["latency_ms"]
+print(f"k6 {d['mode']} {d['rate'] or ''}: {d['ok_per_second']:.0f} OK/s, p50 {l['p50']:.2f} p99 {l['p99']:.2f}"
+      f" p99.9 {l['p99.9']:.2f} ms, by status {d['by_code']}, dropped {d['dropped_iterations']},"
+      f" CPU µs/turn server {d['server_cpu_us_per_turn']:.0f} postgres {d['postgres_cpu_us_per_turn']:.0f},"
+      f" WAL {d['wal_bytes_per_turn']:.0f} B/turn")
+PY
+}
+open_loop() {
+    layout shared
+    sql "TRUNCATE turnstile.turnstile_state, turnstile.turnstile_receipt"
+    start_servers 1
+    OPEN_RUN=$(printf '%08x' $((RANDOM * 32768 + RANDOM)))
+    "$BIN/turnstile-bench" --target "$TARGETS" --conversations "$KEYS" --state-bytes "$PAD" \
+        --run-id "$OPEN_RUN" --prefill --turns 1000 --no-verify >/dev/null
+    SERVER_PID=${PIDS[0]}
+    k6_run closed "" 15
+    MAX_RATE=$(echo "$K6_LINE" | field 'round(d["ok_per_second"])')
+    for load in $CARD_LOADS; do
+        k6_run open "$((MAX_RATE * load / 100))" 20
+    done
+    stop_servers
+}
+[ -z "$CARD_LOADS" ] || open_loop
+
+# --- conversations: 256-byte states created in the database, the service against pgbench ----------
+PAD=256
+anchor_state "$PAD"
+sql "TRUNCATE turnstile.turnstile_state, turnstile.turnstile_receipt"
+layout shared
+seeded=0
+for n in $CARD_CONVERSATIONS; do
+    started=$(date +%s)
+    seed_conversations "$SERVICE_URL" card "$seeded" "$n" "$PAD"
+    seeded=$n
+    echo "$n conversations in the database ($(($(date +%s) - started)) s to add them)"
+    CONVERSATIONS=$n RUN_ID=card uniform 32
+    record "{\"kind\": \"conversations\", \"conversations\": $n, \"bytes\": $PAD, \"service_tps\": $MED_S, \"pgbench_tps\": $MED_T, \"service_p99_ms\": $MED_SP, \"pgbench_p99_ms\": $MED_P, \"table_bytes\": $(sql "SELECT pg_total_relation_size('turnstile.turnstile_state')")}"
+done
+PAD=1024
+anchor_state "$PAD"
+
+# --- a receipt backlog: none, then CARD_RECEIPTS more rows, 10,000 conversations of 1 KiB ----------
+sql "TRUNCATE turnstile.turnstile_state, turnstile.turnstile_receipt"
+backlog() {
+    uniform 32
+    record "{\"kind\": \"receipts\", \"rows\": $(sql "SELECT count(*) FROM turnstile.turnstile_receipt"), \"service_tps\": $MED_S, \"pgbench_tps\": $MED_T, \"service_p99_ms\": $MED_SP, \"pgbench_p99_ms\": $MED_P}"
+}
+backlog
+for rows in $CARD_RECEIPTS; do
+    started=$(date +%s)
+    # Receipts as turns write them (a reply, its conversation and user), in the slot being
+    # written, 500 to a conversation, a million per statement; every key in ascending order, as
+    # time-ordered activity ids would be, so that each index grows at its end.
+    for ((start = 0; start < rows; start += 1000000)); do
+        psql "$SERVICE_URL" -v ON_ERROR_STOP=1 -q <<SQL
+INSERT INTO turnstile.turnstile_receipt (key, payload)
+SELECT 'counter/bench/conversations/backlog-c' || lpad((i / 500)::text, 8, '0') || '/activities/' || lpad(i::text, 10, '0'),
+       jsonb_build_object('user', 'bench/user-' || lpad((i / 500)::text, 8, '0'), 'version', 1, 'attempts', 1,
+                          'activities', jsonb_build_array(jsonb_build_object(
+                              'type', 'message', 'text', 'count: 1', 'channelId', 'bench',
+                              'from', jsonb_build_object('id', 'bot'),
+                              'recipient', jsonb_build_object('id', 'user-' || (i / 500)))))
+  FROM generate_series($start, least($start + 1000000, $rows) - 1) AS i;
+SQL
+    done
+    sql "VACUUM ANALYZE turnstile.turnstile_receipt"
+    echo "$rows receipts added ($(($(date +%s) - started)) s)"
+    backlog
+done
+
+# --- the card ------------------------------------------------------------------------------------
+PYTHONPATH=$PLOT_PATH python3 bench/drivers/card.py "$DATA" "$PWD/bench/CARD.md" "$CARD_DIR"
+cp "$DATA" "$CARD_DIR/card.jsonl"
+echo "wrote bench/CARD.md and bench/card/"

@@ -1,0 +1,236 @@
+"""Writes the load card (bench/CARD.md) and its plots from the results bench/card.sh recorded.
+
+    python3 card.py RESULTS.jsonl CARD.md PLOT_DIR
+
+RESULTS.jsonl holds one JSON object per line, each with a `kind`: `meta` (commit, machine,
+PostgreSQL), `instructions`, `state`, `closed` and `open` (k6), `conversations`, `receipts`.
+The plots are drawn with matplotlib (Agg, PNG); the card links them by their path relative to
+CARD.md. Each target of the load-card issue is checked against the figures and marked met or not.
+"""
+
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+results_path, card_path, plot_dir = sys.argv[1:4]
+rows = [json.loads(line) for line in open(results_path) if line.strip()]
+meta = next(r for r in rows if r["kind"] == "meta")
+of = lambda kind: [r for r in rows if r["kind"] == kind]  # noqa: E731
+instructions = of("instructions")
+states = of("state")
+closed = of("closed")
+opened = sorted(of("open"), key=lambda r: r["rate"])
+conversations = sorted(of("conversations"), key=lambda r: r["conversations"])
+receipts = of("receipts")
+# Each open-loop run's offered load, as a percentage of the closed-loop maximum.
+for r in opened:
+    r["load"] = round(100 * r["rate"] / closed[-1]["ok_per_second"]) if closed else None
+rel = os.path.relpath(plot_dir, os.path.dirname(os.path.abspath(card_path)))
+
+
+def size(n):
+    return f"{n // 1024} KiB" if n >= 1024 else f"{n} B"
+
+
+def count(n):
+    for unit, div in (("M", 1_000_000), ("k", 1_000)):
+        if n >= div:
+            return f"{n / div:g}{unit}"
+    return str(n)
+
+
+def met(ok):
+    return "met" if ok else "**not met**"
+
+
+def save(fig, name):
+    fig.tight_layout()
+    fig.savefig(os.path.join(plot_dir, name), dpi=110)
+    plt.close(fig)
+    return f"![{name}]({rel}/{name})"
+
+
+def throughput_and_p99(points, x, xlabel, title, name, logx=False, series=None, anchor="pgbench naive SQL"):
+    """Two panels: turns/s of the service and of pgbench (`anchor`), and their p99s, against `x`."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for label, pts in (series or {"": points}).items():
+        xs = [x(p) for p in pts]
+        suffix = f" ({label})" if label else ""
+        left.plot(xs, [p["service_tps"] for p in pts], "o-", label=f"Turnstile{suffix}")
+        left.plot(xs, [p["pgbench_tps"] for p in pts], "s--", label=f"{anchor}{suffix}")
+        right.plot(xs, [p["service_p99_ms"] for p in pts], "o-", label=f"Turnstile{suffix}")
+        right.plot(xs, [p["pgbench_p99_ms"] for p in pts], "s--", label=f"{anchor}{suffix}")
+    for ax, ylabel in ((left, "turns/s"), (right, "p99, ms")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.set_ylim(bottom=0)
+        if logx:
+            ax.set_xscale("log")
+        ax.legend(fontsize=7)
+    left.set_title(f"throughput against {title}")
+    right.set_title(f"p99 against {title}")
+    return save(fig, name)
+
+
+out = []
+w = out.append
+w("# Turnstile's load card")
+w("")
+w(
+    "Written by `bench/run.sh --card` (bench/card.sh): the release server **as shipped** (default "
+    "settings, default log filter), PostgreSQL in a throwaway cluster with its default settings, on "
+    "this project's shared build machine. Throughputs are compared with pgbench running the naive "
+    "per-turn SQL (read the state and its version, then a conditional update) over the same keys, "
+    "state size and concurrency, back to back in each round; the round with the median ratio is "
+    "shown. Absolute figures move with the machine's load; the ratios are the card's measure. "
+    "`bench/RESULTS.md` has the history and the reasons behind each figure."
+)
+w("")
+w(f"- **Commit** `{meta['commit']}`" + (f" with {meta['dirty_files']} files changed" if meta["dirty_files"] else "") + f", measured {meta['date']}.")
+w(f"- **Machine**: {meta['cores']} cores ({meta['cpu']}), {meta['memory_gib']} GiB, Linux {meta['kernel']}; one 8 KiB flush to disk took {meta['flush_ms']} ms.")
+w(f"- **PostgreSQL**: {meta['postgres']}; {meta['pg_options'] or 'default settings'} (`{meta['pg_settings']}`).")
+w("- **Layouts**: *shared*, everything on every core; *split*, PostgreSQL on half the cores and the service with its load generator on the other half, as when the database has its own machine.")
+w("")
+
+# --- targets ---------------------------------------------------------------------------------------
+w("## Targets")
+w("")
+w("| target | measured | |")
+w("|---|---|---|")
+warm = next((r for r in instructions if r["label"].startswith("warm") and "turnstile-bench" in r["label"]), None)
+cold = next((r for r in instructions if r["label"].startswith("cold")), None)
+if warm:
+    w(f"| ≤ 90,000 instructions per turn, warm, 1,000 conversations | {warm['per_turn']:,} | {met(warm['per_turn'] <= 90_000)} |")
+if cold:
+    w(f"| ≤ 110,000 instructions per turn, 1,000,000 conversations | {cold['per_turn']:,} | {met(cold['per_turn'] <= 110_000)} |")
+for layout, floor in (("shared", 1.0), ("split", 2.0)):
+    pts = [s for s in states if s["layout"] == layout]
+    if pts:
+        ratios = ", ".join(f"{s['service_tps'] / s['pgbench_tps']:.2f} at {size(s['bytes'])}" for s in pts)
+        ok = all(s["service_tps"] / s["pgbench_tps"] >= floor for s in pts)
+        w(f"| ≥ {floor:.1f}× pgbench at every state size, 32 calls, {layout} layout | {ratios} | {met(ok)} |")
+if len(conversations) >= 2:
+    lo, hi = conversations[0], conversations[-1]
+    anchored = (hi["service_tps"] / hi["pgbench_tps"]) / (lo["service_tps"] / lo["pgbench_tps"])
+    w(
+        f"| {count(hi['conversations'])} conversations ≥ 0.7× the throughput of {count(lo['conversations'])} | "
+        f"{anchored:.2f}× (against pgbench in each round; {hi['service_tps'] / lo['service_tps']:.2f}× in turns/s) | {met(anchored >= 0.7)} |"
+    )
+if opened and closed:
+    eighty = min(opened, key=lambda r: abs(r["load"] - 80))
+    lat = eighty["latency_ms"]
+    w(f"| open loop at 80 % of the maximum: p99.9 ≤ 5× p50 | {lat['p99.9'] / lat['p50']:.1f}× ({lat['p99.9']:.2f} / {lat['p50']:.2f} ms) | {met(lat['p99.9'] <= 5 * lat['p50'])} |")
+w("")
+w("Two targets are measured by their own scripts rather than here: throughput at the default log filter against `RUST_LOG=warn`, and admitted turns' p99 under 16× overload (`bench/overload.sh`); `bench/RESULTS.md` has their latest figures.")
+w("")
+
+# --- instructions ----------------------------------------------------------------------------------
+if instructions:
+    w("## Instructions per turn at the shipped defaults")
+    w("")
+    w("`bench/instructions.sh`: every instruction of the server's threads, counted by callgrind, per measured turn (32 calls in flight, ~1 KiB states), and per `grpc.health.v1.Health/Check` call, the transport's floor. Counts do not move with the machine's speed.")
+    w("")
+    w("| workload | instructions per turn | per health check |")
+    w("|---|---|---|")
+    for r in instructions:
+        w(f"| {r['label']} | {r['per_turn']:,} | {r['health_check']:,} |")
+    w("")
+    fig, ax = plt.subplots(figsize=(8, 0.6 + 0.55 * len(instructions)))
+    labels = [r["label"] for r in instructions]
+    ax.barh(labels, [r["per_turn"] for r in instructions], color="tab:blue", label="turn")
+    ax.barh(labels, [r["health_check"] for r in instructions], color="tab:gray", label="health check (transport)")
+    ax.axvline(90_000, color="tab:green", ls="--", lw=1, label="target, warm (90,000)")
+    ax.axvline(110_000, color="tab:orange", ls="--", lw=1, label="target, 1M conversations (110,000)")
+    ax.invert_yaxis()
+    ax.set_xlabel("instructions per call")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(True, axis="x", alpha=0.3)
+    w(save(fig, "instructions.png"))
+    w("")
+
+# --- state size ------------------------------------------------------------------------------------
+if states:
+    w("## Throughput and p99 against state size")
+    w("")
+    w("10,000 conversations, 32 calls in flight (turnstile-bench), each state padded to the size shown; pgbench updates the same size of state.")
+    w("")
+    w("| state | layout | Turnstile turns/s | pgbench turns/s | ratio | Turnstile p99 | pgbench p99 |")
+    w("|---|---|---|---|---|---|---|")
+    for s in states:
+        w(f"| {size(s['bytes'])} | {s['layout']} | {s['service_tps']:,.0f} | {s['pgbench_tps']:,.0f} | {s['service_tps'] / s['pgbench_tps']:.2f} | {s['service_p99_ms']:.2f} ms | {s['pgbench_p99_ms']:.2f} ms |")
+    w("")
+    series = {layout: [s for s in states if s["layout"] == layout] for layout in ("shared", "split")}
+    w(throughput_and_p99(None, lambda s: s["bytes"], "state, bytes", "state size", "state.png", logx=True, series={k: v for k, v in series.items() if v}))
+    w("")
+
+# --- conversations ---------------------------------------------------------------------------------
+if conversations:
+    w("## Throughput and p99 against conversations")
+    w("")
+    w("32 calls in flight spread at random over this many conversations of 256-byte state, created in the database beforehand: with many, nearly every turn misses the server's state cache and reads its row, and the index is deeper. pgbench runs its naive SQL over 10,000 keys in each round, as the anchor against the machine's drift.")
+    w("")
+    w("| conversations | state table | Turnstile turns/s | pgbench turns/s (10,000 keys) | ratio | Turnstile p99 |")
+    w("|---|---|---|---|---|---|")
+    for c in conversations:
+        w(f"| {c['conversations']:,} | {c['table_bytes'] / 2**30:.1f} GiB | {c['service_tps']:,.0f} | {c['pgbench_tps']:,.0f} | {c['service_tps'] / c['pgbench_tps']:.2f} | {c['service_p99_ms']:.2f} ms |")
+    w("")
+    w(throughput_and_p99(conversations, lambda c: c["conversations"], "conversations", "conversations", "conversations.png", logx=True, anchor="pgbench naive SQL, 10,000 keys (the anchor)"))
+    w("")
+
+# --- open loop -------------------------------------------------------------------------------------
+if opened:
+    top = closed[-1] if closed else None
+    w("## Latency against offered load (open loop)")
+    w("")
+    w(
+        "k6 1.1.0 (grpc-go) on the same machine, shared layout, 10,000 conversations of 1 KiB. The maximum is k6's closed loop "
+        f"(32 callers, each sending when answered): {top['ok_per_second']:,.0f} turns/s. Then k6's `constant-arrival-rate` offers a fixed rate, "
+        "sending on schedule whether or not earlier calls were answered, so a stall shows in the latencies instead of hiding in a slower send rate "
+        "(coordinated omission). *Dropped* counts sends k6 could not start on time (all its callers busy)."
+    )
+    w("")
+    w("| offered | turns/s answered OK | p50 | p90 | p99 | p99.9 | statuses | dropped | server turns/s per core | PostgreSQL turns/s per core | WAL per turn |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in ([top] if top else []) + opened:
+        lat = r["latency_ms"]
+        offered = "closed loop, 32 callers" if r["kind"] == "closed" else f"{r['rate']:,}/s ({r['load']} %)"
+        codes = ", ".join(f"{'OK' if c == '0' else 'code ' + c} {n:,}" for c, n in sorted(r["by_code"].items()))
+        w(
+            f"| {offered} | {r['ok_per_second']:,.0f} | {lat['p50']:.2f} ms | {lat['p90']:.2f} ms | {lat['p99']:.2f} ms | {lat['p99.9']:.2f} ms | {codes} | {r['dropped_iterations']:,} "
+            f"| {r['turns_per_server_core_second']:,.0f} | {r['turns_per_postgres_core_second']:,.0f} | {r['wal_bytes_per_turn']:,.0f} B |"
+        )
+    w("")
+    w("Turns/s per core: turns answered OK per CPU-second the server (or every PostgreSQL process) used during the run, from /proc.")
+    w("")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [r["rate"] for r in opened]
+    for key, style in (("p50", "o-"), ("p90", "s-"), ("p99", "^-"), ("p99.9", "v-")):
+        ax.plot(xs, [r["latency_ms"][key] for r in opened], style, label=key)
+    ax.set_yscale("log")
+    ax.set_xlabel("offered load, turns/s (k6 constant-arrival-rate)")
+    ax.set_ylabel("latency, ms")
+    ax.set_title("latency percentiles against offered load")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    w(save(fig, "open_loop.png"))
+    w("")
+
+# --- receipts --------------------------------------------------------------------------------------
+if receipts:
+    w("## A receipt backlog")
+    w("")
+    w("10,000 conversations of 1 KiB, 32 calls; the receipt table first holding only what the runs write, then with the rows shown added (receipts as turns write them, all within the retention, in the slot being written).")
+    w("")
+    w("| receipts in the table | Turnstile turns/s | pgbench turns/s | ratio | Turnstile p99 |")
+    w("|---|---|---|---|---|")
+    for r in receipts:
+        w(f"| {r['rows']:,} | {r['service_tps']:,.0f} | {r['pgbench_tps']:,.0f} | {r['service_tps'] / r['pgbench_tps']:.2f} | {r['service_p99_ms']:.2f} ms |")
+    w("")
+
+open(card_path, "w").write("\n".join(out) + "\n")
