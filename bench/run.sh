@@ -149,7 +149,13 @@ layout() {  # split | shared
         CLIENT=(taskset -c "$((NCPU / 2))-$((NCPU - 1))")
     fi
     # New backends inherit the postmaster's affinity; the running ones are moved too.
-    for pid in "$PGPID" $(ps -o pid= --ppid "$PGPID"); do taskset -pc "$db" "$pid" >/dev/null; done
+    # A backend that exits meanwhile needs no moving.
+    for pid in "$PGPID" $(ps -o pid= --ppid "$PGPID"); do
+        if ! taskset -pc "$db" "$pid" >/dev/null 2>&1 && kill -0 "$pid" 2>/dev/null; then
+            echo "cannot move PostgreSQL's process $pid to CPUs $db" >&2
+            exit 1
+        fi
+    done
     LAYOUT=$1
 }
 

@@ -178,7 +178,8 @@ if conversations:
     w("| conversations | state table | Turnstile turns/s | pgbench turns/s (10,000 keys) | ratio | Turnstile p99 |")
     w("|---|---|---|---|---|---|")
     for c in conversations:
-        w(f"| {c['conversations']:,} | {c['table_bytes'] / 2**30:.1f} GiB | {c['service_tps']:,.0f} | {c['pgbench_tps']:,.0f} | {c['service_tps'] / c['pgbench_tps']:.2f} | {c['service_p99_ms']:.2f} ms |")
+        table = f"{c['table_bytes'] / 2**30:.1f} GiB" if c["table_bytes"] >= 2**30 else f"{c['table_bytes'] / 2**20:.0f} MiB"
+        w(f"| {c['conversations']:,} | {table} | {c['service_tps']:,.0f} | {c['pgbench_tps']:,.0f} | {c['service_tps'] / c['pgbench_tps']:.2f} | {c['service_p99_ms']:.2f} ms |")
     w("")
     w(throughput_and_p99(conversations, lambda c: c["conversations"], "conversations", "conversations", "conversations.png", logx=True, anchor="pgbench naive SQL, 10,000 keys (the anchor)"))
     w("")
