@@ -13,6 +13,13 @@
 #   CARD_LOADS="50 80 100"                    open-loop offered loads, % of the closed-loop maximum
 #   CARD_RECEIPTS="50000000"                  receipt backlogs to add, rows, after a run with none
 #   CARD_INSTRUCTIONS=0                       skips the instruction counts (bench/instructions.sh)
+#   CARD_OPEN_LAYOUT=shared                   the open loop's cores: "shared", everything on every
+#                                             core; "apart", PostgreSQL and the server on one half,
+#                                             k6 on the other (the client's CPU then cannot delay
+#                                             the service's answers, but the service has half the
+#                                             machine)
+#   CARD_OUT=DIR                              writes DIR/CARD.md and DIR/card/ instead of bench/'s
+#                                             (a trial that should not replace the card)
 #
 # Every throughput is a ratio against pgbench in the same round (bench/run.sh's rounds, median of
 # ROUNDS), so the machine's drift between parts does not move the card's comparisons.
@@ -21,7 +28,9 @@ CARD_STATES=${CARD_STATES-256 8192 65536}
 CARD_CONVERSATIONS=${CARD_CONVERSATIONS-10000 1000000 10000000}
 CARD_LOADS=${CARD_LOADS-50 80 100}
 CARD_RECEIPTS=${CARD_RECEIPTS-50000000}
-CARD_DIR=$PWD/bench/card
+CARD_OPEN_LAYOUT=${CARD_OPEN_LAYOUT:-shared}
+CARD_OUT=${CARD_OUT:-$PWD/bench}
+CARD_DIR=$CARD_OUT/card
 DATA=$WORK/card.jsonl
 SERVICE_URL="postgres://postgres@127.0.0.1:$PORT/service"
 . bench/tools.sh
@@ -101,10 +110,11 @@ k6_run() {  # MODE RATE SECONDS -> records one run
         || { cat "$WORK/k6.log" >&2; exit 1; }
     s1=$(tree_ticks "$SERVER_PID"); p1=$(tree_ticks "$PGPID")
     w1=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
-    K6_LINE=$(python3 - "$WORK/k6.json" "$mode" "$((s1 - s0))" "$((p1 - p0))" "$((w1 - w0))" "$NCPU" <<'PY'
+    K6_LINE=$(python3 - "$WORK/k6.json" "$mode" "$CARD_OPEN_LAYOUT" "$((s1 - s0))" "$((p1 - p0))" "$((w1 - w0))" "$NCPU" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
-server, postgres, wal, cores = (int(a) for a in sys.argv[3:])
+d["layout"] = sys.argv[3]
+server, postgres, wal, cores = (int(a) for a in sys.argv[4:])
 ok = d["by_code"].get("0", 0)
 d.update(kind="open" if sys.argv[2] == "open" else "closed", ok=ok, ok_per_second=ok / d["seconds"],
          server_cpu_us_per_turn=server / 100 * 1e6 / max(ok, 1), postgres_cpu_us_per_turn=postgres / 100 * 1e6 / max(ok, 1),
@@ -125,9 +135,19 @@ print(f"k6 {d['mode']} {d['rate'] or ''}: {d['ok_per_second']:.0f} OK/s, p50 {l[
 PY
 }
 open_loop() {
-    layout shared
     sql "TRUNCATE turnstile.turnstile_state, turnstile.turnstile_receipt"
-    start_servers 1
+    if [ "$CARD_OPEN_LAYOUT" = apart ]; then
+        # The split layout's halves: PostgreSQL on the first, and the server beside it; k6 (the
+        # clients') on the second.
+        layout split
+        local clients=("${CLIENT[@]}")
+        CLIENT=(taskset -c "0-$((NCPU / 2 - 1))")
+        start_servers 1
+        CLIENT=("${clients[@]}")
+    else
+        layout shared
+        start_servers 1
+    fi
     OPEN_RUN=$(printf '%08x' $((RANDOM * 32768 + RANDOM)))
     "$BIN/turnstile-bench" --target "$TARGETS" --conversations "$KEYS" --state-bytes "$PAD" \
         --run-id "$OPEN_RUN" --prefill --turns 1000 --no-verify >/dev/null
@@ -188,6 +208,6 @@ SQL
 done
 
 # --- the card ------------------------------------------------------------------------------------
-PYTHONPATH=$PLOT_PATH python3 bench/drivers/card.py "$DATA" "$PWD/bench/CARD.md" "$CARD_DIR"
+PYTHONPATH=$PLOT_PATH python3 bench/drivers/card.py "$DATA" "$CARD_OUT/CARD.md" "$CARD_DIR"
 cp "$DATA" "$CARD_DIR/card.jsonl"
-echo "wrote bench/CARD.md and bench/card/"
+echo "wrote $CARD_OUT/CARD.md and $CARD_DIR/"

@@ -187,10 +187,14 @@ if conversations:
 # --- open loop -------------------------------------------------------------------------------------
 if opened:
     top = closed[-1] if closed else None
+    where = {
+        "apart": "PostgreSQL and the server on one half of the cores and k6 on the other, so that the client's CPU does not delay the answers",
+        "shared": "everything on every core (k6's CPU competes with the server's and PostgreSQL's)",
+    }[opened[0].get("layout", "shared")]
     w("## Latency against offered load (open loop)")
     w("")
     w(
-        "k6 1.1.0 (grpc-go) on the same machine, shared layout, 10,000 conversations of 1 KiB. The maximum is k6's closed loop "
+        f"k6 1.1.0 (grpc-go) on the same machine, {where}, 10,000 conversations of 1 KiB. The maximum is k6's closed loop "
         f"(32 callers, each sending when answered): {top['ok_per_second']:,.0f} turns/s. Then k6's `constant-arrival-rate` offers a fixed rate, "
         "sending on schedule whether or not earlier calls were answered, so a stall shows in the latencies instead of hiding in a slower send rate "
         "(coordinated omission). *Dropped* counts sends k6 could not start on time (all its callers busy)."
