@@ -128,7 +128,7 @@ macro_rules! load_receipt {
 const FEW_KEYS: usize = 3;
 macro_rules! few_keys {
     () => {
-        "(($1::text[])[1], ($1::text[])[2], ($1::text[])[3])"
+        "IN (($1::text[])[1], ($1::text[])[2], ($1::text[])[3])"
     };
 }
 macro_rules! tombstones_of_few {
@@ -138,80 +138,82 @@ macro_rules! tombstones_of_few {
     };
 }
 
-/// The held conversation's row (`$3`), locked until the transaction ends.
-macro_rules! load_held {
+/// The same for any number of keys.
+macro_rules! any_keys {
     () => {
-        "SELECT 0::int2, key, state, version, age FROM ( \
-           SELECT key, state, version, extract(epoch FROM now() - updated_at)::float8 AS age \
-             FROM turnstile_state WHERE key = $3 FOR UPDATE) held"
+        "= ANY($1)"
+    };
+}
+macro_rules! tombstones_of_any {
+    () => {
+        "SELECT 2::int2, k, NULL, t.version, NULL FROM unnest($1::text[]) AS k \
+           JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k)"
     };
 }
 
 /// State rows with their ages (seconds since written, for expiry), the tombstones of those of
 /// them that are gone (`migrations/V4__erasure.sql`), and, when `$2` is not NULL, the receipt:
 /// one statement, so one snapshot. The first column says which: [`ROW`], [`RECEIPT`] or
-/// [`GONE`]. For up to [`FEW_KEYS`] keys in `$1`; [`load_of`] chooses.
+/// [`GONE`]. `$keys` says which keys (`$1`) are read and `$tombstones` how their tombstones are.
+macro_rules! load_text {
+    ($keys:expr, $tombstones:expr) => {
+        concat!(
+            "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
+               FROM turnstile_state WHERE key ",
+            $keys,
+            " UNION ALL ",
+            $tombstones,
+            " UNION ALL ",
+            load_receipt!()
+        )
+    };
+}
+
+/// `load_text!` for a turn holding its conversation lock, which also locks the conversation's
+/// row (`$3`) against writes until the turn's transaction ends: another replica's optimistic
+/// commit of that conversation waits, and then finds the version moved. So a turn holding the
+/// lock is not beaten by one that did not take it.
+macro_rules! load_holding_text {
+    ($keys:expr, $tombstones:expr) => {
+        concat!(
+            "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
+               FROM turnstile_state WHERE key ",
+            $keys,
+            " AND key <> $3 \
+             UNION ALL \
+             SELECT 0::int2, key, state, version, age FROM ( \
+               SELECT key, state, version, extract(epoch FROM now() - updated_at)::float8 AS age \
+                 FROM turnstile_state WHERE key = $3 FOR UPDATE) held \
+             UNION ALL ",
+            $tombstones,
+            " UNION ALL ",
+            load_receipt!()
+        )
+    };
+}
+
+/// The load (`load_text!`) of up to [`FEW_KEYS`] keys; [`load_of`] chooses.
 const LOAD: Sql = Sql {
-    text: concat!(
-        "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
-           FROM turnstile_state WHERE key IN ",
-        few_keys!(),
-        " UNION ALL ",
-        tombstones_of_few!(),
-        " UNION ALL ",
-        load_receipt!()
-    ),
+    text: load_text!(few_keys!(), tombstones_of_few!()),
     types: &[Type::TEXT_ARRAY, Type::TEXT],
     // On Citus a load goes shard by shard (`citus::load_by_shard`), not through this.
     on_citus: None,
 };
 /// [`LOAD`] for any number of keys.
 const LOAD_ANY: Sql = Sql {
-    text: concat!(
-        "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
-           FROM turnstile_state WHERE key = ANY($1) \
-         UNION ALL \
-         SELECT 2::int2, k, NULL, t.version, NULL FROM unnest($1::text[]) AS k \
-           JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k) \
-         UNION ALL ",
-        load_receipt!()
-    ),
+    text: load_text!(any_keys!(), tombstones_of_any!()),
     types: &[Type::TEXT_ARRAY, Type::TEXT],
     on_citus: None,
 };
-/// [`LOAD`] for a turn holding its conversation lock, which also locks the conversation's row
-/// (`$3`) against writes until the turn's transaction ends: another replica's optimistic commit
-/// of that conversation waits, and then finds the version moved. So a turn holding the lock is
-/// not beaten by one that did not take it.
+/// The load of a turn holding its conversation lock (`load_holding_text!`), up to [`FEW_KEYS`].
 const LOAD_HOLDING: Sql = Sql {
-    text: concat!(
-        "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
-           FROM turnstile_state WHERE key IN ",
-        few_keys!(),
-        " AND key <> $3 \
-         UNION ALL ",
-        load_held!(),
-        " UNION ALL ",
-        tombstones_of_few!(),
-        " UNION ALL ",
-        load_receipt!()
-    ),
+    text: load_holding_text!(few_keys!(), tombstones_of_few!()),
     types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
     on_citus: Some(&citus::LOAD_HOLDING),
 };
 /// [`LOAD_HOLDING`] for any number of keys.
 const LOAD_HOLDING_ANY: Sql = Sql {
-    text: concat!(
-        "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
-           FROM turnstile_state WHERE key = ANY($1) AND key <> $3 \
-         UNION ALL ",
-        load_held!(),
-        " UNION ALL \
-         SELECT 2::int2, k, NULL, t.version, NULL FROM unnest($1::text[]) AS k \
-           JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k) \
-         UNION ALL ",
-        load_receipt!()
-    ),
+    text: load_holding_text!(any_keys!(), tombstones_of_any!()),
     types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
     on_citus: Some(&citus::LOAD_HOLDING),
 };

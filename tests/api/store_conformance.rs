@@ -222,6 +222,31 @@ async fn conformance(store: Arc<dyn Store>) {
     assert_eq!(snapshot.get(&b).unwrap().version, Version::FIRST);
     assert!(snapshot.get(&ghost).is_none());
 
+    // A load of more keys than a turn's three scopes reads every one of them.
+    let (c, d) = (conversation("wide-1"), conversation("wide-2"));
+    committed(
+        commit(
+            store,
+            vec![
+                write(&c, Expected::Absent, json!({"n": 1})),
+                write(&d, Expected::Absent, json!({"n": 1})),
+            ],
+        )
+        .await,
+    );
+    let snapshot = store
+        .load(
+            &[a.clone(), b.clone(), ghost.clone(), c.clone(), d.clone()],
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(snapshot.get(&a).unwrap().version, Version::new(3));
+    assert_eq!(snapshot.get(&b).unwrap().version, Version::FIRST);
+    assert!(snapshot.get(&ghost).is_none());
+    assert_eq!(snapshot.get(&c).unwrap().version, Version::FIRST);
+    assert_eq!(snapshot.get(&d).unwrap().version, Version::FIRST);
+
     // JSON survives as written: nesting, unicode, numbers.
     let rich = json!({"order": ["mushroom", "cheese"], "who": {"name": "Zoë"}, "n": -1.5});
     committed(
