@@ -13,8 +13,6 @@
 #                                    the database (seed_conversations), the warm-up WARMUP_TURNS
 #                                    random turns over them: nearly every measured turn misses the
 #                                    state cache and reads its row, as with a long tail of users
-#   DATABASE_URL=postgres://… RUN=… bench/instructions.sh   against that database (bench/run.sh
-#                                    --card's, already seeded with run RUN) instead of a throwaway one
 #
 # The workload: the release server, PostgreSQL in a throwaway cluster, the metrics endpoint on (as
 # deployed), the counter bot with ~1 KB of conversation state, 32 concurrent calls over 4 HTTP/2
@@ -59,16 +57,10 @@ cleanup() {
     if [ -n "${KEEP:-}" ]; then echo "kept $WORK (callgrind files: $WORK/callgrind.out.*)"; else rm -rf "$WORK"; fi
 }
 trap cleanup EXIT
-if [ -n "${DATABASE_URL:-}" ]; then
-    WORK=$(mktemp -d /tmp/turnstile-instructions.XXXXXX)
-    URL=$DATABASE_URL
-else
-    start_pg instructions
-    URL="postgres://postgres@127.0.0.1:$PORT/postgres"
-fi
-
-RUN=${RUN:-$(printf '%08x' $((RANDOM * 32768 + RANDOM)))}
-if [ "$SEED" = 1 ] && [ -z "${DATABASE_URL:-}" ]; then
+start_pg instructions
+URL="postgres://postgres@127.0.0.1:$PORT/postgres"
+RUN=$(printf '%08x' $((RANDOM * 32768 + RANDOM)))
+if [ "$SEED" = 1 ]; then
     echo "creating $CONVERSATIONS conversations in the database" >&2
     "$BIN/turnstile" migrate --database-url "$URL" >/dev/null
     seed_conversations "$URL" "$RUN" 0 "$CONVERSATIONS" "$PAD"
