@@ -23,8 +23,10 @@
 //! redelivery of the activity on another replica waits for that hold and is answered from the
 //! receipt it finds. The conditional commit stays the backstop.
 
+mod hold;
 mod hot;
 mod in_flight;
+mod outcome;
 mod queue;
 mod receipt;
 mod retry;
@@ -43,28 +45,16 @@ use crate::activity::incoming::{
     ActivityId, ChannelId, ConversationId, IncomingActivity, InvalidActivity,
 };
 use crate::activity::{Activity, JsonMap};
-use crate::bot::{
-    Bot, BotError, BotErrorKind, BotRegistry, DoubleText, TurnContext, TurnScopes, UnknownBot,
-};
+use crate::bot::{Bot, BotError, BotRegistry, DoubleText, TurnContext, TurnScopes, UnknownBot};
 use crate::drafts::{Drafts, Stop};
 use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
-use crate::store::cached::CachedStore;
-use crate::store::timed::TimedStore;
+use crate::store::cached::TurnStore;
 use crate::store::{
-    CacheSize, Commit, CommitOutcome, Consistency, ConversationLease, ConversationLock, Handed,
-    KeyChange, Lease, LockedTurn, NOTHING_HANDED, Others, Pending, Snapshot, Store, StoreError,
-    Version,
+    Commit, CommitOutcome, Handed, KeyChange, Pending, Snapshot, Store, StoreError, Version,
 };
-use crate::telemetry::metrics::{
-    CONFLICTS, LOCK_WAITS, REDELIVERIES, STATE_BYTES, TURN_ATTEMPTS, TURN_DURATION, TURNS,
-};
-
-/// How long a serialized attempt of a call without deadline waits for its conversation's lock.
-const LOCK_WAIT_WITHOUT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
-/// How long before the caller's deadline a lock wait gives up (at most a quarter of the time
-/// left), so that the caller hears why (`DEADLINE_EXCEEDED`, nothing committed) rather than
-/// seeing its own timer fire.
-const LOCK_ANSWER_MARGIN: std::time::Duration = std::time::Duration::from_millis(250);
+use crate::telemetry::metrics::STATE_BYTES;
+use hold::{HeldLease, Hold, Holding, Mode};
+use outcome::{AttemptEnd, TurnEnd, TurnMetrics};
 
 /// The largest state a scope may be written with unless told: 256 KiB of JSON text.
 pub const DEFAULT_MAX_SCOPE_BYTES: usize = 256 << 10;
@@ -148,7 +138,7 @@ pub enum TurnError {
 #[derive(Clone)]
 pub struct Engine {
     /// The store, timed, behind this replica's state cache (`store::cached`).
-    store: Arc<CachedStore<TimedStore>>,
+    store: Arc<TurnStore>,
     bots: BotRegistry,
     retry: RetryPolicy,
     queue: Arc<queue::KeyQueue<Option<HeldLease>>>,
@@ -182,41 +172,6 @@ pub enum StopOutcome {
     NotRunning,
 }
 
-/// The engine's metric handles, taken once when it is built rather than looked up by name and
-/// labels at every turn (each lookup hashes the key and searches the recorder's registry).
-struct TurnMetrics {
-    /// [`TURNS`], one handle per entry of [`OUTCOMES`].
-    turns: [metrics::Counter; OUTCOMES.len()],
-    duration: metrics::Histogram,
-    attempts: metrics::Histogram,
-    conflicts: metrics::Counter,
-    redeliveries: metrics::Counter,
-    /// [`LOCK_WAITS`]: locks and leases granted, and not granted in time.
-    granted: metrics::Counter,
-    not_granted: metrics::Counter,
-}
-
-impl TurnMetrics {
-    fn new() -> Self {
-        Self {
-            turns: OUTCOMES.map(|outcome| metrics::counter!(TURNS, "outcome" => outcome)),
-            duration: metrics::histogram!(TURN_DURATION),
-            attempts: metrics::histogram!(TURN_ATTEMPTS),
-            conflicts: metrics::counter!(CONFLICTS),
-            redeliveries: metrics::counter!(REDELIVERIES),
-            granted: metrics::counter!(LOCK_WAITS, "outcome" => "granted"),
-            not_granted: metrics::counter!(LOCK_WAITS, "outcome" => "not_granted"),
-        }
-    }
-
-    fn turn(&self, outcome: &str) {
-        match OUTCOMES.iter().position(|o| *o == outcome) {
-            Some(i) => self.turns[i].increment(1),
-            None => metrics::counter!(TURNS, "outcome" => outcome.to_owned()).increment(1),
-        }
-    }
-}
-
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
@@ -227,10 +182,11 @@ impl std::fmt::Debug for Engine {
 }
 
 impl Engine {
-    /// An engine running `bots` over `store`.
-    pub fn new(store: Arc<dyn Store>, bots: BotRegistry, retry: RetryPolicy) -> Self {
+    /// An engine running `bots` over `store` (built where the store is opened:
+    /// [`TurnStore::for_turns`]).
+    pub fn new(store: TurnStore, bots: BotRegistry, retry: RetryPolicy) -> Self {
         Self {
-            store: Arc::new(CachedStore::new(TimedStore::new(store), CacheSize::NONE)),
+            store: Arc::new(store),
             bots,
             retry,
             queue: Arc::new(queue::KeyQueue::new()),
@@ -240,24 +196,6 @@ impl Engine {
             sizes: Arc::new(ScopeSizes::new(DEFAULT_MAX_SCOPE_BYTES)),
             metrics: Arc::new(TurnMetrics::new()),
         }
-    }
-
-    /// The same engine, remembering the last committed state of keys, within `size`, so that a
-    /// conversation's next turn on this replica skips the load (see `store::cached`); a size of
-    /// 0 turns it off.
-    #[must_use]
-    pub fn with_state_cache(mut self, size: CacheSize) -> Self {
-        let ttls = self.store.ttls();
-        self.store = Arc::new(CachedStore::new(self.store.inner().clone(), size).with_ttls(ttls));
-        self
-    }
-
-    /// The same engine, whose state cache guesses a row of a scope with a time to live only until
-    /// it would expire (the store reads expired rows as absent: `Store`'s `with_ttls`).
-    #[must_use]
-    pub fn with_ttls(mut self, ttls: crate::store::Ttls) -> Self {
-        self.store = Arc::new(self.store.with_ttls(ttls));
-        self
     }
 
     /// The same engine, refusing to write a scope's state larger than `bytes` as JSON text: the
@@ -358,9 +296,9 @@ impl Engine {
     ) -> Result<TurnOutcome, TurnError> {
         let started = std::time::Instant::now();
         let result = self.turn(bot, incoming, deadline, drafts).await;
-        let outcome = outcome_name(&result);
-        tracing::Span::current().record("outcome", outcome);
-        self.metrics.turn(outcome);
+        let end = TurnEnd::of(&result);
+        tracing::Span::current().record("outcome", end.label());
+        self.metrics.turn(end);
         self.metrics.duration.record(started.elapsed());
         let attempts = match &result {
             Ok(o) if o.redelivered => None,
@@ -377,6 +315,12 @@ impl Engine {
             self.metrics.redeliveries.increment(1);
         }
         result
+    }
+
+    /// Counts a turn refused before it reached the engine (a malformed request), among the
+    /// turns' outcomes as `invalid`.
+    pub fn refused_invalid(&self) {
+        self.metrics.turn(TurnEnd::Invalid);
     }
 
     /// [`Engine::run_turn`] without the bookkeeping of its outcome: queue behind the
@@ -404,7 +348,7 @@ impl Engine {
         )
         .with_ttls(self.store.ttls());
         // What a double text does to the turns of its conversation in flight here, before it
-        // queues behind them; across replicas, the hold tells (`attempt_held`).
+        // queues behind them; across replicas, the hold tells (`hold`).
         let _in_flight = self.double_text(&mut plan, double_text).await?;
         // A streamed turn can be stopped from its first moment, queued or running.
         let _stoppable = plan
@@ -415,9 +359,9 @@ impl Engine {
         if self.bots.holds(bot_name) || (plan.drafts.is_some() && plan.receipt.is_some()) {
             // Held turns wait for each other at the hold, not in this replica's queue: there
             // the turns of every replica line up together, first come, first served.
-            return self
-                .attempts(&plan, Mode::Held, &mut None, true, deadline, &span)
-                .await;
+            let mut no_lease = None;
+            let hold = Hold::new(Mode::Held, &mut no_lease, true, deadline);
+            return self.attempts(&plan, hold, &span).await;
         }
         let mut turn = self.queue_up(&plan.keys.conversation, deadline).await?;
         let last = !turn.others_waiting();
@@ -428,14 +372,8 @@ impl Engine {
         } else {
             Mode::Optimistic
         };
-        let result = self
-            .attempts(&plan, mode, lease, last, deadline, &span)
-            .await;
-        if !HeldLease::serves(lease, 1) {
-            // Spent: let the other replicas' holders in now rather than at the next turn.
-            *lease = None;
-        }
-        result
+        self.attempts(&plan, Hold::new(mode, lease, last, deadline), &span)
+            .await
     }
 
     /// What the bot's double-text `policy` does here with `plan`'s message while turns of its
@@ -480,136 +418,106 @@ impl Engine {
         })
     }
 
-    /// Attempts `plan` until an attempt ends the turn, the first in `mode`; `last` when no other
-    /// turn of its conversation waits on this replica.
+    /// Attempts `plan` until an attempt ends the turn, each holding its conversation as `hold`
+    /// says.
     async fn attempts(
         &self,
         plan: &TurnPlan<'_>,
-        mut mode: Mode,
-        lease: &mut Option<HeldLease>,
-        last: bool,
-        deadline: Option<Instant>,
+        mut hold: Hold<'_>,
         span: &tracing::Span,
     ) -> Result<TurnOutcome, TurnError> {
         let mut attempt = 0;
         let mut outcome_unknown = false;
-        loop {
+        let ended = loop {
             attempt += 1;
             span.record("attempts", attempt);
             if let Some(drafts) = plan.drafts.filter(|_| attempt > 1) {
                 // The attempt before was thrown away: whatever it showed is void.
                 drafts.reset(attempt - 1).await;
             }
-            // Whether this attempt runs without holding the conversation: a conflict then sends
-            // the next one to the lock at once, as the queue it is, without a blind wait.
-            let unlocked = match mode {
-                Mode::Optimistic => true,
-                Mode::Locked | Mode::Held => false,
-                Mode::Leased => HeldLease::serves(lease, attempt),
-            };
-            let (ended, attempt_span) = self
-                .run_attempt(plan, mode, attempt, deadline, lease, last)
-                .await;
-            attempt_span.record("outcome", attempt_name(&ended));
-            let lost = match ended? {
-                AttemptOutcome::Answered(mut outcome) => {
+            let free = hold.is_free(attempt);
+            let lost = match self.run_attempt(plan, &mut hold, attempt).await {
+                Ok(AttemptOutcome::Answered(mut outcome)) => {
                     // Processed before — or, after an unknown commit outcome, most likely by this
                     // very call, which is then no redelivery.
                     outcome.redelivered = !outcome_unknown;
-                    return Ok(outcome);
+                    break Ok(outcome);
                 }
-                AttemptOutcome::NothingToCommit(outcome) => return Ok(outcome),
-                AttemptOutcome::Committed(outcome) => {
-                    if let Some(version) = outcome.conversation_version {
-                        attempt_span.record("version", version.get());
-                    }
-                    return Ok(outcome);
+                Ok(
+                    AttemptOutcome::NothingToCommit(outcome) | AttemptOutcome::Committed(outcome),
+                ) => {
+                    break Ok(outcome);
                 }
-                AttemptOutcome::Conflict(key) => {
-                    if self.after_conflict(plan, &key, &mut mode, unlocked, attempt)? {
+                Ok(AttemptOutcome::Conflict(key)) => {
+                    if self.after_conflict(plan, &mut hold, &key, free, attempt)? {
                         continue;
                     }
                     None
                 }
-                AttemptOutcome::OutcomeUnknown(e) => {
+                Ok(AttemptOutcome::OutcomeUnknown(e)) => {
                     tracing::warn!(attempt, error = %e, "commit outcome unknown; re-reading");
                     outcome_unknown = true;
                     Some(e)
                 }
+                Err(e) => break Err(e),
             };
-            self.back_off(attempt, deadline, lost).await?;
-        }
+            if let Err(e) = self.back_off(attempt, hold.deadline(), lost).await {
+                break Err(e);
+            }
+        };
+        hold.finish();
+        ended
     }
 
-    /// Runs attempt `attempt` of `plan` the way `mode` says, in a span of its own (one per run of
-    /// the bot, so that a trace shows what each replay cost and why it ended; its store calls and
-    /// the bot run are its children), which is returned for the outcome to be recorded in.
+    /// Runs attempt `attempt` of `plan`, holding its conversation as `hold` says, in a span of
+    /// its own (one per run of the bot, so that a trace shows what each replay cost and why it
+    /// ended; its store calls and the bot run are its children).
     async fn run_attempt(
         &self,
         plan: &TurnPlan<'_>,
-        mode: Mode,
+        hold: &mut Hold<'_>,
         attempt: u32,
-        deadline: Option<Instant>,
-        lease: &mut Option<HeldLease>,
-        last: bool,
-    ) -> (Result<AttemptOutcome, TurnError>, tracing::Span) {
+    ) -> Result<AttemptOutcome, TurnError> {
         let attempt_span = tracing::debug_span!(
             "attempt",
             attempt,
-            mode = mode.name(),
+            mode = hold.mode().name(),
             outcome = tracing::field::Empty,
             version = tracing::field::Empty
         );
-        let ended = match mode {
-            Mode::Optimistic => {
-                self.attempt(plan, attempt)
-                    .instrument(attempt_span.clone())
-                    .await
-            }
-            Mode::Locked => {
-                self.attempt_serialized(plan, attempt, deadline)
-                    .instrument(attempt_span.clone())
-                    .await
-            }
-            Mode::Held => {
-                self.attempt_held(plan, attempt, deadline)
-                    .instrument(attempt_span.clone())
-                    .await
-            }
-            Mode::Leased => {
-                self.attempt_leased(plan, attempt, deadline, lease, last)
-                    .instrument(attempt_span.clone())
-                    .await
-            }
-        };
-        (ended, attempt_span)
+        let ended = async {
+            let (snapshot, holding) = self.take(plan, hold, attempt).await?;
+            self.run_on(plan, attempt, snapshot, holding).await
+        }
+        .instrument(attempt_span.clone())
+        .await;
+        attempt_span.record("outcome", AttemptEnd::of(&ended).label());
+        if let Ok(AttemptOutcome::Committed(TurnOutcome {
+            conversation_version: Some(version),
+            ..
+        })) = &ended
+        {
+            attempt_span.record("version", version.get());
+        }
+        ended
     }
 
-    /// Counts a conflict on `key` and chooses how the replay holds its conversation (`mode`).
-    /// True: replay at once, the lock being the queue now, without a blind wait (an attempt that
-    /// ran `unlocked`); false: back off first.
+    /// Counts a conflict on `key` and chooses how the replay holds its conversation. True:
+    /// replay at once, the lock being the queue now, without a blind wait (the attempt that lost
+    /// ran `free`); false: back off first.
     fn after_conflict(
         &self,
         plan: &TurnPlan<'_>,
+        hold: &mut Hold<'_>,
         key: &StateKey,
-        mode: &mut Mode,
-        unlocked: bool,
+        free: bool,
         attempt: u32,
     ) -> Result<bool, TurnError> {
         self.metrics.conflicts.increment(1);
         tracing::debug!(attempt, %key, "conflict; replaying the turn under the lock");
         self.hot.contended(&plan.keys.conversation);
-        if *mode == Mode::Held && !key.is_hold() {
-            // A writer that holds nothing (a plain turn of another replica) beat a held turn:
-            // the hold cannot keep it out, the lock's row lock can. The replay locks, as an
-            // optimistic turn's does, and then wins.
-            *mode = Mode::Locked;
-        }
-        if !unlocked {
+        if !hold.after_conflict(key, free) {
             return Ok(false);
-        }
-        if *mode == Mode::Optimistic {
-            *mode = Mode::Leased;
         }
         self.give_up_if_spent(attempt, None)?;
         Ok(true)
@@ -630,75 +538,74 @@ impl Engine {
         }
     }
 
-    /// One attempt: take a snapshot, answer from the receipt if it has one, else run the bot
-    /// and commit what it did.
-    async fn attempt(
-        &self,
-        plan: &TurnPlan<'_>,
-        attempt: u32,
-    ) -> Result<AttemptOutcome, TurnError> {
-        let snapshot = self.snapshot(plan, attempt).await?;
-        self.run_on(plan, attempt, snapshot).await
-    }
-
-    /// The rest of an attempt on `snapshot`: answer from the receipt if it has one, else run the
-    /// bot and commit what it did.
+    /// The rest of an attempt on `snapshot`, taken with `holding`: answer from the receipt if it
+    /// has one, else run the bot and commit what it did, through `holding`. Whatever else ends
+    /// the attempt lets go of what it holds, here and only here.
     async fn run_on(
         &self,
         plan: &TurnPlan<'_>,
         attempt: u32,
         snapshot: Snapshot,
+        holding: Holding,
     ) -> Result<AttemptOutcome, TurnError> {
-        if let Some(receipt) = snapshot.receipt() {
-            return receipt::decode(receipt).map(AttemptOutcome::Answered);
-        }
-        let never = Box::pin(std::future::pending());
-        let (commit, outcome) = match plan.run(attempt, &snapshot, &NOTHING_HANDED, never).await? {
-            Ran::Built(commit, outcome) => (commit, outcome),
-            // Interrupted without a hold (a store that needs none answered): there is nothing
-            // to hand on, nor a receipt to write outside the conversation's order.
-            Ran::Superseded => {
-                return Ok(AttemptOutcome::NothingToCommit(
-                    plan.superseded_outcome(attempt, &snapshot),
-                ));
+        let (handed, interrupted) = (holding.handed(), holding.interrupted());
+        let ended = match self
+            .next_step(plan, attempt, &snapshot, handed, interrupted)
+            .await
+        {
+            Ok(Step::Commit(commit, outcome)) => {
+                let implied = commit.implied_versions();
+                let result = holding.commit(&*self.store, commit).await;
+                return settle(plan, implied, result, outcome);
             }
+            Ok(Step::Supersede) => return self.supersede(plan, attempt, &snapshot, holding).await,
+            Ok(Step::Done(outcome)) => Ok(outcome),
+            Err(e) => Err(e),
         };
-        if !commit.writes_anything() {
-            // A read-only turn of an activity without id, answered from one consistent
-            // snapshot: nothing to commit.
-            return Ok(AttemptOutcome::NothingToCommit(outcome));
-        }
-        self.commit(plan, commit, outcome).await
+        holding.release().await;
+        ended
     }
 
-    /// The state the attempt runs on. The first attempt of a turn that will commit may run on
-    /// this replica's last committed state (a guess its commit checks); a replay follows a guess
-    /// that was wrong, or a commit whose outcome is unknown, and reads the store.
+    /// What an attempt on `snapshot` does next: answer from the receipt if it has one, else run
+    /// the bot, with what the conversation's earlier turns `handed` on, until done or
+    /// `interrupted`.
+    async fn next_step(
+        &self,
+        plan: &TurnPlan<'_>,
+        attempt: u32,
+        snapshot: &Snapshot,
+        handed: &Handed,
+        interrupted: futures::future::BoxFuture<'static, ()>,
+    ) -> Result<Step, TurnError> {
+        if let Some(receipt) = snapshot.receipt() {
+            return receipt::decode(receipt).map(|o| Step::Done(AttemptOutcome::Answered(o)));
+        }
+        let ran = plan.run(attempt, snapshot, handed, interrupted).await?;
+        Ok(match ran {
+            // A read-only turn of an activity without id, answered from one consistent
+            // snapshot: nothing to commit.
+            Ran::Built(commit, outcome) if !commit.writes_anything() => {
+                Step::Done(AttemptOutcome::NothingToCommit(outcome))
+            }
+            Ran::Built(commit, outcome) => Step::Commit(commit, outcome),
+            Ran::Superseded => Step::Supersede,
+        })
+    }
+
+    /// The state an attempt that holds nothing runs on. The first attempt of a turn that will
+    /// commit may run on this replica's last committed state (a guess its commit checks); a
+    /// replay follows a guess that was wrong, or a commit whose outcome is unknown, and reads
+    /// the store.
     async fn snapshot(&self, plan: &TurnPlan<'_>, attempt: u32) -> Result<Snapshot, TurnError> {
         // A streamed turn reads the store from its first attempt: a redelivery must find its
         // receipt before the bot runs, or its drafts would show an answer nobody gets. The
         // extra round trip is nothing beside a turn worth streaming.
-        let consistency = if attempt == 1 && plan.drafts.is_none() {
-            Consistency::Guess
-        } else {
-            Consistency::Current
-        };
-        Ok(self
-            .store
-            .load_with(&plan.key_list, plan.receipt.as_ref(), consistency)
-            .await?)
-    }
-
-    /// Asks the store to apply `commit`, and checks that it wrote the versions it implied.
-    async fn commit(
-        &self,
-        plan: &TurnPlan<'_>,
-        commit: Commit,
-        outcome: TurnOutcome,
-    ) -> Result<AttemptOutcome, TurnError> {
-        let implied = commit.implied_versions();
-        let result = self.store.commit(commit).await;
-        settle(plan, implied, result, outcome)
+        Ok(match &plan.receipt {
+            Some(receipt) if attempt == 1 && plan.drafts.is_none() => {
+                self.store.guess(&plan.key_list, receipt).await?
+            }
+            receipt => self.store.load(&plan.key_list, receipt.as_ref()).await?,
+        })
     }
 
     /// Between two attempts: fails the turn when its attempts are spent or the wait would pass
@@ -731,204 +638,26 @@ impl Engine {
         Ok(())
     }
 
-    /// One attempt holding the conversation lock: nobody else's serialized turn of this
-    /// conversation loads, runs or commits until this one has committed or given up. A store
-    /// that serves one replica needs no lock, and the attempt is an ordinary one.
-    async fn attempt_serialized(
-        &self,
-        plan: &TurnPlan<'_>,
-        attempt: u32,
-        deadline: Option<Instant>,
-    ) -> Result<AttemptOutcome, TurnError> {
-        match self
-            .store
-            .lock_conversation(
-                &plan.keys.conversation,
-                &plan.key_list,
-                plan.receipt.as_ref(),
-                lock_wait(deadline),
-            )
-            .await?
-        {
-            ConversationLock::Held { snapshot, turn } => {
-                self.metrics.granted.increment(1);
-                self.run_locked(plan, attempt, snapshot, turn).await
-            }
-            ConversationLock::NotNeeded => self.attempt(plan, attempt).await,
-            // The lock waits for every other turn: never busy.
-            ConversationLock::NotGranted | ConversationLock::Busy => {
-                Err(self.not_granted(attempt, deadline))
-            }
-        }
-    }
-
-    /// One attempt holding the conversation by its fenced hold ([`Store::hold_conversation`]):
-    /// as [`Engine::attempt_serialized`], for a turn whose bot may take minutes, without a
-    /// connection held while it runs. Nobody else's held turn of this conversation runs until
-    /// this one has committed or let go; a redelivery of this activity on another replica waits
-    /// for it, and is then answered from its receipt.
-    async fn attempt_held(
-        &self,
-        plan: &TurnPlan<'_>,
-        attempt: u32,
-        deadline: Option<Instant>,
-    ) -> Result<AttemptOutcome, TurnError> {
-        let wait = lock_wait(deadline);
-        let others = match plan.double_text {
-            // A bot that refuses double texts refuses them before running, not on a replay.
-            DoubleText::Reject if attempt == 1 => Others::Refuse,
-            DoubleText::Interrupt => Others::Interrupt,
-            _ => Others::Wait,
-        };
-        match self
-            .store
-            .hold_conversation(
-                &plan.keys.conversation,
-                &plan.key_list,
-                plan.receipt.as_ref(),
-                wait,
-                others,
-            )
-            .await?
-        {
-            ConversationLock::Held { snapshot, turn } => {
-                self.metrics.granted.increment(1);
-                self.run_locked(plan, attempt, snapshot, turn).await
-            }
-            ConversationLock::NotNeeded => self.attempt(plan, attempt).await,
-            ConversationLock::NotGranted => Err(self.not_granted(attempt, deadline)),
-            ConversationLock::Busy => Err(TurnError::ConversationBusy {
-                bot: plan.bot_name.to_owned(),
-            }),
-        }
-    }
-
-    /// One attempt of a conversation this replica leases (see [`HeldLease`]): an ordinary
-    /// attempt while the lease serves — the lease's last turn, the [`LEASE_TURNS`]th or `last`,
-    /// the last of its conversation waiting here, commits under it, which ends it — else the
-    /// first turn of a new lease, on the state loaded under it. A replay locks for its own turn,
-    /// holding the conversation's row, so that it is never beaten again by a turn that took no
-    /// lock, and so does a `last` turn that finds no lease; the next turn leases anew. A store
-    /// that offers no lease locks turn by turn.
-    async fn attempt_leased(
-        &self,
-        plan: &TurnPlan<'_>,
-        attempt: u32,
-        deadline: Option<Instant>,
-        lease: &mut Option<HeldLease>,
-        last: bool,
-    ) -> Result<AttemptOutcome, TurnError> {
-        if HeldLease::serves(lease, attempt) {
-            if let Some(held) = lease.as_mut() {
-                held.turns += 1;
-                // The lease's last turn: its commit ends the lease and lets the next holder in.
-                let ends = last || held.turns >= LEASE_TURNS;
-                if let Some(turn) = ends.then(|| held.end()).flatten() {
-                    let snapshot = self.snapshot(plan, attempt).await?;
-                    return self.run_locked(plan, attempt, snapshot, turn).await;
-                }
-            }
-            return self.attempt(plan, attempt).await;
-        }
-        // Spent, or a replay: let the other replicas' holders in first.
-        *lease = None;
-        if attempt > 1 || last {
-            // A replay, or a turn with no other of its conversation waiting here: the lock for
-            // this turn alone, holding the row.
-            return self.attempt_serialized(plan, attempt, deadline).await;
-        }
-        match self
-            .store
-            .lease_conversation(
-                &plan.keys.conversation,
-                &plan.key_list,
-                plan.receipt.as_ref(),
-                lock_wait(deadline),
-            )
-            .await?
-        {
-            ConversationLease::Held {
-                lease: taken,
-                snapshot,
-                waited,
-            } => {
-                self.metrics.granted.increment(1);
-                tracing::debug!(waited, "conversation leased");
-                if waited {
-                    // Another replica is at this conversation too: keep leasing it.
-                    self.hot.contended(&plan.keys.conversation);
-                }
-                *lease = Some(HeldLease {
-                    lease: Some(taken),
-                    since: Instant::now(),
-                    turns: 1,
-                });
-                self.run_on(plan, attempt, snapshot).await
-            }
-            ConversationLease::NotOffered => self.attempt_serialized(plan, attempt, deadline).await,
-            ConversationLease::NotGranted => Err(self.not_granted(attempt, deadline)),
-        }
-    }
-
-    /// The error of attempt `attempt`, whose lock or lease was not granted before the deadline:
-    /// the bot did not run on it.
-    fn not_granted(&self, attempt: u32, deadline: Option<Instant>) -> TurnError {
-        self.metrics.not_granted.increment(1);
-        let attempts = attempt - 1;
-        match deadline {
-            Some(_) => TurnError::DeadlineExceeded { attempts },
-            None => TurnError::Aborted { attempts },
-        }
-    }
-
-    /// Runs the bot on `snapshot`, loaded under the lock `locked` holds, and commits what it did
-    /// under the same lock (or releases it).
-    async fn run_locked(
-        &self,
-        plan: &TurnPlan<'_>,
-        attempt: u32,
-        snapshot: Snapshot,
-        locked: Box<dyn LockedTurn>,
-    ) -> Result<AttemptOutcome, TurnError> {
-        if let Some(receipt) = snapshot.receipt() {
-            locked.release().await;
-            return receipt::decode(receipt).map(AttemptOutcome::Answered);
-        }
-        let ran = plan
-            .run(attempt, &snapshot, locked.handed(), locked.interrupted())
-            .await;
-        let (commit, outcome) = match ran {
-            Ok(Ran::Built(commit, outcome)) => (commit, outcome),
-            Ok(Ran::Superseded) => return self.supersede(plan, attempt, &snapshot, locked).await,
-            Err(e) => {
-                locked.release().await;
-                return Err(e);
-            }
-        };
-        if !commit.writes_anything() {
-            locked.release().await;
-            return Ok(AttemptOutcome::NothingToCommit(outcome));
-        }
-        let implied = commit.implied_versions();
-        let result = locked.commit(commit).await;
-        settle(plan, implied, result, outcome)
-    }
-
     /// Ends a turn a later message interrupted: nothing of it is kept but its receipt, which
     /// answers it (and its redeliveries) as superseded, and its activity is handed on to the
-    /// next turn of the conversation ([`TurnContext::superseded`]).
+    /// next turn of the conversation ([`TurnContext::superseded`]). A turn that holds nothing
+    /// (a store that needs no hold answered) has nothing to hand on, nor a receipt to write
+    /// outside the conversation's order.
     async fn supersede(
         &self,
         plan: &TurnPlan<'_>,
         attempt: u32,
         snapshot: &Snapshot,
-        locked: Box<dyn LockedTurn>,
+        holding: Holding,
     ) -> Result<AttemptOutcome, TurnError> {
+        let outcome = plan.superseded_outcome(attempt, snapshot);
+        let Holding::Held(locked) = holding else {
+            return Ok(AttemptOutcome::NothingToCommit(outcome));
+        };
         tracing::debug!(attempt, "the turn was interrupted by a later message");
         if let Some(drafts) = plan.drafts {
             drafts.reset(attempt).await;
         }
-        let outcome = plan.superseded_outcome(attempt, snapshot);
         let mut commit = Commit::new(Vec::new());
         if let Some(key) = &plan.receipt {
             commit = commit.with_receipt(key.clone(), receipt::encode(&outcome, plan.subject()));
@@ -949,91 +678,6 @@ impl Engine {
 /// `activity` as its Bot Framework JSON object.
 fn activity_json(activity: &Activity) -> serde_json::Value {
     serde_json::to_value(activity).unwrap_or_default()
-}
-
-/// How an attempt holds its conversation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    /// Not at all: a guess or a load, and the conditional commit.
-    Optimistic,
-    /// The conversation lock for this attempt ([`Store::lock_conversation`]): the replay of a
-    /// held turn that a plain turn of another replica beat.
-    Locked,
-    /// The conversation's fenced hold for this attempt ([`Store::hold_conversation`]): a
-    /// a serialized bot's turns, and streamed ones, whose bots may take minutes.
-    Held,
-    /// This replica's lease on the conversation ([`HeldLease`]).
-    Leased,
-}
-
-impl Mode {
-    /// The mode as the attempt span's `mode` field names it.
-    fn name(self) -> &'static str {
-        match self {
-            Self::Optimistic => "optimistic",
-            Self::Locked => "locked",
-            Self::Held => "held",
-            Self::Leased => "leased",
-        }
-    }
-}
-
-/// The most turns one lease serves before this replica lets the other replicas' holders in.
-const LEASE_TURNS: u32 = 32;
-/// The longest one lease serves before this replica lets the other replicas' holders in.
-const LEASE_TIME: std::time::Duration = std::time::Duration::from_millis(50);
-
-/// A conversation this replica holds against every other replica (see
-/// [`Store::lease_conversation`]), kept with the conversation's queue (`queue`) and handed
-/// from one of its turns to the next while turns of it wait here: each then runs as on a lone
-/// replica, a guess from the cache and one commit, with nobody else's serialized turn or lease
-/// in between. The lease's last turn — the [`LEASE_TURNS`]th, or the last one waiting here —
-/// commits under it, which ends it; a lease past [`LEASE_TIME`] is let go after the turn that
-/// found it so. Either way the replicas take turns.
-#[derive(Debug)]
-struct HeldLease {
-    /// `None` once the lease's last turn has it.
-    lease: Option<Lease>,
-    since: Instant,
-    turns: u32,
-}
-
-impl HeldLease {
-    /// Whether `lease` serves attempt `attempt` of the next turn as an ordinary attempt: it is
-    /// held, not spent, and the attempt is a first one (a replay locks for itself).
-    fn serves(lease: &Option<Self>, attempt: u32) -> bool {
-        lease.as_ref().is_some_and(|held| {
-            attempt == 1
-                && held.lease.is_some()
-                && held.turns < LEASE_TURNS
-                && held.since.elapsed() < LEASE_TIME
-        })
-    }
-
-    /// The lease as its last turn, which commits under it and so ends it (`None` if a turn
-    /// took it already).
-    fn end(&mut self) -> Option<Box<dyn LockedTurn>> {
-        self.lease.take().map(Lease::into_last_turn)
-    }
-}
-
-impl Drop for HeldLease {
-    fn drop(&mut self) {
-        tracing::debug!(
-            turns = self.turns,
-            held_us = self.since.elapsed().as_micros(),
-            ended_by_commit = self.lease.is_none(),
-            "conversation lease given up"
-        );
-    }
-}
-
-/// How long an attempt of a call with `deadline` may wait for its conversation's lock or lease.
-fn lock_wait(deadline: Option<Instant>) -> std::time::Duration {
-    deadline.map_or(LOCK_WAIT_WITHOUT_DEADLINE, |d| {
-        let left = d.saturating_duration_since(Instant::now());
-        left.saturating_sub(LOCK_ANSWER_MARGIN.min(left / 4))
-    })
 }
 
 /// What the store's answer to an attempt's commit means for the turn, after checking that it
@@ -1383,6 +1027,16 @@ impl<'a> TurnPlan<'a> {
     }
 }
 
+/// What an attempt does once it has its snapshot and has run the bot (or found a receipt).
+enum Step {
+    /// Ends the attempt without writing: what is held is let go.
+    Done(AttemptOutcome),
+    /// Commits this, through what the attempt holds, and delivers the outcome once applied.
+    Commit(Commit, TurnOutcome),
+    /// A later message interrupted it: hand it on ([`Engine::supersede`]).
+    Supersede,
+}
+
 /// How one attempt ended, when it did not fail the turn.
 enum AttemptOutcome {
     /// The snapshot held the activity's receipt: its stored answer.
@@ -1396,50 +1050,6 @@ enum AttemptOutcome {
     /// The connection failed while the commit may have been in flight; the receipt, on the next
     /// load, tells whether it applied.
     OutcomeUnknown(StoreError),
-}
-
-/// An attempt's end as its span's `outcome` field names it.
-fn attempt_name(ended: &Result<AttemptOutcome, TurnError>) -> &'static str {
-    match ended {
-        Ok(AttemptOutcome::Answered(_)) => "receipt",
-        Ok(AttemptOutcome::NothingToCommit(_)) => "read_only",
-        Ok(AttemptOutcome::Committed(_)) => "committed",
-        Ok(AttemptOutcome::Conflict(_)) => "conflict",
-        Ok(AttemptOutcome::OutcomeUnknown(_)) => "commit_unknown",
-        Err(TurnError::DeadlineExceeded { .. } | TurnError::Aborted { .. }) => "lock_not_granted",
-        Err(TurnError::Bot(_)) => "bot_failed",
-        Err(_) => "store_failed",
-    }
-}
-
-/// Every outcome [`outcome_name`] gives.
-const OUTCOMES: [&str; 9] = [
-    "committed",
-    "redelivered",
-    "stopped",
-    "rejected",
-    "invalid",
-    "aborted",
-    "deadline_exceeded",
-    "unavailable",
-    "failed",
-];
-
-/// A turn's outcome as the `outcome` span field and metric label name it.
-fn outcome_name(result: &Result<TurnOutcome, TurnError>) -> &'static str {
-    match result {
-        Ok(o) if o.redelivered => "redelivered",
-        Ok(o) if o.stopped => "stopped",
-        Ok(_) => "committed",
-        Err(TurnError::UnknownBot(_)) => "invalid",
-        Err(TurnError::ConversationBusy { .. }) => "rejected",
-        Err(TurnError::Aborted { .. }) => "aborted",
-        Err(TurnError::DeadlineExceeded { .. }) => "deadline_exceeded",
-        Err(TurnError::Bot(e)) if e.kind() == BotErrorKind::DeadlineExceeded => "deadline_exceeded",
-        Err(TurnError::Store(StoreError::Unavailable(_))) => "unavailable",
-        Err(TurnError::Bot(e)) if e.kind() == BotErrorKind::Unavailable => "unavailable",
-        Err(_) => "failed",
-    }
 }
 
 /// The conversation scope's version once `commit` has applied.
@@ -1588,6 +1198,12 @@ mod tests {
     use crate::activity::{ChannelAccount, ConversationAccount};
     use crate::bot::Bot;
     use crate::store::memory::MemoryStore;
+    use crate::store::{CacheSize, ConversationLock, Ttls};
+
+    /// `store` as an engine uses it, without a state cache.
+    fn uncached(store: Arc<dyn Store>) -> TurnStore {
+        TurnStore::for_turns(store, CacheSize::NONE, Ttls::NONE)
+    }
 
     /// What a [`Faulty`] store does wrong; everything else is a [`MemoryStore`]'s.
     enum Fault {
@@ -1804,7 +1420,7 @@ mod tests {
         }
         let counter = Arc::new(Counter::default());
         let bots = BotRegistry::new("counter", Shared(Arc::clone(&counter)));
-        (Engine::new(Arc::new(store), bots, retry), counter)
+        (Engine::new(uncached(Arc::new(store)), bots, retry), counter)
     }
 
     #[tokio::test]
@@ -2076,12 +1692,17 @@ mod tests {
             BotRegistry::new("counter", Plain)
         };
         // Two replicas over one store, the first with a cache.
-        let cached = Engine::new(Arc::clone(&store), counter(), RetryPolicy::default())
-            .with_state_cache(CacheSize {
-                entries: 100,
-                bytes: 1 << 20,
-            });
-        let other = Engine::new(Arc::clone(&store), counter(), RetryPolicy::default());
+        let size = CacheSize {
+            entries: 100,
+            bytes: 1 << 20,
+        };
+        let cached = TurnStore::for_turns(Arc::clone(&store), size, Ttls::NONE);
+        let cached = Engine::new(cached, counter(), RetryPolicy::default());
+        let other = Engine::new(
+            uncached(Arc::clone(&store)),
+            counter(),
+            RetryPolicy::default(),
+        );
         let text = |o: &TurnOutcome| o.activities[0].text.clone().unwrap_or_default();
 
         let first = cached

@@ -247,10 +247,9 @@ impl TurnApi {
             .ok_or_else(|| Status::internal("a turn reached TurnService without admission"))?;
         let deadline = deadline(&request);
         let pb::ProcessTurnRequest { input, bot, .. } = request.into_inner();
-        let incoming = self.check(input).inspect_err(|_| {
-            metrics::counter!(crate::telemetry::metrics::TURNS, "outcome" => "invalid")
-                .increment(1);
-        })?;
+        let incoming = self
+            .check(input)
+            .inspect_err(|_| self.engine.refused_invalid())?;
         let engine = Arc::clone(&self.engine);
         Ok(tokio::spawn(
             async move {

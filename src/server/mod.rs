@@ -38,8 +38,10 @@ use crate::grpc::pb::admin_service_server::AdminServiceServer;
 use crate::grpc::pb::turn_service_server::TurnServiceServer;
 use crate::grpc::service::TurnApi;
 use crate::store::Store;
+use crate::store::cached::TurnStore;
 use crate::store::memory::MemoryStore;
 use crate::store::postgres::{self, PostgresStore};
+use crate::store::upkeep::Upkeep;
 use crate::telemetry::rpc::RpcTelemetryLayer;
 use admission::AdmissionLayer;
 use connection_age::Deadlined;
@@ -200,13 +202,19 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let bots = with_policies(config.remote_bots.register(bots)?, &config)?;
     let (store, unmigrated) = open(&config).await?;
+    let turn_store = for_turns(&store, &config);
     let Listeners {
         grpc: listener,
         metrics,
     } = listeners.into();
     let local_addr = listener.local_addr().ok();
     let metrics = MetricsEndpoint::start(metrics, &store)?;
-    let upkeep = Upkeep::start(&store, &config);
+    let upkeep = Upkeep::start(
+        &store,
+        config.receipt_retention,
+        config.ttls,
+        config.expiry_sweep_every,
+    );
     let admin = AdminServiceServer::new(AdminApi::new(
         Arc::clone(&store),
         bots.clone(),
@@ -215,7 +223,7 @@ pub async fn serve(
     let max_in_flight = config.max_in_flight();
     tracing::info!(max_in_flight, "turns in flight beyond this are refused");
     let drain = Drain::new(max_in_flight);
-    let turns = turn_service(engine(store, bots, &config), &config)?;
+    let turns = turn_service(engine(turn_store, bots, &config), &config)?;
     let admission = AdmissionLayer::new(Arc::clone(&drain));
     let (health_reporter, health) = tonic_health::server::health_reporter();
     let schema_watch = report_readiness(&health_reporter, unmigrated).await;
@@ -259,15 +267,19 @@ pub async fn serve(
     Ok(())
 }
 
-/// The engine over `store`, with this configuration's cache, expiry and limits.
-fn engine(store: Arc<dyn Store>, bots: BotRegistry, config: &Config) -> Engine {
-    Engine::new(store, bots, config.retry)
-        .with_state_cache(crate::store::CacheSize {
-            entries: config.state_cache_entries,
-            bytes: config.state_cache_bytes,
-        })
-        .with_ttls(config.ttls)
-        .with_max_scope_bytes(config.max_scope_bytes)
+/// The engine over `store`, with this configuration's limits.
+fn engine(store: TurnStore, bots: BotRegistry, config: &Config) -> Engine {
+    Engine::new(store, bots, config.retry).with_max_scope_bytes(config.max_scope_bytes)
+}
+
+/// `store` as the turn engine uses it: timed, behind this configuration's state cache, which
+/// keeps to its expiry.
+fn for_turns(store: &Arc<dyn Store>, config: &Config) -> TurnStore {
+    let size = crate::store::CacheSize {
+        entries: config.state_cache_entries,
+        bytes: config.state_cache_bytes,
+    };
+    TurnStore::for_turns(Arc::clone(store), size, config.ttls)
 }
 
 /// The largest gRPC message either way: twice the largest activity, at least 4 MiB.
@@ -489,32 +501,6 @@ impl MetricsEndpoint {
     }
 }
 
-/// The store's upkeep, off the turns' path: the receipt pruner always, the expiry sweep with a
-/// time to live.
-struct Upkeep {
-    pruner: tokio::task::JoinHandle<()>,
-    sweeper: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl Upkeep {
-    fn start(store: &Arc<dyn Store>, config: &Config) -> Self {
-        Self {
-            pruner: tokio::spawn(prune_receipts(Arc::clone(store), config.receipt_retention)),
-            sweeper: config
-                .ttls
-                .any()
-                .then(|| tokio::spawn(sweep_expired(Arc::clone(store), config.expiry_sweep_every))),
-        }
-    }
-
-    fn stop(self) {
-        self.pruner.abort();
-        if let Some(sweeper) = self.sweeper {
-            sweeper.abort();
-        }
-    }
-}
-
 /// The rustls configuration `tls` describes: the server's identity and, for mutual TLS, the CA
 /// every client certificate must chain to (a client without one is refused in the handshake).
 fn tls_config(tls: &TlsFiles) -> Result<ServerTlsConfig, ServeError> {
@@ -612,60 +598,4 @@ async fn check_schema(store: &PostgresStore, logged: &mut String) -> bool {
         *logged = waiting;
     }
     false
-}
-
-/// Keys one step of the expiry sweep looks at.
-const SWEEP_BATCH: usize = 1000;
-/// The pause between two steps of a sweep, so that a sweep through millions of keys is a trickle
-/// of short statements beside the turns, never a burst.
-const SWEEP_PAUSE: Duration = Duration::from_millis(50);
-
-/// Deletes the state that expired ([`crate::store::Ttls`]), going through every key in bounded
-/// steps, once every `every`. Expired state already reads as absent; this gives its room back.
-/// Every replica sweeps; a row another replica's step has is skipped.
-async fn sweep_expired(store: Arc<dyn Store>, every: Duration) {
-    let mut ticks = tokio::time::interval(every);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        ticks.tick().await;
-        let mut after: Option<String> = None;
-        loop {
-            match store.sweep_expired(after.as_deref(), SWEEP_BATCH).await {
-                Ok(swept) => {
-                    crate::telemetry::metrics::state_expired(swept.deleted);
-                    match swept.next {
-                        Some(next) => after = Some(next),
-                        None => break,
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "sweeping expired state failed; will retry");
-                    break;
-                }
-            }
-            tokio::time::sleep(SWEEP_PAUSE).await;
-        }
-    }
-}
-
-/// Removes receipts older than `retention`, eight times per retention period (at most every five
-/// minutes), off the turns' path: PostgreSQL's slots can be emptied during a quarter of it
-/// (`store::postgres::receipts`), so each gets two passes at least. Every replica prunes; the
-/// store lets them share the work.
-async fn prune_receipts(store: Arc<dyn Store>, retention: Duration) {
-    let period = (retention / 8).clamp(Duration::from_secs(1), Duration::from_secs(300));
-    let mut ticks = tokio::time::interval(period);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        ticks.tick().await;
-        match store.prune_receipts(retention).await {
-            Ok(pruned) => {
-                crate::telemetry::metrics::receipts_pruned(pruned);
-                if pruned > 0 {
-                    tracing::debug!(pruned, "pruned expired turn receipts");
-                }
-            }
-            Err(e) => tracing::warn!(error = %e, "pruning turn receipts failed; will retry"),
-        }
-    }
 }

@@ -2,8 +2,8 @@
 //! load and go straight to the conditional commit: one database round trip instead of two.
 //!
 //! A wrapper around any [`Store`], as IOx wraps its catalog in a caching one, rather than a cache
-//! the engine consults and updates at every step: the engine reads load → run → commit and says
-//! only, through [`Consistency`], when a guess will do. It sits in `store` because it speaks the
+//! the engine consults and updates at every step: the engine reads load → run → commit and asks
+//! for a guess ([`CachedStore::guess`]) only where one will do. It sits in `store` because it speaks the
 //! store's contract (snapshots, commits, versions) and nothing of turns or bots.
 //!
 //! The cache is only a guess about the current version. A guess that is wrong — another replica
@@ -11,8 +11,7 @@
 //! commit checks every version the turn relied on. That is also why a guess is given only for a
 //! load that asks for a receipt (activities with an id always commit, their receipt is written):
 //! a turn that commits nothing would never find out that its cached state was stale. And only
-//! when the caller allows it ([`Consistency::Guess`]): the engine's replay follows a guess that
-//! was wrong, and reads the store.
+//! when the caller asks for one: the engine's replay follows a guess that was wrong, and loads.
 //!
 //! It also remembers the receipts this replica committed, so that a redelivery of an activity it
 //! answered — a channel's resend that queued here behind the turn it repeats, say — is not
@@ -32,9 +31,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
 
+use super::timed::TimedStore;
 use super::{
-    Commit, CommitOutcome, Consistency, ConversationLease, ConversationLock, KeyHasher, KeyMap,
-    Lease, LockedTurn, PoolStatus, Snapshot, Store, StoreError, Ttls, Version, Versioned,
+    Commit, CommitOutcome, ConversationLease, ConversationLock, KeyHasher, KeyMap, Lease,
+    LockedTurn, PoolStatus, Snapshot, Store, StoreError, Ttls, Version, Versioned,
 };
 use crate::activity::JsonMap;
 use crate::state::StateKey;
@@ -394,6 +394,18 @@ impl<S: Store> CachedStore<S> {
     }
 }
 
+/// The store as the turn engine uses it: its calls timed ([`TimedStore`]), behind this
+/// replica's state cache.
+pub type TurnStore = CachedStore<TimedStore>;
+
+impl TurnStore {
+    /// `store` as the turn engine uses it: timed, behind a cache of `size` (0 turns it off)
+    /// that guesses a row of a scope with a time to live (`ttls`) only until it would expire.
+    pub fn for_turns(store: Arc<dyn Store>, size: CacheSize, ttls: Ttls) -> Self {
+        Self::new(TimedStore::new(store), size).with_ttls(ttls)
+    }
+}
+
 impl<S> CachedStore<S> {
     /// The times to live its cache keeps to.
     pub fn ttls(&self) -> Ttls {
@@ -421,6 +433,27 @@ impl<S: Clone> CachedStore<S> {
     }
 }
 
+impl<S: Store> CachedStore<S> {
+    /// This replica's last committed rows of `keys` when it has them all, else a load. The
+    /// caller's commit checks every version it read, so a stale guess costs a conflict and a
+    /// [`Store::load`], never a wrong answer; which is why a guess is given only to a load that
+    /// asks for a `receipt` (whose turn always commits, creating it), and never holds a receipt:
+    /// the commit's receipt conflicts instead.
+    ///
+    /// # Errors
+    /// [`StoreError`] when the cache has no guess and the store cannot answer.
+    pub async fn guess(
+        &self,
+        keys: &[StateKey],
+        receipt: &StateKey,
+    ) -> Result<Snapshot, StoreError> {
+        match self.cache.snapshot(keys, receipt) {
+            Some(snapshot) => Ok(snapshot),
+            None => self.load(keys, Some(receipt)).await,
+        }
+    }
+}
+
 #[async_trait]
 impl<S: Store> Store for CachedStore<S> {
     async fn load(
@@ -428,23 +461,6 @@ impl<S: Store> Store for CachedStore<S> {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
     ) -> Result<Snapshot, StoreError> {
-        self.load_with(keys, receipt, Consistency::Current).await
-    }
-
-    async fn load_with(
-        &self,
-        keys: &[StateKey],
-        receipt: Option<&StateKey>,
-        consistency: Consistency,
-    ) -> Result<Snapshot, StoreError> {
-        // A guess only for a load whose turn will commit (it asks for a receipt, which its
-        // commit creates), since only the commit can tell a stale guess.
-        if consistency == Consistency::Guess
-            && let Some(receipt) = receipt
-            && let Some(snapshot) = self.cache.snapshot(keys, receipt)
-        {
-            return Ok(snapshot);
-        }
         let snapshot = self.inner.load(keys, receipt).await?;
         self.remember_loaded(keys, &snapshot);
         Ok(snapshot)

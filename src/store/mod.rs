@@ -23,6 +23,7 @@ pub mod memory;
 pub mod postgres;
 mod receipt;
 pub mod timed;
+pub(crate) mod upkeep;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -389,19 +390,6 @@ pub enum StoreError {
     Unexpected(#[source] anyhow::Error),
 }
 
-/// What a load must reflect.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Consistency {
-    /// The store's rows as they are now: what [`Store::load`] always reads.
-    Current,
-    /// This replica's last committed rows will do, if a cache in front of the store has them
-    /// (see [`cached`]): the caller's commit checks every version it read, so a stale guess costs
-    /// a conflict and a load with [`Consistency::Current`], never a wrong answer. A cache gives
-    /// a guess only to a load that asks for a receipt (whose turn always commits), and a guess
-    /// never holds a receipt: the commit's receipt conflicts instead.
-    Guess,
-}
-
 /// Persistent, versioned turn state.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
@@ -414,21 +402,6 @@ pub trait Store: Send + Sync + 'static {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
     ) -> Result<Snapshot, StoreError>;
-
-    /// [`Store::load`], with `consistency` saying whether a wrapper that remembers rows may answer
-    /// instead of the store; a store without such a memory simply loads.
-    ///
-    /// # Errors
-    /// [`StoreError`] when the store cannot answer.
-    async fn load_with(
-        &self,
-        keys: &[StateKey],
-        receipt: Option<&StateKey>,
-        consistency: Consistency,
-    ) -> Result<Snapshot, StoreError> {
-        let _ = consistency;
-        self.load(keys, receipt).await
-    }
 
     /// Applies `commit` if every key's expectation still holds, atomically.
     ///

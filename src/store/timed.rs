@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 
 use super::{
-    Commit, CommitOutcome, Consistency, ConversationLease, ConversationLock, Handed, Lease,
-    LockedTurn, PoolStatus, Snapshot, Store, StoreError,
+    Commit, CommitOutcome, ConversationLease, ConversationLock, Handed, Lease, LockedTurn,
+    PoolStatus, Snapshot, Store, StoreError,
 };
 use crate::state::StateKey;
 use crate::telemetry::metrics::STORE_DURATION;
@@ -70,18 +70,6 @@ impl Store for TimedStore {
     ) -> Result<Snapshot, StoreError> {
         let started = Instant::now();
         let loaded = self.inner.load(keys, receipt).await;
-        self.load.record(started.elapsed());
-        loaded
-    }
-
-    async fn load_with(
-        &self,
-        keys: &[StateKey],
-        receipt: Option<&StateKey>,
-        consistency: Consistency,
-    ) -> Result<Snapshot, StoreError> {
-        let started = Instant::now();
-        let loaded = self.inner.load_with(keys, receipt, consistency).await;
         self.load.record(started.elapsed());
         loaded
     }
