@@ -92,6 +92,7 @@ mod layout;
 mod lock;
 mod receipts;
 pub mod schema;
+mod timeouts;
 pub mod tls;
 mod url;
 mod waker;
@@ -102,6 +103,7 @@ pub use group_commit::GroupCommitStats;
 use group_commit::{GroupCommit, SingleWrite};
 pub use lock::lock_table;
 pub use schema::{SchemaBehind, SchemaStatus};
+use timeouts::{CALL_TIMEOUT, STATEMENT_TIMEOUT, within_call_timeout};
 pub use url::{DatabaseUrl, ParsedUrl, Schema, UrlError};
 
 mod embedded {
@@ -410,18 +412,6 @@ const MIGRATION_LOCK: i64 = 0x7475_726e_7374_696c;
 /// How long a turn waits for a pooled connection, or for a new one to be established, before the
 /// store counts as unavailable.
 const CONNECTION_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// How long one load or commit may take before the store counts as unavailable. A connection that
-/// goes silent (a partition rather than a reset) would otherwise hold the turn, and its
-/// conversation's queue, for as long as TCP takes to give up. A commit cut short this way has an
-/// unknown outcome, which the engine resolves through the turn's receipt.
-const CALL_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// The server-side limit on one statement (lock waits included), below [`CALL_TIMEOUT`] so that
-/// the server gives up first and says so. Sent as a startup parameter (`options`), except with
-/// [`Statements::Unprepared`]: PgBouncer refuses a connection that carries `options`, so behind
-/// it the limit is the role's (`ALTER ROLE … SET statement_timeout`, see the README).
-pub(super) const STATEMENT_TIMEOUT: Duration = Duration::from_secs(8);
 
 /// How long a session outside the pool (`migrate`'s) waits for its connection (every host of the URL, TLS included) before it
 /// gives up: a server that accepts the TCP connection and then says nothing must not hang a
@@ -1306,31 +1296,6 @@ impl Store for PostgresStore {
             waiting: status.waiting,
         })
     }
-}
-
-/// Runs one store call, counting the store unavailable when it takes longer than [`CALL_TIMEOUT`].
-async fn within_call_timeout<T>(
-    call: impl std::future::Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    tokio::time::timeout(CALL_TIMEOUT, call)
-        .await
-        .unwrap_or_else(|_| Err(no_answer()))
-}
-
-/// Runs one store call, counting the store unavailable when it has not answered by `deadline`
-/// (a call's [`CALL_TIMEOUT`] counted from when it was queued).
-async fn within_deadline<T>(
-    deadline: tokio::time::Instant,
-    call: impl std::future::Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    tokio::time::timeout_at(deadline, call)
-        .await
-        .unwrap_or_else(|_| Err(no_answer()))
-}
-
-/// A store call that got no answer within [`CALL_TIMEOUT`].
-fn no_answer() -> StoreError {
-    StoreError::Unavailable(anyhow!("no answer from PostgreSQL within {CALL_TIMEOUT:?}"))
 }
 
 impl PostgresStore {

@@ -50,8 +50,9 @@ use tokio_postgres::types::{ToSql, Type};
 
 use super::citus::{self, Engine};
 use super::jsonb::Jsonb;
+use super::timeouts::{CALL_TIMEOUT, no_answer, within_call_timeout, within_deadline};
+use super::unexpected;
 use super::{Sql, Statements, Via, classify_commit, client_of, is_conflict, taken_receipt};
-use super::{no_answer, unexpected, within_deadline};
 use crate::activity::JsonMap;
 use crate::state::StateKey;
 use crate::store::{Commit, CommitOutcome, Expected, KeyChange, StoreError, Version};
@@ -193,7 +194,7 @@ impl TryFrom<Commit> for SingleWrite {
 struct Queued {
     write: SingleWrite,
     outcome: oneshot::Sender<Result<CommitOutcome, StoreError>>,
-    /// [`super::CALL_TIMEOUT`] after it was queued: by then the committer has answered it,
+    /// [`CALL_TIMEOUT`] after it was queued: by then the committer has answered it,
     /// unavailable if PostgreSQL has not.
     deadline: Instant,
 }
@@ -295,7 +296,7 @@ impl GroupCommit {
     }
 
     /// Commits `write` with whatever other commits are queued, and returns its own outcome,
-    /// unavailable when PostgreSQL has not answered within [`super::CALL_TIMEOUT`].
+    /// unavailable when PostgreSQL has not answered within [`CALL_TIMEOUT`].
     ///
     /// When nothing is queued and a slot is free, the caller commits alone, at once, without
     /// passing through the committer task: a quiet store, or a hot conversation whose turns
@@ -313,14 +314,14 @@ impl GroupCommit {
         {
             shared.counts.record(1);
             // Boxed: the timer would otherwise move the whole statement's future.
-            return super::within_call_timeout(Box::pin(async {
+            return within_call_timeout(Box::pin(async {
                 let client = client_of(&shared.db.pool).await?;
                 commit_alone(&client, shared.db.via(), &write).await
             }))
             .await;
         }
         let (outcome, answer) = oneshot::channel();
-        let deadline = Instant::now() + super::CALL_TIMEOUT;
+        let deadline = Instant::now() + CALL_TIMEOUT;
         queue.waiting.fetch_add(1, Ordering::AcqRel);
         if queue
             .sender
@@ -404,7 +405,7 @@ async fn committer(
             Room::Closed => return,
             Room::Late => {
                 committer.waiting.fetch_sub(1, Ordering::AcqRel);
-                let _ = first.outcome.send(Err(super::no_answer()));
+                let _ = first.outcome.send(Err(no_answer()));
                 continue;
             }
             Room::Lane(lane, behind) => (lane, behind),
@@ -641,7 +642,7 @@ impl Batch<'_> {
     fn add_or_hold(&mut self, queued: Queued, held: &mut VecDeque<Queued>) {
         if queued.deadline <= self.now {
             self.expired += 1;
-            let _ = queued.outcome.send(Err(super::no_answer()));
+            let _ = queued.outcome.send(Err(no_answer()));
             return;
         }
         let write = &queued.write;
@@ -703,8 +704,9 @@ impl Batch<'_> {
             Err(e) => {
                 answered(lane);
                 // Unavailable, or unexpected, for every commit of the batch, for one cause.
+                let failure = BatchFailure::new(e);
                 for queued in commits {
-                    let _ = queued.outcome.send(Err(same_error(&e)));
+                    let _ = queued.outcome.send(Err(failure.error()));
                 }
                 return;
             }
@@ -721,7 +723,10 @@ impl Batch<'_> {
                 // One turn's receipt, or a deadlock, failed them all: each alone, to find out
                 // whose it was, on the same lane.
                 Ok(Together::Failed(_)) => alone.extend(part),
-                Err(e) => answers.extend(part.map(|queued| (queued, Err(same_error(&e))))),
+                Err(e) => {
+                    let failure = BatchFailure::new(e);
+                    answers.extend(part.map(|queued| (queued, Err(failure.error()))));
+                }
             }
         }
         let answer = |answers: Vec<(Queued, Result<CommitOutcome, StoreError>)>| {
@@ -747,11 +752,49 @@ impl Batch<'_> {
     }
 }
 
-/// `e` again, for another commit that failed of the same cause.
-fn same_error(e: &StoreError) -> StoreError {
-    match e {
-        StoreError::Unavailable(cause) => StoreError::Unavailable(anyhow!("{cause:#}")),
-        StoreError::Unexpected(cause) => StoreError::Unexpected(anyhow!("{cause:#}")),
+/// A batch's failure, which every commit of the batch gets: each its own [`StoreError`] of the
+/// same kind, whose cause is the one failure, its whole chain kept (PostgreSQL's message, the
+/// connection's error), not a copy of its text.
+struct BatchFailure {
+    unavailable: bool,
+    cause: Arc<anyhow::Error>,
+}
+
+impl BatchFailure {
+    fn new(e: StoreError) -> Self {
+        let (unavailable, cause) = match e {
+            StoreError::Unavailable(cause) => (true, cause),
+            StoreError::Unexpected(cause) => (false, cause),
+        };
+        Self {
+            unavailable,
+            cause: Arc::new(cause),
+        }
+    }
+
+    /// The failure, as one commit's error.
+    fn error(&self) -> StoreError {
+        let cause = anyhow::Error::new(SharedCause(Arc::clone(&self.cause)));
+        match self.unavailable {
+            true => StoreError::Unavailable(cause),
+            false => StoreError::Unexpected(cause),
+        }
+    }
+}
+
+/// One error, shared: its message, and its sources as the error's own.
+#[derive(Debug)]
+struct SharedCause(Arc<anyhow::Error>);
+
+impl std::fmt::Display for SharedCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl std::error::Error for SharedCause {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
     }
 }
 
@@ -953,4 +996,26 @@ fn stored_version(version: i64) -> Result<Version, StoreError> {
 /// The version a write expects, as the statements take it ([`super::expected_param`]).
 fn expected_version(expected: Expected) -> Result<i64, StoreError> {
     super::expected_param(expected)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_commit_of_a_failed_batch_gets_the_failure_with_its_whole_chain() {
+        let cause = anyhow!("connection reset by peer").context("sending the batch failed");
+        let failure = BatchFailure::new(StoreError::Unavailable(cause));
+        for _ in 0..2 {
+            let StoreError::Unavailable(e) = failure.error() else {
+                panic!("the failure changed its kind");
+            };
+            assert_eq!(
+                e.chain().map(ToString::to_string).collect::<Vec<_>>(),
+                ["sending the batch failed", "connection reset by peer"]
+            );
+        }
+        let failure = BatchFailure::new(StoreError::Unexpected(anyhow!("a broken schema")));
+        assert!(matches!(failure.error(), StoreError::Unexpected(_)));
+    }
 }

@@ -54,8 +54,9 @@ use tokio::task::JoinHandle;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 
+use super::timeouts::within_call_timeout;
 use super::waker::Released;
-use super::{PostgresStore, Sql, classify, within_call_timeout};
+use super::{PostgresStore, Sql, classify};
 use crate::state::StateKey;
 use crate::store::{
     Commit, CommitOutcome, ConversationLock, Expected, Handed, KeyChange, LockedTurn, Others,

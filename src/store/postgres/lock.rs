@@ -65,10 +65,8 @@ use async_trait::async_trait;
 use tokio_postgres::SimpleQueryMessage;
 use tokio_postgres::error::SqlState;
 
-use super::{
-    CALL_TIMEOUT, CommitBy, PostgresStore, Statements, Via, classify, classify_commit,
-    within_call_timeout,
-};
+use super::timeouts::{CALL_TIMEOUT, STATEMENT_TIMEOUT, within_call_timeout};
+use super::{CommitBy, PostgresStore, Statements, Via, classify, classify_commit};
 use crate::state::StateKey;
 use crate::store::{
     Commit, CommitOutcome, ConversationLease, ConversationLock, Lease, LockedTurn, Snapshot,
@@ -236,7 +234,7 @@ async fn hold(
     let hold_ms = (wait + HOLD_GRACE).as_millis().min(u128::from(u32::MAX));
     // The statement timeout must not end the wait first (it would end a wait the deadline allows
     // at 8 s): within this transaction it is the wait plus the usual limit.
-    let statement_ms = (wait + super::STATEMENT_TIMEOUT)
+    let statement_ms = (wait + STATEMENT_TIMEOUT)
         .as_millis()
         .min(u128::from(u32::MAX));
     // Numbers and the table's name only in these texts, so that each can go as one simple query,
