@@ -38,11 +38,12 @@ use secrecy::{ExposeSecret as _, SecretString};
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::metadata::{Ascii, MetadataValue};
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+use tonic::transport::Channel;
 
 use crate::activity::{Activity, JsonMap};
 use crate::bot::{Bot, BotError, BotErrorKind, BotRegistry, Drafter, TurnContext};
 use crate::drafts::DraftError;
+use crate::grpc::client::{self, ClientError, ClientTls};
 use crate::grpc::pb;
 use crate::grpc::pb::bot_worker_client::BotWorkerClient;
 use crate::grpc::pb::stream_run_turn_response::Event;
@@ -176,6 +177,15 @@ pub enum RemoteBotsError {
     /// The token cannot be sent as a header value.
     #[error("--remote-bot-token holds characters an HTTP header cannot carry")]
     Token,
+    /// No endpoint could be made for a worker, for another reason than the above.
+    #[error("making the connection to bot worker `{name}` failed")]
+    Endpoint {
+        /// The bot.
+        name: String,
+        /// Why.
+        #[source]
+        source: ClientError,
+    },
 }
 
 impl RemoteBots {
@@ -187,13 +197,14 @@ impl RemoteBots {
     /// [`RemoteBotsError`] when the CA file cannot be read, an `https` worker has no CA, or the
     /// token is not a valid header value.
     pub fn register(&self, mut bots: BotRegistry) -> Result<BotRegistry, RemoteBotsError> {
-        let ca = match &self.ca {
-            Some(path) => Some(std::fs::read(path).map_err(|source| RemoteBotsError::Ca {
+        // Read now, so that an unreadable CA stops the start even when no worker is https (each
+        // https worker's endpoint reads it again).
+        if let Some(path) = &self.ca {
+            std::fs::read(path).map_err(|source| RemoteBotsError::Ca {
                 path: path.clone(),
                 source,
-            })?),
-            None => None,
-        };
+            })?;
+        }
         let authorization = match &self.token {
             Some(token) => {
                 let mut value = format!("Bearer {}", token.expose_secret())
@@ -206,26 +217,55 @@ impl RemoteBots {
             None => None,
         };
         for spec in &self.bots {
-            let mut endpoint = Endpoint::from(spec.url.clone())
+            let endpoint = client::endpoint_to(&spec.url, &self.tls_for(spec)?)
+                .map_err(|e| RemoteBotsError::from_client(&spec.name, e))?
                 .connect_timeout(CONNECT_TIMEOUT)
                 .tcp_nodelay(true);
-            if spec.url.scheme_str() == Some("https") {
-                let ca = ca
-                    .as_ref()
-                    .ok_or_else(|| RemoteBotsError::NoCa(spec.name.clone()))?;
-                endpoint = endpoint
-                    .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)))
-                    .map_err(|source| RemoteBotsError::Tls {
-                        name: spec.name.clone(),
-                        source,
-                    })?;
-            }
             let bot = RemoteBot::new(spec.name.clone(), endpoint.connect_lazy())
                 .with_authorization(authorization.clone());
             tracing::info!(bot = %spec.name, worker = %spec.url, "hosting a remote bot");
             bots = bots.with(spec.name.clone(), bot);
         }
         Ok(bots)
+    }
+
+    /// The TLS settings towards `spec`'s worker: none for `http`; for `https`, the CA its
+    /// certificate must chain to (`--remote-bot-ca`, which an `https` worker requires, so the
+    /// public roots are never trusted here), the URL's host as the name, no client certificate.
+    fn tls_for(&self, spec: &RemoteBotSpec) -> Result<ClientTls, RemoteBotsError> {
+        if spec.url.scheme_str() != Some("https") {
+            return Ok(ClientTls::default());
+        }
+        let ca = self
+            .ca
+            .clone()
+            .ok_or_else(|| RemoteBotsError::NoCa(spec.name.clone()))?;
+        Ok(ClientTls {
+            ca_cert: Some(ca),
+            domain: None,
+            identity: None,
+        })
+    }
+}
+
+impl RemoteBotsError {
+    /// The error for bot `name` whose endpoint could not be made.
+    fn from_client(name: &str, error: ClientError) -> Self {
+        match error {
+            // The only file a worker's endpoint reads.
+            ClientError::File { path, source } => Self::Ca { path, source },
+            ClientError::Tls { source, .. } => Self::Tls {
+                name: name.to_owned(),
+                source,
+            },
+            // Not from a parsed URL with the settings `tls_for` gives; named all the same.
+            error @ (ClientError::Address { .. } | ClientError::TlsOnPlaintext(_)) => {
+                Self::Endpoint {
+                    name: name.to_owned(),
+                    source: error,
+                }
+            }
+        }
     }
 }
 
@@ -670,6 +710,7 @@ mod tests {
     use crate::activity::incoming::IncomingActivity;
     use crate::activity::{ChannelAccount, ConversationAccount};
     use crate::state::Scope;
+    use tonic::transport::Endpoint;
 
     #[test]
     fn remote_bot_specs_are_parsed_at_the_boundary() {
@@ -687,6 +728,53 @@ mod tests {
             let err = bad.parse::<RemoteBotSpec>().expect_err(bad);
             assert!(err.to_string().contains(bad.trim()), "{err}");
         }
+    }
+
+    #[test]
+    fn an_https_worker_is_verified_against_the_remote_bot_ca_alone() {
+        let ca = tempfile::NamedTempFile::new().expect("CA file");
+        let bots = RemoteBots {
+            bots: vec![
+                "plain=http://127.0.0.1:50061".parse().expect("valid"),
+                "secure=https://worker.example:50061"
+                    .parse()
+                    .expect("valid"),
+            ],
+            ca: Some(ca.path().to_owned()),
+            ..RemoteBots::default()
+        };
+        // The CA is no setting of a plaintext worker's, so it is not refused as one.
+        assert_eq!(
+            bots.tls_for(&bots.bots[0]).expect("http"),
+            ClientTls::default()
+        );
+        let secure = ClientTls {
+            ca_cert: Some(ca.path().to_owned()),
+            ..ClientTls::default()
+        };
+        assert_eq!(bots.tls_for(&bots.bots[1]).expect("https"), secure);
+        let without_ca = RemoteBots {
+            ca: None,
+            ..bots.clone()
+        };
+        let err = without_ca
+            .tls_for(&without_ca.bots[1])
+            .expect_err("no public roots");
+        assert!(
+            matches!(&err, RemoteBotsError::NoCa(name) if name == "secure"),
+            "{err}"
+        );
+
+        // An unreadable CA stops the start, named by its flag, even with plaintext workers only.
+        let unreadable = RemoteBots {
+            bots: vec![bots.bots[0].clone()],
+            ca: Some("/nonexistent/ca.pem".into()),
+            ..RemoteBots::default()
+        };
+        let err = unreadable
+            .register(crate::bots::samples())
+            .expect_err("unreadable CA");
+        assert!(err.to_string().contains("--remote-bot-ca"), "{err}");
     }
 
     #[test]

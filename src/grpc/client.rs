@@ -1,14 +1,19 @@
-//! How Turnstile's own clients of a `TurnService` — the gateway and `turnstile health-check` —
-//! turn an address and TLS settings into a channel endpoint, in one place.
+//! How Turnstile's own gRPC clients — of a `TurnService` (the gateway, `turnstile health-check`)
+//! and of a bot worker (a remote bot) — turn an address and TLS settings into a channel endpoint,
+//! in one place.
 //!
 //! A deployment that serves gRPC over TLS (and perhaps requires client certificates) must be
 //! reachable by its own gateway and probe with the same files the chart mounts, so both read
 //! them the same way: `http://` is plaintext HTTP/2, `https://` is TLS verified against the given
 //! CA (or, without one, the Mozilla roots, for a server behind a public certificate), with an
-//! optional name to verify instead of the address's host and an optional client identity.
+//! optional name to verify instead of the address's host and an optional client identity. A
+//! remote bot's connections to its worker are made here too ([`endpoint_to`], for the URL it
+//! parsed at start), so that every client reads its certificate files, and refuses TLS settings
+//! on a plaintext address, the same way.
 
 use std::path::{Path, PathBuf};
 
+use tonic::codegen::http::Uri;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 /// TLS settings of a client; unused for `http://` addresses.
@@ -76,7 +81,32 @@ pub fn endpoint(address: &str, tls: &ClientTls) -> Result<Endpoint, ClientError>
             address: address.to_owned(),
             source,
         })?;
-    if !address.starts_with("https://") {
+    secured(endpoint, address, address.starts_with("https://"), tls)
+}
+
+/// The same for an address parsed already (a bot worker's, from `--remote-bot`): `tls` applies
+/// when its scheme is `https`.
+///
+/// # Errors
+/// [`ClientError`] when a file cannot be read, or TLS settings were given for a plaintext
+/// address.
+pub fn endpoint_to(url: &Uri, tls: &ClientTls) -> Result<Endpoint, ClientError> {
+    secured(
+        Endpoint::from(url.clone()),
+        &url.to_string(),
+        url.scheme_str() == Some("https"),
+        tls,
+    )
+}
+
+/// `endpoint` (for `address`) with `tls` applied when `https`, else refused if any is set.
+fn secured(
+    endpoint: Endpoint,
+    address: &str,
+    https: bool,
+    tls: &ClientTls,
+) -> Result<Endpoint, ClientError> {
+    if !https {
         if tls.is_set() {
             return Err(ClientError::TlsOnPlaintext(address.to_owned()));
         }
@@ -130,6 +160,21 @@ mod tests {
             ..ClientTls::default()
         };
         let err = endpoint("https://turnstile.example:443", &tls).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/ca.pem"), "{err}");
+    }
+
+    #[test]
+    fn a_parsed_url_gets_tls_by_its_scheme() {
+        let tls = ClientTls {
+            ca_cert: Some("/nonexistent/ca.pem".into()),
+            ..ClientTls::default()
+        };
+        let plain: Uri = "http://127.0.0.1:50061".parse().unwrap();
+        let err = endpoint_to(&plain, &tls).unwrap_err();
+        assert!(matches!(err, ClientError::TlsOnPlaintext(_)), "{err}");
+        assert!(endpoint_to(&plain, &ClientTls::default()).is_ok());
+        let secure: Uri = "HTTPS://worker.example:50061".parse().unwrap();
+        let err = endpoint_to(&secure, &tls).unwrap_err();
         assert!(err.to_string().contains("/nonexistent/ca.pem"), "{err}");
     }
 

@@ -6,8 +6,8 @@
 //! get its stream wrong — an event after its result, no result, an error after drafting, a draft
 //! over the size cap, a connection that breaks midway — ends the call with a status naming it,
 //! and commits nothing. A stopped turn (`StopTurn`) cancels the worker's call and commits what it
-//! had drafted. The worker is a tonic server inside the test; the store is real
-//! PostgreSQL.
+//! had drafted. A worker reached over `https` is verified against `--remote-bot-ca`. The worker
+//! is a tonic server inside the test; the store is real PostgreSQL.
 #![allow(clippy::unwrap_used)]
 
 use crate::support;
@@ -69,6 +69,28 @@ impl FakeWorker {
         let service = pb::bot_worker_server::BotWorkerServer::new(FakeService(Arc::clone(self)));
         tokio::spawn(
             tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        addr
+    }
+
+    /// The same over TLS, with a certificate for `localhost` that `ca` signed.
+    async fn serve_tls(
+        self: &Arc<Self>,
+        ca: &rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+    ) -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = support::pki::leaf(ca, &["localhost"]);
+        let tls = tonic::transport::ServerTlsConfig::new().identity(
+            tonic::transport::Identity::from_pem(server.cert, server.key),
+        );
+        let service = pb::bot_worker_server::BotWorkerServer::new(FakeService(Arc::clone(self)));
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .tls_config(tls)
+                .unwrap()
                 .add_service(service)
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
@@ -209,6 +231,55 @@ async fn server_for(config: Config, bots: &[(&str, std::net::SocketAddr)]) -> Te
         ..config
     };
     TestServer::start(config, turnstile::bots::samples()).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_over_https_is_verified_against_the_remote_bot_ca() {
+    let url = support::pg::fresh_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = support::pki::new_ca("worker CA");
+    let other = support::pki::new_ca("another CA");
+    std::fs::write(dir.path().join("ca.pem"), ca.pem()).unwrap();
+    std::fs::write(dir.path().join("other.pem"), other.pem()).unwrap();
+    let worker = Arc::new(FakeWorker::default());
+    let addr = worker.serve_tls(&ca).await;
+    let serving = |ca_file: &str| Config {
+        remote_bots: RemoteBots {
+            bots: vec![
+                format!("fake=https://localhost:{}", addr.port())
+                    .parse()
+                    .unwrap(),
+            ],
+            ca: Some(dir.path().join(ca_file)),
+            ..RemoteBots::default()
+        },
+        ..postgres_config(&url)
+    };
+
+    let server = TestServer::start(serving("ca.pem"), turnstile::bots::samples()).await;
+    let mut client = server.client().await;
+    let reply = client
+        .process_turn(pb::ProcessTurnRequest::typed(
+            message("w-tls", "ada", "hello"),
+            "fake",
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(texts(&reply), ["count: 1"]);
+
+    // A worker whose certificate does not chain to the CA is never called.
+    let server = TestServer::start(serving("other.pem"), turnstile::bots::samples()).await;
+    let mut client = server.client().await;
+    let refused = client
+        .process_turn(pb::ProcessTurnRequest::typed(
+            message("w-tls", "ada", "again"),
+            "fake",
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    assert_eq!(worker.calls().len(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
