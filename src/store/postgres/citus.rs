@@ -109,10 +109,7 @@ pub(super) async fn apply(
             &[],
         )
         .await
-        .map_err(|source| CitusError::Statement {
-            doing: "looking for the citus extension",
-            source,
-        })?;
+        .map_err(failed("looking for the citus extension"))?;
     let (extension, compat_views): (bool, bool) = (found.get(0), found.get(1));
     if !extension {
         return match layout {
@@ -127,10 +124,7 @@ pub(super) async fn apply(
             &[],
         )
         .await
-        .map_err(|source| CitusError::Statement {
-            doing: "asking Citus whether the tables are distributed",
-            source,
-        })?
+        .map_err(failed("asking Citus whether the tables are distributed"))?
         .get(0);
     if !distributed && compat_views {
         return Err(CitusError::OlderReplicaViews);
@@ -138,45 +132,35 @@ pub(super) async fn apply(
     let transaction = client
         .transaction()
         .await
-        .map_err(|source| CitusError::Statement {
-            doing: "starting the Citus layout's transaction",
-            source,
-        })?;
+        .map_err(failed("starting the Citus layout's transaction"))?;
     transaction
         .batch_execute(FUNCTIONS)
         .await
-        .map_err(|source| CitusError::Statement {
-            doing: "installing the functions' Citus bodies",
-            source,
-        })?;
+        .map_err(failed("installing the functions' Citus bodies"))?;
     if !distributed {
         transaction
             .batch_execute(DISTRIBUTE)
             .await
-            .map_err(|source| CitusError::Statement {
-                doing: "distributing the tables over the Citus cluster",
-                source,
-            })?;
+            .map_err(failed("distributing the tables over the Citus cluster"))?;
     }
     transaction
         .batch_execute(DELEGATE)
         .await
-        .map_err(|source| CitusError::Statement {
-            doing: "distributing the commit function by its shard",
-            source,
-        })?;
+        .map_err(failed("distributing the commit function by its shard"))?;
     transaction
         .commit()
         .await
-        .map_err(|source| CitusError::Statement {
-            doing: "committing the Citus layout",
-            source,
-        })?;
+        .map_err(failed("committing the Citus layout"))?;
     Ok(if distributed {
         Citus::AlreadyDistributed
     } else {
         Citus::Distributed
     })
+}
+
+/// The error of a statement that failed while `doing` something.
+fn failed(doing: &'static str) -> impl FnOnce(tokio_postgres::Error) -> CitusError {
+    move |source| CitusError::Statement { doing, source }
 }
 
 /// Whether the tables a store serves are distributed by Citus: learned once, from the first

@@ -685,21 +685,7 @@ impl Batch<'_> {
             answered(lane);
             return;
         };
-        let ran = within_deadline(earliest, async {
-            let parts = lane.parts(db, &mut commits).await?;
-            let writes: Vec<&SingleWrite> = commits.iter().map(|c| &c.write).collect();
-            let mut from = 0;
-            // Sent together on the lane's connection: one round trip for every part.
-            let statements = parts.iter().map(|&len| {
-                let part = &writes[from..from + len];
-                from += len;
-                lane.commit_together(db, part)
-            });
-            let together = futures::future::join_all(statements).await;
-            Ok(parts.into_iter().zip(together).collect::<Vec<_>>())
-        })
-        .await;
-        let ran = match ran {
+        let ran = match Self::send(&mut commits, earliest, db, &lane).await {
             Ok(ran) => ran,
             Err(e) => {
                 answered(lane);
@@ -711,25 +697,8 @@ impl Batch<'_> {
                 return;
             }
         };
-        let mut commits = commits.into_iter();
-        let mut answers = Vec::with_capacity(commits.len());
-        let mut alone = Vec::new();
-        for (len, together) in ran {
-            let part = commits.by_ref().take(len);
-            match together {
-                Ok(Together::Outcomes(outcomes)) => {
-                    answers.extend(part.zip(outcomes.into_iter().map(Ok)));
-                }
-                // One turn's receipt, or a deadlock, failed them all: each alone, to find out
-                // whose it was, on the same lane.
-                Ok(Together::Failed(_)) => alone.extend(part),
-                Err(e) => {
-                    let failure = BatchFailure::new(e);
-                    answers.extend(part.map(|queued| (queued, Err(failure.error()))));
-                }
-            }
-        }
-        let answer = |answers: Vec<(Queued, Result<CommitOutcome, StoreError>)>| {
+        let (answers, alone) = Self::sort(commits, ran);
+        let answer = |answers: Vec<Answer>| {
             for (queued, outcome) in answers {
                 let _ = queued.outcome.send(outcome);
             }
@@ -750,7 +719,61 @@ impl Batch<'_> {
         }
         answered(lane);
     }
+
+    /// Sends `commits` on `lane`, one statement per part (see [`Lane::parts`]), all together
+    /// on the lane's connection, within `earliest`, the first of their deadlines: each part's
+    /// length, and what its statement came to.
+    async fn send(
+        commits: &mut [Queued],
+        earliest: Instant,
+        db: &Db,
+        lane: &Lane,
+    ) -> Result<Vec<PartRan>, StoreError> {
+        within_deadline(earliest, async {
+            let parts = lane.parts(db, commits).await?;
+            let writes: Vec<&SingleWrite> = commits.iter().map(|c| &c.write).collect();
+            let mut from = 0;
+            // Sent together on the lane's connection: one round trip for every part.
+            let statements = parts.iter().map(|&len| {
+                let part = &writes[from..from + len];
+                from += len;
+                lane.commit_together(db, part)
+            });
+            let together = futures::future::join_all(statements).await;
+            Ok(parts.into_iter().zip(together).collect::<Vec<_>>())
+        })
+        .await
+    }
+
+    /// The answers the parts' statements (`ran`) gave `commits`, and the commits of the parts
+    /// that failed together, to be committed each alone.
+    fn sort(commits: Vec<Queued>, ran: Vec<PartRan>) -> (Vec<Answer>, Vec<Queued>) {
+        let mut commits = commits.into_iter();
+        let mut answers = Vec::with_capacity(commits.len());
+        let mut alone = Vec::new();
+        for (len, together) in ran {
+            let part = commits.by_ref().take(len);
+            match together {
+                Ok(Together::Outcomes(outcomes)) => {
+                    answers.extend(part.zip(outcomes.into_iter().map(Ok)));
+                }
+                // One turn's receipt, or a deadlock, failed them all: each alone, to find out
+                // whose it was, on the same lane.
+                Ok(Together::Failed(_)) => alone.extend(part),
+                Err(e) => {
+                    let failure = BatchFailure::new(e);
+                    answers.extend(part.map(|queued| (queued, Err(failure.error()))));
+                }
+            }
+        }
+        (answers, alone)
+    }
 }
+
+/// A part of a batch: how many commits it has, and what its statement came to.
+type PartRan = (usize, Result<Together, StoreError>);
+/// A commit and its answer.
+type Answer = (Queued, Result<CommitOutcome, StoreError>);
 
 /// A batch's failure, which every commit of the batch gets: each its own [`StoreError`] of the
 /// same kind, whose cause is the one failure, its whole chain kept (PostgreSQL's message, the
