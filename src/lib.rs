@@ -25,6 +25,9 @@
 //! - [`admin_cli`] — `turnstile state get|ls`, the admin service from a shell.
 //! - [`telemetry`] — Prometheus metrics on their own port, OTLP traces, and the RPC layer that
 //!   traces and times every gRPC call.
+// These docs describe the crate's whole layout, its internal modules included: read them with
+// `cargo doc --document-private-items`, where the links to those modules resolve.
+#![allow(rustdoc::private_intra_doc_links)]
 
 pub mod activity;
 pub mod admin_cli;
@@ -33,11 +36,11 @@ pub mod bot;
 pub mod bots;
 pub mod config;
 pub mod dialogs;
-pub mod drafts;
-pub mod engine;
+pub(crate) mod drafts;
+pub(crate) mod engine;
 pub mod gateway;
 pub mod grpc;
-pub mod probe;
+pub(crate) mod probe;
 pub mod server;
 pub mod state;
 pub mod store;

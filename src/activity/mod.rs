@@ -17,7 +17,7 @@
 //! [`incoming::IncomingActivity::parse`].
 
 pub mod incoming;
-pub mod json;
+pub(crate) mod json;
 pub(crate) mod scan;
 
 pub use json::ActivityJsonError;

@@ -19,7 +19,7 @@ mod counter;
 pub mod llm;
 mod pizza;
 pub mod remote;
-pub mod slow;
+pub(crate) mod slow;
 mod subtract;
 
 pub use counter::CounterBot;

@@ -196,7 +196,7 @@ impl Holding {
 /// A conversation this replica holds against every other replica (see
 /// [`Store::lease_conversation`]), kept with the conversation's queue (`queue`) and handed
 /// from one of its turns to the next while turns of it wait here: each then runs as on a lone
-/// replica, a guess from the cache and one commit, with nobody else's serialized turn or lease
+/// replica, a guess from the cache and one commit, with nobody else's locked turn or lease
 /// in between. The lease's last turn — the [`LEASE_TURNS`]th, or the last one waiting here —
 /// commits under it, which ends it; a lease past [`LEASE_TIME`] is let go after the turn that
 /// found it so. Either way the replicas take turns.

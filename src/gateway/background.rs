@@ -5,7 +5,7 @@
 //!
 //! [`Background`] owns two things. It counts the turns in flight, so that a graceful shutdown
 //! waits for them ([`Background::finish`]) instead of dropping replies already committed, and so
-//! that they are bounded: a channel's call no longer holds a connection for its turn, and past
+//! that they are bounded: a channel's call holds no connection for its turn, and past
 //! the bound a new activity is refused ([`Full`], a `503` the channel retries) rather than
 //! queued, as many turns retrying an overloaded Turnstile for minutes would be. And it
 //! holds each activity's key while its turn runs: a redelivery of the same activity (its `202`

@@ -30,16 +30,16 @@
 //! For the platform: `/healthz` and `/readyz` ([`health`]) on the same port, and `/metrics`
 //! ([`metrics`]) on a port of its own, never the one an Ingress publishes.
 
-pub mod auth;
-pub mod background;
-pub mod config;
-pub mod connector;
+pub(crate) mod auth;
+pub(crate) mod background;
+pub(crate) mod config;
+pub(crate) mod connector;
 pub mod directline;
-pub mod health;
-pub mod metrics;
+pub(crate) mod health;
+pub(crate) mod metrics;
 mod page;
-pub mod teams;
-pub mod turns;
+pub(crate) mod teams;
+pub(crate) mod turns;
 
 use std::future::Future;
 use std::sync::Arc;

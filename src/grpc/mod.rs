@@ -11,11 +11,11 @@ pub mod pb {
         tonic::include_file_descriptor_set!("turnstile_descriptor");
 }
 
-pub mod admin;
+pub(crate) mod admin;
 pub mod affinity;
 pub mod auth;
 pub mod client;
-pub mod codec;
+pub(crate) mod codec;
 pub mod convert;
 pub mod error;
 pub mod limits;

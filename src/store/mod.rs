@@ -18,11 +18,11 @@
 //! the database instead of running the bot on state that is about to move. The conditional commit
 //! stays the backstop: a turn that did not take the lock can still change the state meanwhile.
 
-pub mod cached;
+pub(crate) mod cached;
 pub mod memory;
 pub mod postgres;
 mod receipt;
-pub mod timed;
+pub(crate) mod timed;
 pub(crate) mod upkeep;
 
 use std::collections::HashMap;
@@ -416,7 +416,7 @@ pub trait Store: Send + Sync + 'static {
     /// [`StoreError`] when the store cannot answer.
     async fn prune_receipts(&self, age: std::time::Duration) -> Result<u64, StoreError>;
 
-    /// Holds `conversation` against the serialized turns of every replica until the returned
+    /// Holds `conversation` against the locked turns of every replica until the returned
     /// [`ConversationLock::Held`] is committed or released, waiting at most `wait` for it, and
     /// loads `keys` (and `receipt`) under the lock, as [`Store::load`] would. A store that
     /// serves one replica answers [`ConversationLock::NotNeeded`]: the engine's per-replica
@@ -520,7 +520,7 @@ pub trait Store: Send + Sync + 'static {
         pending: &Pending,
     ) -> Result<(), StoreError>;
 
-    /// Holds `conversation` for this replica — against every other replica's serialized turns
+    /// Holds `conversation` for this replica — against every other replica's locked turns
     /// and leases — until the returned [`Lease`] ends, so that this replica can run several of
     /// the conversation's turns in a row, each an ordinary one (a guess from its cache and one
     /// commit), as a lone replica would. `keys` and `receipt` are loaded once the lease is held,

@@ -9,7 +9,7 @@
 //! ([`group_commit`]). Statements are prepared once per pooled connection, or, behind a pooler
 //! in transaction mode, sent unnamed with their parameters so that none outlives its transaction
 //! ([`Statements`]). Connections use TLS as libpq's `sslmode` and `sslrootcert` say ([`tls`]).
-//! A serialized turn holds its conversation in a transaction of its own ([`lock`]).
+//! A locked turn holds its conversation in a transaction of its own ([`lock`]).
 //!
 //! The database URL is parsed at the start with errors that name the mistake ([`url`]), a
 //! connection that fails says where to and why ([`diagnose`]), and a server started over a
@@ -125,8 +125,8 @@ macro_rules! load_receipt {
 /// PostgreSQL's estimate for them is the same with and without the values. Written as
 /// `key = ANY($1)` instead, the estimate of a generic plan assumes ten keys, a plan for the
 /// values is always cheaper, and PostgreSQL plans the statement again at every execution: two
-/// thirds of what a load cost it (1,450,000 instructions a load against 450,000;
-/// `bench/RESULTS.md`). A load of more keys goes by [`LOAD_ANY`].
+/// thirds of what a load cost it (`bench/RESULTS.md`). A load of more keys goes by
+/// [`LOAD_ANY`].
 const FEW_KEYS: usize = 3;
 macro_rules! few_keys {
     () => {

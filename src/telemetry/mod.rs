@@ -10,7 +10,7 @@
 //! ([`traces_filter`]), so that exporting traces does not mean logging at DEBUG.
 
 pub mod metrics;
-pub mod rpc;
+pub(crate) mod rpc;
 pub mod traces;
 
 use tracing_subscriber::EnvFilter;

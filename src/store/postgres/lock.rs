@@ -1,10 +1,10 @@
 //! The conversation lock: a queue for one conversation's turns across replicas, kept by
 //! PostgreSQL itself.
 //!
-//! A serialized turn opens a transaction on one pooled connection and locks its conversation's
+//! A locked turn opens a transaction on one pooled connection and locks its conversation's
 //! lock table in it, `LOCK TABLE turnstile_lock_NNNN IN EXCLUSIVE MODE` ([`lock_table`]). It
 //! loads, runs its bot and commits inside that transaction, and the lock ends with it. So the
-//! replicas' serialized turns of one conversation wait for each other in the database, in the
+//! replicas' locked turns of one conversation wait for each other in the database, in the
 //! order they asked, instead of running the bot on state that is about to move and replaying.
 //!
 //! Why this lock: it exists before the conversation has a row (its first turns are the ones most
