@@ -10,13 +10,14 @@
 //! and stop short of the caller's deadline. Within one replica, turns of the same conversation
 //! queue (see `queue`), so conflicts come only from other replicas.
 //!
-//! Across replicas they queue in the store once they have met: after a conflict, the turn's next
-//! attempt holds the conversation (`Store::lock_conversation`) across load → run → commit, so
+//! Across replicas they queue in the store once they have met (`hold`, which alone knows how an
+//! attempt holds its conversation): after a conflict, the turn's next attempt locks the
+//! conversation (`Store::lock_conversation`) across load → run → commit, so
 //! it runs the bot on state nobody else is about to move, and the conversation stays contended
 //! on this replica for a few seconds (see `hot`). Its next turns, while more of them queue here,
 //! lease it (`Store::lease_conversation`): they run as on a lone replica, one commit each, the
 //! last committing under the lease to hand it on, and the other replicas' turns wait in the
-//! store (see `HeldLease`). Those keep a transaction open while the bot runs, which suits bots of
+//! store. Those keep a transaction open while the bot runs, which suits bots of
 //! milliseconds. A bot whose policy is `Serialized`, and every streamed turn (a model writing
 //! for seconds), hold the conversation turn by turn from the first attempt by its fenced hold
 //! instead (`Store::hold_conversation`), which keeps no connection while the bot runs; a
