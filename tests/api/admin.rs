@@ -7,7 +7,7 @@
 use crate::support;
 
 use async_trait::async_trait;
-use support::{TestServer, message, postgres_config, request};
+use support::{TestApp, message, request};
 use tonic::Code;
 use tonic_types::StatusExt as _;
 use turnstile::grpc::auth::Token;
@@ -36,18 +36,20 @@ impl Bot for Scopes {
     }
 }
 
-async fn server(admin: bool) -> TestServer {
-    let url = support::pg::fresh_database().await;
-    let config = turnstile::Config {
-        auth_tokens: vec![Token::new(TURNS)],
-        admin_tokens: if admin {
-            vec![Token::new(ADMIN)]
-        } else {
-            Vec::new()
-        },
-        ..postgres_config(&url)
-    };
-    TestServer::start(config, BotRegistry::new("scopes", Scopes)).await
+async fn spawn_app(admin: bool) -> TestApp {
+    TestApp::postgres()
+        .bots(BotRegistry::new("scopes", Scopes))
+        .config(move |c| turnstile::Config {
+            auth_tokens: vec![Token::new(TURNS)],
+            admin_tokens: if admin {
+                vec![Token::new(ADMIN)]
+            } else {
+                Vec::new()
+            },
+            ..c
+        })
+        .spawn()
+        .await
 }
 
 /// `message` with `token` as its bearer token.
@@ -59,21 +61,15 @@ pub(crate) fn with_token<T>(message: T, token: &str) -> tonic::Request<T> {
     request
 }
 
-pub(crate) async fn admin_client(
-    server: &TestServer,
-) -> AdminServiceClient<tonic::transport::Channel> {
-    AdminServiceClient::connect(format!("http://{}", server.addr))
+pub(crate) async fn admin_client(app: &TestApp) -> AdminServiceClient<tonic::transport::Channel> {
+    AdminServiceClient::connect(format!("http://{}", app.addr))
         .await
         .unwrap()
 }
 
-pub(crate) async fn turn(
-    server: &TestServer,
-    conversation: &str,
-    user: &str,
-) -> pb::ProcessTurnResponse {
-    let mut client = server.client().await;
-    client
+pub(crate) async fn turn(app: &TestApp, conversation: &str, user: &str) -> pb::ProcessTurnResponse {
+    app.client
+        .clone()
         .process_turn(with_token(
             request(message(conversation, user, "hi")),
             TURNS,
@@ -94,8 +90,8 @@ fn get(conversation: &str, user: &str) -> pb::GetStateRequest {
 
 #[tokio::test]
 async fn without_admin_tokens_the_service_is_off() {
-    let server = server(false).await;
-    let status = admin_client(&server)
+    let app = spawn_app(false).await;
+    let status = admin_client(&app)
         .await
         .get_state(with_token(get("c", ""), TURNS))
         .await
@@ -106,8 +102,8 @@ async fn without_admin_tokens_the_service_is_off() {
 
 #[tokio::test]
 async fn only_an_admin_token_opens_it() {
-    let server = server(true).await;
-    let mut admin = admin_client(&server).await;
+    let mut app = spawn_app(true).await;
+    let mut admin = admin_client(&app).await;
     for presented in [None, Some("wrong"), Some(TURNS)] {
         let call = match presented {
             None => tonic::Request::new(get("c", "")),
@@ -125,8 +121,8 @@ async fn only_an_admin_token_opens_it() {
         .await
         .unwrap();
     // And the admin token does not run turns.
-    let mut client = server.client().await;
-    let status = client
+    let status = app
+        .client
         .process_turn(with_token(request(message("c", "ada", "hi")), ADMIN))
         .await
         .unwrap_err();
@@ -135,13 +131,13 @@ async fn only_an_admin_token_opens_it() {
 
 #[tokio::test]
 async fn get_state_shows_each_scope_and_the_recent_receipts_as_stored() {
-    let server = server(true).await;
+    let app = spawn_app(true).await;
     let started = std::time::SystemTime::now() - std::time::Duration::from_secs(5);
     for _ in 0..3 {
-        turn(&server, "room", "ada").await;
+        turn(&app, "room", "ada").await;
     }
-    turn(&server, "room", "bob").await;
-    let mut admin = admin_client(&server).await;
+    turn(&app, "room", "bob").await;
+    let mut admin = admin_client(&app).await;
     let state = admin
         .get_state(with_token(
             pb::GetStateRequest {
@@ -195,11 +191,11 @@ async fn get_state_shows_each_scope_and_the_recent_receipts_as_stored() {
 
 #[tokio::test]
 async fn conversations_are_listed_a_page_at_a_time_and_page_tokens_cannot_be_forged() {
-    let server = server(true).await;
+    let app = spawn_app(true).await;
     for conversation in ["a1", "a2", "a3", "a4", "a5", "b1"] {
-        turn(&server, conversation, "ada").await;
+        turn(&app, conversation, "ada").await;
     }
-    let mut admin = admin_client(&server).await;
+    let mut admin = admin_client(&app).await;
     let list = |prefix: &str, token: &str| pb::ListConversationsRequest {
         channel_id: "test".into(),
         conversation_prefix: prefix.into(),
@@ -267,8 +263,8 @@ async fn conversations_are_listed_a_page_at_a_time_and_page_tokens_cannot_be_for
 
 #[tokio::test]
 async fn bad_admin_requests_are_refused_naming_the_field() {
-    let server = server(true).await;
-    let mut admin = admin_client(&server).await;
+    let app = spawn_app(true).await;
+    let mut admin = admin_client(&app).await;
     for (bad, field) in [
         (get("", ""), "conversation_id"),
         (
@@ -317,13 +313,13 @@ async fn bad_admin_requests_are_refused_naming_the_field() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_state_cli_reads_a_running_server() {
-    let server = server(true).await;
+    let app = spawn_app(true).await;
     for conversation in ["x1", "x2", "x3"] {
-        turn(&server, conversation, "ada").await;
+        turn(&app, conversation, "ada").await;
     }
-    turn(&server, "x1", "ada").await;
+    turn(&app, "x1", "ada").await;
     let got = tokio::task::spawn_blocking({
-        let server_addr = server.addr;
+        let server_addr = app.addr;
         move || {
             let server = ServerAddr(server_addr);
             (

@@ -2,7 +2,7 @@
 //! without a valid token and serves one with; health stays reachable for probes.
 #![allow(clippy::unwrap_used)]
 
-use crate::support;
+use crate::support::{self, TestApp};
 
 use std::io::Write as _;
 
@@ -32,17 +32,19 @@ fn with_token(token: Option<&str>) -> tonic::Request<pb::ProcessTurnRequest> {
 async fn turns_need_a_valid_token_and_health_does_not() {
     let mut file = tempfile::NamedTempFile::new().unwrap();
     writeln!(file, "from-the-file\n").unwrap();
-    let config = Config {
-        auth_tokens: vec![Token::new("from-the-env")],
-        auth_tokens_file: Some(file.path().to_owned()),
-        ..Config::default()
-    };
-    let server = support::TestServer::start(config, turnstile::bots::samples()).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::memory()
+        .config(|c| Config {
+            auth_tokens: vec![Token::new("from-the-env")],
+            auth_tokens_file: Some(file.path().to_owned()),
+            ..c
+        })
+        .spawn()
+        .await;
 
-    let missing = client.process_turn(with_token(None)).await.unwrap_err();
+    let missing = app.client.process_turn(with_token(None)).await.unwrap_err();
     assert_eq!(missing.code(), Code::Unauthenticated, "{missing:?}");
-    let wrong = client
+    let wrong = app
+        .client
         .process_turn(with_token(Some("from-the-envX")))
         .await
         .unwrap_err();
@@ -52,15 +54,15 @@ async fn turns_need_a_valid_token_and_health_does_not() {
     basic
         .metadata_mut()
         .insert("authorization", "Basic ZnJvbS10aGUtZW52".parse().unwrap());
-    let basic = client.process_turn(basic).await.unwrap_err();
+    let basic = app.client.process_turn(basic).await.unwrap_err();
     assert_eq!(basic.code(), Code::Unauthenticated);
 
     for token in ["from-the-env", "from-the-file"] {
-        let ok = client.process_turn(with_token(Some(token))).await;
+        let ok = app.client.process_turn(with_token(Some(token))).await;
         assert!(ok.is_ok(), "{token}: {ok:?}");
     }
 
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", app.addr))
         .unwrap()
         .connect()
         .await
@@ -76,9 +78,8 @@ async fn turns_need_a_valid_token_and_health_does_not() {
 
 #[tokio::test]
 async fn without_tokens_calls_need_none() {
-    let server = support::TestServer::start(Config::default(), turnstile::bots::samples()).await;
-    let mut client = server.client().await;
-    client.process_turn(with_token(None)).await.unwrap();
+    let mut app = TestApp::memory().spawn().await;
+    app.client.process_turn(with_token(None)).await.unwrap();
 }
 
 #[tokio::test]

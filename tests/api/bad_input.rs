@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use prost::Message as _;
 use prost_types::value::Kind;
 use support::raw::send_raw;
-use support::{TestServer, message, postgres_config, request, say, texts};
+use support::{TestApp, message, request, say, spawn_app, texts};
 use tonic::Code;
 use turnstile::grpc::pb;
 use turnstile::{Bot, BotError, BotRegistry, TurnContext};
@@ -40,21 +40,19 @@ fn expect_invalid(
 
 #[tokio::test]
 async fn broken_and_oversized_input_is_refused_by_name_and_changes_nothing() {
-    let url = support::pg::fresh_database().await;
-    let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
-    let mut client = server.client().await;
-    say(&mut client, "c1", "add ham").await;
+    let mut app = spawn_app().await;
+    say(&mut app.client, "c1", "add ham").await;
     let add = || message("c1", "alice", "add pineapple");
 
     // Bytes that are no protobuf at all, and a truncated valid request.
-    let status = send_raw(server.addr, vec![0xff, 0xff, 0xff, 0xff, 0x0f, 0x01], None).await;
+    let status = send_raw(app.addr, vec![0xff, 0xff, 0xff, 0xff, 0x0f, 0x01], None).await;
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     assert!(
         status.message().contains("not a valid ProcessTurnRequest"),
         "{status:?}"
     );
     let whole = request(add()).encode_to_vec();
-    let status = send_raw(server.addr, whole[..whole.len() / 2].to_vec(), None).await;
+    let status = send_raw(app.addr, whole[..whole.len() / 2].to_vec(), None).await;
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
 
     // Oversized fields, each named.
@@ -63,7 +61,7 @@ async fn broken_and_oversized_input_is_refused_by_name_and_changes_nothing() {
         text: Some("add ".to_owned() + &"x".repeat(limits.max_text_bytes)),
         ..add()
     };
-    expect_invalid(client.process_turn(request(big_text)).await, "`text`");
+    expect_invalid(app.client.process_turn(request(big_text)).await, "`text`");
     let big_attachment = pb::Activity {
         attachments: vec![pb::Attachment {
             content_type: Some("text/plain".into()),
@@ -75,7 +73,7 @@ async fn broken_and_oversized_input_is_refused_by_name_and_changes_nothing() {
         ..add()
     };
     expect_invalid(
-        client.process_turn(request(big_attachment)).await,
+        app.client.process_turn(request(big_attachment)).await,
         "`attachments`",
     );
     let big_channel_data = pb::Activity {
@@ -87,7 +85,7 @@ async fn broken_and_oversized_input_is_refused_by_name_and_changes_nothing() {
         ..add()
     };
     expect_invalid(
-        client.process_turn(request(big_channel_data)).await,
+        app.client.process_turn(request(big_channel_data)).await,
         "`channel_data`",
     );
     let everything_big = pb::Activity {
@@ -95,7 +93,7 @@ async fn broken_and_oversized_input_is_refused_by_name_and_changes_nothing() {
         ..add()
     };
     expect_invalid(
-        client.process_turn(request(everything_big)).await,
+        app.client.process_turn(request(everything_big)).await,
         "over the 262144-byte limit",
     );
 
@@ -105,14 +103,14 @@ async fn broken_and_oversized_input_is_refused_by_name_and_changes_nothing() {
         ..add()
     };
     expect_invalid(
-        client.process_turn(request(deep)).await,
+        app.client.process_turn(request(deep)).await,
         "`value` is nested 33 levels deep",
     );
     let deeper = request(pb::Activity {
         channel_data: Some(nested_list(200)),
         ..add()
     });
-    let status = send_raw(server.addr, deeper.encode_to_vec(), None).await;
+    let status = send_raw(app.addr, deeper.encode_to_vec(), None).await;
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     assert!(status.message().contains("recursion limit"), "{status:?}");
 
@@ -143,11 +141,11 @@ async fn broken_and_oversized_input_is_refused_by_name_and_changes_nothing() {
             },
         ),
     ] {
-        expect_invalid(client.process_turn(request(activity)).await, field);
+        expect_invalid(app.client.process_turn(request(activity)).await, field);
     }
 
     // The server is still up, and nothing above changed the order.
-    let shown = say(&mut client, "c1", "show").await;
+    let shown = say(&mut app.client, "c1", "show").await;
     assert_eq!(texts(&shown), ["Your pizza has: ham."]);
     assert_eq!(shown.version, 1);
 }
@@ -174,14 +172,15 @@ impl Bot for Secrets {
 
 #[tokio::test]
 async fn ids_with_separators_cannot_reach_anyone_elses_state() {
-    let url = support::pg::fresh_database().await;
-    let server =
-        TestServer::start(postgres_config(&url), BotRegistry::new("secrets", Secrets)).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::postgres()
+        .bots(BotRegistry::new("secrets", Secrets))
+        .spawn()
+        .await;
     let send =
         |conversation: &str, user: &str, text: &str| request(message(conversation, user, text));
 
-    let kept = client
+    let kept = app
+        .client
         .process_turn(send("c", "alice", "secret 4711"))
         .await
         .unwrap()
@@ -195,7 +194,8 @@ async fn ids_with_separators_cannot_reach_anyone_elses_state() {
         ("c", "alice/../alice"),
         ("c%2Fusers%2Falice", "mallory"),
     ] {
-        let peek = client
+        let peek = app
+            .client
             .process_turn(send(conversation, user, "peek"))
             .await
             .unwrap()
@@ -206,7 +206,8 @@ async fn ids_with_separators_cannot_reach_anyone_elses_state() {
             "{conversation} / {user} saw someone else's state"
         );
     }
-    let alice = client
+    let alice = app
+        .client
         .process_turn(send("c", "alice", "peek"))
         .await
         .unwrap()

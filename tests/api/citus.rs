@@ -4,7 +4,7 @@
 
 use crate::support;
 
-use support::{TestServer, message, postgres_config, request, texts};
+use support::{TestApp, message, request, texts};
 use turnstile::activity::incoming::{ActivityId, ChannelId, ConversationId};
 use turnstile::state::StateKey;
 use turnstile::store::postgres::{self, Citus, CitusLayout, DatabaseUrl, PostgresStore};
@@ -21,15 +21,15 @@ async fn a_single_postgres_database_moved_to_citus_keeps_its_state_and_receipts(
     // Served as a single PostgreSQL: an order, and the activity that started it.
     let first = message("moved", "ann", "add mushroom");
     {
-        let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
-        let mut client = server.client().await;
-        let added = client
+        let mut app = TestApp::on(&url).spawn().await;
+        let added = app
+            .client
             .process_turn(request(first.clone()))
             .await
             .unwrap()
             .into_inner();
         assert!(!added.redelivered);
-        support::say(&mut client, "moved", "add cheese").await;
+        support::say(&mut app.client, "moved", "add cheese").await;
     }
     let (_, layout) = postgres::migrate_with(&DatabaseUrl::new(&url), CitusLayout::Detect)
         .await
@@ -62,17 +62,17 @@ async fn a_single_postgres_database_moved_to_citus_keeps_its_state_and_receipts(
         .unwrap();
     assert_eq!(again, Citus::AlreadyDistributed);
 
-    let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::on(&url).spawn().await;
     // The first activity, delivered again: answered from its receipt, the bot not run.
-    let again = client
+    let again = app
+        .client
         .process_turn(request(first))
         .await
         .unwrap()
         .into_inner();
     assert!(again.redelivered, "{again:?}");
     // The order goes on from what was committed before the move.
-    let shown = support::say(&mut client, "moved", "add ham").await;
+    let shown = support::say(&mut app.client, "moved", "add ham").await;
     let text = texts(&shown).join("\n");
     for topping in ["mushroom", "cheese", "ham"] {
         assert!(text.contains(topping), "{text}");
@@ -128,9 +128,8 @@ async fn conversation_only_turns_commit_without_two_phase_commit() {
     .await
     .unwrap();
     let url = citus.fresh_database().await;
-    let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
-    let mut client = server.client().await;
-    support::say(&mut client, "warm-up", "add mushroom").await;
+    let mut app = TestApp::on(&url).spawn().await;
+    support::say(&mut app.client, "warm-up", "add mushroom").await;
     let db = support::pg::session(&url).await;
     // The server's first upkeep pass, at its start, writes the reference tables (the receipts'
     // clock, the tombstones), which Citus always commits in two phases: counted once it is over.
@@ -146,7 +145,7 @@ async fn conversation_only_turns_commit_without_two_phase_commit() {
 
     let (single, multi, two_phase) = counted(&db).await;
     for i in 0..20 {
-        support::say(&mut client, &format!("c{i}"), "add cheese").await;
+        support::say(&mut app.client, &format!("c{i}"), "add cheese").await;
     }
     let (single_after, multi_after, two_phase_after) = counted(&db).await;
     eprintln!(

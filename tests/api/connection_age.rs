@@ -9,7 +9,7 @@ use crate::support;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use support::TestServer;
+use support::TestApp;
 use support::proxy::Proxy;
 use tonic::transport::Channel;
 use turnstile::bots::CounterBot;
@@ -33,25 +33,27 @@ impl Bot for Sleepy {
 
 /// A server whose connections age out after one second, behind a proxy that counts the TCP
 /// connections clients open, and one channel through it.
-async fn aging_server(grace: Duration) -> (TestServer, Proxy, TurnServiceClient<Channel>) {
-    let config = Config {
-        connections: Connections {
-            max_age: Some(Duration::from_secs(1)),
-            max_age_grace: Some(grace),
-            ..Connections::default()
-        },
-        ..Config::default()
-    };
-    let server = TestServer::start(config, BotRegistry::new("sleepy", Sleepy)).await;
-    // Up before the proxy connects to it.
-    drop(server.client().await);
-    let proxy = Proxy::start(server.addr).await;
+async fn aging_server(grace: Duration) -> (TestApp, Proxy, TurnServiceClient<Channel>) {
+    // Up (its client connected) before the proxy connects to it.
+    let app = TestApp::memory()
+        .bots(BotRegistry::new("sleepy", Sleepy))
+        .config(move |c| Config {
+            connections: Connections {
+                max_age: Some(Duration::from_secs(1)),
+                max_age_grace: Some(grace),
+                ..Connections::default()
+            },
+            ..c
+        })
+        .spawn()
+        .await;
+    let proxy = Proxy::start(app.addr).await;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", proxy.addr()))
         .unwrap()
         .connect()
         .await
         .unwrap();
-    (server, proxy, TurnServiceClient::new(channel))
+    (app, proxy, TurnServiceClient::new(channel))
 }
 
 fn say(text: &str) -> turnstile::grpc::pb::ProcessTurnRequest {
@@ -60,7 +62,7 @@ fn say(text: &str) -> turnstile::grpc::pb::ProcessTurnRequest {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aged_connections_are_replaced_and_calls_in_flight_finish_within_the_grace() {
-    let (_server, proxy, client) = aging_server(Duration::from_secs(30)).await;
+    let (_app, proxy, client) = aging_server(Duration::from_secs(30)).await;
 
     // A call that is still running when its connection's age passes.
     let slow = tokio::spawn({
@@ -91,7 +93,7 @@ async fn aged_connections_are_replaced_and_calls_in_flight_finish_within_the_gra
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_that_outlives_the_grace_is_cut() {
-    let (_server, _proxy, mut client) = aging_server(Duration::from_secs(1)).await;
+    let (_app, _proxy, mut client) = aging_server(Duration::from_secs(1)).await;
     // Age 1 s + grace 1 s, and a call of 6 s started at once.
     let cut = client.process_turn(say("slow 6000")).await;
     let status = cut.expect_err("the connection was closed under the call");

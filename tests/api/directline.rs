@@ -17,8 +17,8 @@ use futures::{SinkExt as _, StreamExt as _};
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
+use support::TestApp;
 use support::bots::Gated;
-use support::{TestServer, postgres_config};
 use tokio::sync::{Semaphore, oneshot};
 use turnstile::bots::{LlmBot, PizzaBot};
 use turnstile::gateway::{GatewayConfig, Secret};
@@ -61,24 +61,24 @@ struct World {
     http: reqwest::Client,
     /// The database.
     url: String,
-    _server: TestServer,
+    _app: TestApp,
     _stops: Vec<oneshot::Sender<()>>,
 }
 
 impl World {
     async fn start() -> World {
-        let url = support::pg::fresh_database().await;
-        let server = TestServer::start(
-            postgres_config(&url),
-            BotRegistry::new("pizza", PizzaBot)
-                .with("flaky", Flaky)
-                .with("llm", LlmBot::new(Duration::from_millis(10)))
-                .with("slow-llm", LlmBot::new(Duration::from_millis(100)))
-                .with_double_text("slow-llm", turnstile::DoubleText::Reject)
-                .unwrap(),
-        )
-        .await;
-        let turnstile = format!("http://{}", server.addr);
+        let app = TestApp::postgres()
+            .bots(
+                BotRegistry::new("pizza", PizzaBot)
+                    .with("flaky", Flaky)
+                    .with("llm", LlmBot::new(Duration::from_millis(10)))
+                    .with("slow-llm", LlmBot::new(Duration::from_millis(100)))
+                    .with_double_text("slow-llm", turnstile::DoubleText::Reject)
+                    .unwrap(),
+            )
+            .spawn()
+            .await;
+        let turnstile = format!("http://{}", app.addr);
         let mut stops = Vec::new();
         let mut gateway = |bot: &str, secrets: &[&str], wait: Duration| {
             let mut config = GatewayConfig::development(turnstile.clone());
@@ -111,8 +111,8 @@ impl World {
             slow_llm,
             impatient,
             http: reqwest::Client::new(),
-            url,
-            _server: server,
+            url: app.database_url().to_owned(),
+            _app: app,
             _stops: stops,
         }
     }
@@ -780,7 +780,6 @@ async fn a_turn_longer_than_the_posts_wait_is_answered_at_once_and_its_reply_com
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conflict_erases_the_draft_and_the_replay_goes_on_in_the_same_livestream() {
-    let url = support::pg::fresh_database().await;
     let gate = Arc::new(Semaphore::new(0));
     let bots = || {
         BotRegistry::new(
@@ -790,8 +789,8 @@ async fn a_conflict_erases_the_draft_and_the_replay_goes_on_in_the_same_livestre
             },
         )
     };
-    let a = TestServer::start(postgres_config(&url), bots()).await;
-    let b = TestServer::start(postgres_config(&url), bots()).await;
+    let a = TestApp::postgres().bots(bots()).spawn().await;
+    let mut b = a.replica(bots()).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let gw = listener.local_addr().unwrap();
     let (_stop, stopped) = oneshot::channel::<()>();
@@ -816,13 +815,12 @@ async fn a_conflict_erases_the_draft_and_the_replay_goes_on_in_the_same_livestre
         .await
         .unwrap();
     // Another replica's turn of the same conversation, straight through gRPC.
-    let mut b_client = b.client().await;
     let other_turn = |text: &str| {
         let mut activity = support::message(&conversation, "bob", text);
         activity.channel_id = Some("directline".into());
         pb::ProcessTurnRequest::typed(activity, "")
     };
-    b_client.process_turn(other_turn("first")).await.unwrap();
+    b.client.process_turn(other_turn("first")).await.unwrap();
 
     let post = {
         let http = http.clone();
@@ -838,7 +836,7 @@ async fn a_conflict_erases_the_draft_and_the_replay_goes_on_in_the_same_livestre
     };
     let first = next_group(&mut socket).await["activities"][0].clone();
     assert_eq!(first["text"], "writing first, wait", "{first}");
-    b_client.process_turn(other_turn("other")).await.unwrap();
+    b.client.process_turn(other_turn("other")).await.unwrap();
     gate.add_permits(1);
 
     let mut interims = vec![first];

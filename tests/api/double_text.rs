@@ -16,17 +16,15 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use support::bots::{DoubleTexts, Gated};
-use support::{TestServer, message, postgres_config, texts};
+use support::{TestApp, message, texts};
 use tokio::sync::Semaphore;
 use tonic::Code;
 use tonic_types::StatusExt as _;
 use turnstile::DoubleText;
 use turnstile::bot::BotRegistry;
-use turnstile::config::Config;
 use turnstile::grpc::pb;
 
-async fn replicas(policy: DoubleText) -> (TestServer, TestServer, Arc<Semaphore>, String) {
-    let url = support::pg::fresh_database().await;
+async fn replicas(policy: DoubleText) -> (TestApp, TestApp, Arc<Semaphore>, String) {
     let gate = Arc::new(Semaphore::new(0));
     let bots = || {
         BotRegistry::new(
@@ -38,26 +36,20 @@ async fn replicas(policy: DoubleText) -> (TestServer, TestServer, Arc<Semaphore>
         .with_double_text("gated", policy)
         .unwrap()
     };
-    (
-        TestServer::start(postgres_config(&url), bots()).await,
-        TestServer::start(postgres_config(&url), bots()).await,
-        gate,
-        url,
-    )
+    let a = TestApp::postgres().bots(bots()).spawn().await;
+    let b = a.replica(bots()).await;
+    let url = a.database_url().to_owned();
+    (a, b, gate, url)
 }
 
-/// A `ProcessTurn` of `activity` on `server`, on a task of its own.
+/// A `ProcessTurn` of `activity` on `app`, on a task of its own.
 fn send(
-    server: &TestServer,
+    app: &TestApp,
     activity: &pb::Activity,
 ) -> tokio::task::JoinHandle<Result<pb::ProcessTurnResponse, tonic::Status>> {
-    let addr = server.addr;
+    let mut client = app.client.clone();
     let activity = activity.clone();
     tokio::spawn(async move {
-        let mut client =
-            pb::turn_service_client::TurnServiceClient::connect(format!("http://{addr}"))
-                .await
-                .unwrap();
         client
             .process_turn(pb::ProcessTurnRequest::typed(activity, ""))
             .await
@@ -80,15 +72,13 @@ fn assert_busy(status: &tonic::Status) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reject_refuses_a_double_text_on_every_replica_and_commits_nothing_for_it() {
-    let (a, b, gate, url) = replicas(DoubleText::Reject).await;
+    let (mut a, mut b, gate, url) = replicas(DoubleText::Reject).await;
     let first = message("busy", "ada", "wait");
     let running = send(&a, &first);
     // The first message's turn runs its bot.
     support::pg::until_held(&url, "busy").await;
 
-    let mut a_client = a.client().await;
-    let mut b_client = b.client().await;
-    for client in [&mut a_client, &mut b_client] {
+    for client in [&mut a.client, &mut b.client] {
         let status = client
             .process_turn(pb::ProcessTurnRequest::typed(
                 message("busy", "ada", "make it large"),
@@ -114,7 +104,8 @@ async fn reject_refuses_a_double_text_on_every_replica_and_commits_nothing_for_i
     assert_eq!(texts(&joined), ["wait"]);
 
     // Nothing was committed for the refused messages; the conversation takes messages again.
-    let next = b_client
+    let next = b
+        .client
         .process_turn(pb::ProcessTurnRequest::typed(
             message("busy", "ada", "make it large"),
             "",
@@ -128,7 +119,7 @@ async fn reject_refuses_a_double_text_on_every_replica_and_commits_nothing_for_i
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enqueue_lets_a_double_text_wait_and_run_after_the_turn() {
-    let (a, b, gate, url) = replicas(DoubleText::Enqueue).await;
+    let (a, mut b, gate, url) = replicas(DoubleText::Enqueue).await;
     let running = send(&a, &message("queue", "ada", "wait"));
     support::pg::until_held(&url, "queue").await;
     let here = send(&a, &message("queue", "ada", "second"));
@@ -137,8 +128,8 @@ async fn enqueue_lets_a_double_text_wait_and_run_after_the_turn() {
     gate.add_permits(1);
     assert_eq!(texts(&running.await.unwrap().unwrap()), ["wait"]);
     assert_eq!(texts(&here.await.unwrap().unwrap()), ["wait, second"]);
-    let mut b_client = b.client().await;
-    let third = b_client
+    let third = b
+        .client
         .process_turn(pb::ProcessTurnRequest::typed(
             message("queue", "ada", "third"),
             "",
@@ -167,8 +158,8 @@ async fn recording(
     policy: DoubleText,
     on: On,
 ) -> (
-    TestServer,
-    Option<TestServer>,
+    TestApp,
+    Option<TestApp>,
     Arc<Semaphore>,
     Arc<AtomicU32>,
     Option<String>,
@@ -186,21 +177,20 @@ async fn recording(
         .with_double_text("texts", policy)
         .unwrap()
     };
-    let url = match on {
+    let a = match on {
         On::Embedded => {
-            let only = TestServer::start(Config::default(), bots()).await;
+            let only = TestApp::memory().bots(bots()).spawn().await;
             return (only, None, gate, runs, None);
         }
-        On::Postgres => support::pg::fresh_database().await,
-        On::Citus => support::citus::shared().fresh_database().await,
+        On::Postgres => TestApp::postgres().bots(bots()).spawn().await,
+        On::Citus => {
+            let url = support::citus::shared().fresh_database().await;
+            TestApp::on(&url).bots(bots()).spawn().await
+        }
     };
-    (
-        TestServer::start(postgres_config(&url), bots()).await,
-        Some(TestServer::start(postgres_config(&url), bots()).await),
-        gate,
-        runs,
-        Some(url),
-    )
+    let b = a.replica(bots()).await;
+    let url = a.database_url().to_owned();
+    (a, Some(b), gate, runs, Some(url))
 }
 
 /// Until activity `id` is among those the hold of the only conversation in the database at
@@ -468,12 +458,8 @@ async fn coalesced_streamed_turns_are_answered_by_one_run_whose_reply_comes_once
     // nothing.
     let mut later = Vec::new();
     for (text, server) in [("large", &a), ("no olives", &b)] {
-        let (activity, addr) = (message("streams", "ada", text), server.addr);
+        let (activity, mut client) = (message("streams", "ada", text), server.client.clone());
         later.push(tokio::spawn(async move {
-            let mut client =
-                pb::turn_service_client::TurnServiceClient::connect(format!("http://{addr}"))
-                    .await
-                    .unwrap();
             let stream = client
                 .stream_turn(pb::StreamTurnRequest::typed(activity, ""))
                 .await

@@ -17,7 +17,7 @@ use turnstile::grpc::pb;
 use turnstile::{Bot, BotError, BotRegistry, TurnContext};
 
 use crate::admin::{ADMIN, ServerAddr, TURNS, admin_client, cli_at, with_token};
-use crate::support::{self, TestServer, message, postgres_config, request, texts};
+use crate::support::{self, TestApp, message, request, texts};
 
 /// Keeps every message a user sent in their user state; for `hello`, also counts the
 /// conversation's, and the user's in it. On the text `racing`, the first run stops after reading the state
@@ -72,25 +72,27 @@ impl Bot for Shared {
     }
 }
 
-async fn server(bot: Arc<Remembers>) -> (TestServer, String) {
-    let url = support::pg::fresh_database().await;
-    let config = turnstile::Config {
-        auth_tokens: vec![Token::new(TURNS)],
-        admin_tokens: vec![Token::new(ADMIN)],
-        ..postgres_config(&url)
-    };
+async fn spawn_app(bot: Arc<Remembers>) -> TestApp {
     let bots = BotRegistry::new("remembers", Shared(Arc::clone(&bot))).with("other", Shared(bot));
-    (TestServer::start(config, bots).await, url)
+    TestApp::postgres()
+        .bots(bots)
+        .config(|c| turnstile::Config {
+            auth_tokens: vec![Token::new(TURNS)],
+            admin_tokens: vec![Token::new(ADMIN)],
+            ..c
+        })
+        .spawn()
+        .await
 }
 
 async fn say(
-    server: &TestServer,
+    app: &TestApp,
     bot: &str,
     conversation: &str,
     user: &str,
     text: &str,
 ) -> pb::ProcessTurnResponse {
-    let mut client = server.client().await;
+    let mut client = app.client.clone();
     let mut turn = request(message(conversation, user, text));
     turn.bot = bot.into();
     client
@@ -132,17 +134,18 @@ async fn mentions(url: &str, needle: &str) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn erase_user_removes_the_user_everywhere_and_nothing_else() {
-    let (server, url) = server(Remembers::new()).await;
+    let app = spawn_app(Remembers::new()).await;
+    let url = app.database_url().to_owned();
     for (bot, conversation, user) in [
         ("remembers", "room", "ada-5e1"),
         ("remembers", "room", "bob"),
         ("remembers", "hall", "ada-5e1"),
         ("other", "room", "ada-5e1"),
     ] {
-        say(&server, bot, conversation, user, "hello").await;
+        say(&app, bot, conversation, user, "hello").await;
     }
     assert!(mentions(&url, "ada-5e1").await > 0);
-    let mut admin = admin_client(&server).await;
+    let mut admin = admin_client(&app).await;
     let record = admin
         .erase_user(with_token(erase("ada-5e1"), ADMIN))
         .await
@@ -196,7 +199,7 @@ async fn erase_user_removes_the_user_everywhere_and_nothing_else() {
     assert_eq!(bob.receipts.len(), 1, "Bob's receipt only");
 
     // She comes back as new: nothing of her remembered, the conversation's count going on.
-    let again = say(&server, "remembers", "room", "ada-5e1", "hi again").await;
+    let again = say(&app, "remembers", "room", "ada-5e1", "hi again").await;
     assert_eq!(texts(&again), ["hi again"]);
 
     // A user never seen: a record of nothing, not an error.
@@ -215,16 +218,17 @@ async fn erase_user_removes_the_user_everywhere_and_nothing_else() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delete_conversation_removes_its_scopes_and_receipts_for_every_bot() {
-    let (server, url) = server(Remembers::new()).await;
+    let app = spawn_app(Remembers::new()).await;
+    let url = app.database_url().to_owned();
     for (bot, conversation, user) in [
         ("remembers", "room-77a", "ada"),
         ("remembers", "room-77a", "bob"),
         ("other", "room-77a", "ada"),
         ("remembers", "hall", "ada"),
     ] {
-        say(&server, bot, conversation, user, "hello").await;
+        say(&app, bot, conversation, user, "hello").await;
     }
-    let mut admin = admin_client(&server).await;
+    let mut admin = admin_client(&app).await;
     let record = admin
         .delete_conversation(with_token(
             pb::DeleteConversationRequest {
@@ -272,13 +276,14 @@ async fn delete_conversation_removes_its_scopes_and_receipts_for_every_bot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_that_read_the_user_before_the_erasure_cannot_write_it_back() {
     let bot = Remembers::new();
-    let (server, url) = server(Arc::clone(&bot)).await;
+    let app = spawn_app(Arc::clone(&bot)).await;
+    let url = app.database_url().to_owned();
     for i in 1..=4 {
-        say(&server, "remembers", "room", "ada", &format!("secret-{i}")).await;
+        say(&app, "remembers", "room", "ada", &format!("secret-{i}")).await;
     }
     // The fifth turn reads her four secrets (user scope at version 4) and waits.
     let racing = tokio::spawn({
-        let mut client = server.client().await;
+        let mut client = app.client.clone();
         async move {
             let mut turn = request(message("room", "ada", "racing"));
             turn.bot = "remembers".into();
@@ -289,7 +294,7 @@ async fn a_turn_that_read_the_user_before_the_erasure_cannot_write_it_back() {
         }
     });
     bot.reading.notified().await;
-    let mut admin = admin_client(&server).await;
+    let mut admin = admin_client(&app).await;
     admin
         .erase_user(with_token(erase("ada"), ADMIN))
         .await
@@ -298,7 +303,7 @@ async fn a_turn_that_read_the_user_before_the_erasure_cannot_write_it_back() {
     // written four times, up to the version the waiting turn read were versions to start again
     // at 1. (The waiting turn uses her user scope only.)
     for i in 1..=4 {
-        say(&server, "remembers", "hall", "ada", &format!("fresh-{i}")).await;
+        say(&app, "remembers", "hall", "ada", &format!("fresh-{i}")).await;
     }
     bot.go.add_permits(1);
     let answered = racing.await.unwrap().unwrap();
@@ -320,8 +325,8 @@ async fn a_turn_that_read_the_user_before_the_erasure_cannot_write_it_back() {
 
 #[tokio::test]
 async fn erasure_requests_are_refused_without_the_admin_token_or_with_bad_ids() {
-    let (server, _) = server(Remembers::new()).await;
-    let mut admin = admin_client(&server).await;
+    let app = spawn_app(Remembers::new()).await;
+    let mut admin = admin_client(&app).await;
     for token in [None, Some("wrong"), Some(TURNS)] {
         let call = match token {
             Some(token) => with_token(erase("ada"), token),
@@ -363,10 +368,11 @@ async fn erasure_requests_are_refused_without_the_admin_token_or_with_bad_ids() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_erases_a_user_and_deletes_a_conversation() {
-    let (server, url) = server(Remembers::new()).await;
-    say(&server, "remembers", "room", "ada", "hello").await;
-    say(&server, "remembers", "hall", "bob", "hello").await;
-    let addr = server.addr;
+    let app = spawn_app(Remembers::new()).await;
+    let url = app.database_url().to_owned();
+    say(&app, "remembers", "room", "ada", "hello").await;
+    say(&app, "remembers", "hall", "bob", "hello").await;
+    let addr = app.addr;
     let (erased, deleted) = tokio::task::spawn_blocking(move || {
         let server = ServerAddr(addr);
         (

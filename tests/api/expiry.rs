@@ -9,7 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use turnstile::{Bot, BotError, BotRegistry, TurnContext};
 
-use crate::support::{self, TestServer, postgres_config, say, texts};
+use crate::support::{self, TestApp, say, texts};
 
 /// Answers `conversation N, user M`: the conversation's count and the user's, each one more.
 struct Counts;
@@ -44,8 +44,8 @@ fn expiring(config: turnstile::Config, sweep: Duration) -> turnstile::Config {
     }
 }
 
-async fn idle_conversations_start_again(server: &TestServer) {
-    let mut client = server.client().await;
+async fn idle_conversations_start_again(app: &TestApp) {
+    let mut client = app.client.clone();
     let mut answers = Vec::new();
     for _ in 0..2 {
         answers.extend(texts(&say(&mut client, "c", "hi").await));
@@ -67,17 +67,16 @@ async fn idle_conversations_start_again(server: &TestServer) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_conversation_expires_and_is_swept_on_postgres() {
-    let url = support::pg::fresh_database().await;
-    let server = TestServer::start(
-        expiring(postgres_config(&url), Duration::from_millis(300)),
-        BotRegistry::new("counts", Counts),
-    )
-    .await;
-    idle_conversations_start_again(&server).await;
+    let mut app = TestApp::postgres()
+        .bots(BotRegistry::new("counts", Counts))
+        .config(|c| expiring(c, Duration::from_millis(300)))
+        .spawn()
+        .await;
+    idle_conversations_start_again(&app).await;
 
     // Left idle again, its row is swept away within a few sweeps of expiring, leaving a
     // tombstone; the user's row stays.
-    let db = support::pg::session(&url).await;
+    let db = support::pg::session(app.database_url()).await;
     let count = |sql: &'static str| {
         let db = &db;
         async move { db.query_one(sql, &[]).await.unwrap().get::<_, i64>(0) }
@@ -94,8 +93,7 @@ async fn an_idle_conversation_expires_and_is_swept_on_postgres() {
         1
     );
     // And it starts again above its old versions.
-    let mut client = server.client().await;
-    let answer = say(&mut client, "c", "hi").await;
+    let answer = say(&mut app.client, "c", "hi").await;
     assert_eq!(texts(&answer), ["conversation 1, user 5"]);
     let version: i64 = db
         .query_one(
@@ -107,20 +105,20 @@ async fn an_idle_conversation_expires_and_is_swept_on_postgres() {
         .get(0);
     // Written at versions 1 to 4 (the expired row was written over in place), swept at 4.
     assert_eq!(version, 5, "created above the version it was swept at");
-    server.stop().await.unwrap();
+    app.stop().await.unwrap();
 }
 
 /// With no sweep before the next turn (its first is at the start, when nothing has expired), the
 /// replica's cache of the state it last wrote must itself stop guessing at the TTL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_conversation_expires_in_memory_at_once_without_a_sweep() {
-    let server = TestServer::start(
-        expiring(turnstile::Config::default(), Duration::from_secs(3600)),
-        BotRegistry::new("counts", Counts),
-    )
-    .await;
-    idle_conversations_start_again(&server).await;
-    server.stop().await.unwrap();
+    let app = TestApp::memory()
+        .bots(BotRegistry::new("counts", Counts))
+        .config(|c| expiring(c, Duration::from_secs(3600)))
+        .spawn()
+        .await;
+    idle_conversations_start_again(&app).await;
+    app.stop().await.unwrap();
 }
 
 /// Remembers the user's name on `name X`, and says it back otherwise, reading the user scope only.
@@ -145,24 +143,31 @@ impl Bot for Names {
 /// never changes, read again at least every half TTL; left alone longer than the TTL, it goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scope_only_read_lives_while_it_is_used() {
-    let url = support::pg::fresh_database().await;
-    let config = turnstile::Config {
-        ttls: turnstile::store::Ttls {
-            user: Some(TTL),
-            ..turnstile::store::Ttls::NONE
-        },
-        expiry_sweep_every: Duration::from_secs(3600),
-        ..postgres_config(&url)
-    };
-    let server = TestServer::start(config, BotRegistry::new("names", Names)).await;
-    let mut client = server.client().await;
-    assert_eq!(texts(&say(&mut client, "c", "name Ada").await), ["noted"]);
+    let mut app = TestApp::postgres()
+        .bots(BotRegistry::new("names", Names))
+        .config(|c| turnstile::Config {
+            ttls: turnstile::store::Ttls {
+                user: Some(TTL),
+                ..turnstile::store::Ttls::NONE
+            },
+            expiry_sweep_every: Duration::from_secs(3600),
+            ..c
+        })
+        .spawn()
+        .await;
+    assert_eq!(
+        texts(&say(&mut app.client, "c", "name Ada").await),
+        ["noted"]
+    );
     // Read every 0.6 s for twice the TTL: each read past half of it writes the scope again.
     for _ in 0..7 {
         tokio::time::sleep(Duration::from_millis(600)).await;
-        assert_eq!(texts(&say(&mut client, "c", "who am I").await), ["Ada"]);
+        assert_eq!(texts(&say(&mut app.client, "c", "who am I").await), ["Ada"]);
     }
     tokio::time::sleep(TTL + Duration::from_millis(300)).await;
-    assert_eq!(texts(&say(&mut client, "c", "who am I").await), ["who?"]);
-    server.stop().await.unwrap();
+    assert_eq!(
+        texts(&say(&mut app.client, "c", "who am I").await),
+        ["who?"]
+    );
+    app.stop().await.unwrap();
 }

@@ -20,7 +20,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use serde_json::{Value, json};
-use support::{TestServer, free_port, postgres_config};
+use support::{TestApp, free_port};
 use tokio::sync::oneshot;
 use turnstile::activity::{Activity, types};
 use turnstile::bots::LlmBot;
@@ -258,7 +258,7 @@ struct World {
     key: EncodingKey,
     stranger: EncodingKey,
     entra: EncodingKey,
-    _server: TestServer,
+    _server: TestApp,
     _stop: oneshot::Sender<()>,
     _dir: tempfile::TempDir,
 }
@@ -298,47 +298,48 @@ impl World {
             .with_state(channel.clone());
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
 
-        let url = support::pg::fresh_database().await;
         let runs = Arc::new(AtomicUsize::new(0));
         let gated_runs = Arc::new(AtomicUsize::new(0));
         let gate = Arc::new(tokio::sync::Semaphore::new(0));
         // Without the state cache, a redelivery's first load finds the receipt, so the bot does
         // not run at all; with it, the bot may run once more and its result is discarded when
         // the commit meets the receipt, which `runs` could not tell from a second turn.
-        let server = TestServer::start(
-            turnstile::Config {
+        let server = TestApp::postgres()
+            .bots(
+                BotRegistry::new(
+                    "echo",
+                    Echo {
+                        runs: Arc::clone(&runs),
+                    },
+                )
+                .with("llm", LlmBot::new(Duration::from_millis(100)))
+                // A later message cancels the running answer (double-text `interrupt`).
+                .with_double_text("llm", turnstile::DoubleText::Interrupt)
+                .unwrap()
+                .with(
+                    "gated",
+                    Gated {
+                        runs: Arc::clone(&gated_runs),
+                        gate: Arc::clone(&gate),
+                    },
+                )
+                // The same bot, refusing messages while it answers one (double-text `reject`).
+                .with(
+                    "busy",
+                    Gated {
+                        runs: Arc::clone(&gated_runs),
+                        gate: Arc::clone(&gate),
+                    },
+                )
+                .with_double_text("busy", turnstile::DoubleText::Reject)
+                .unwrap(),
+            )
+            .config(|c| turnstile::Config {
                 state_cache_entries: 0,
-                ..postgres_config(&url)
-            },
-            BotRegistry::new(
-                "echo",
-                Echo {
-                    runs: Arc::clone(&runs),
-                },
-            )
-            .with("llm", LlmBot::new(Duration::from_millis(100)))
-            // A later message cancels the running answer (double-text `interrupt`).
-            .with_double_text("llm", turnstile::DoubleText::Interrupt)
-            .unwrap()
-            .with(
-                "gated",
-                Gated {
-                    runs: Arc::clone(&gated_runs),
-                    gate: Arc::clone(&gate),
-                },
-            )
-            // The same bot, refusing messages while it answers one (double-text `reject`).
-            .with(
-                "busy",
-                Gated {
-                    runs: Arc::clone(&gated_runs),
-                    gate: Arc::clone(&gate),
-                },
-            )
-            .with_double_text("busy", turnstile::DoubleText::Reject)
-            .unwrap(),
-        )
-        .await;
+                ..c
+            })
+            .spawn()
+            .await;
         let mut config = GatewayConfig::development(format!("http://{}", server.addr));
         config.delivery.base_delay = Duration::from_millis(20);
         if mode != Mode::Development {

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use support::streams::{collect, outcome};
-use support::{TestServer, message, postgres_config, texts};
+use support::{TestApp, message, texts};
 use tokio::sync::Semaphore;
 use turnstile::bot::{Bot, BotError, BotRegistry, TurnContext};
 use turnstile::grpc::pb;
@@ -43,15 +43,22 @@ impl Bot for Lists {
 }
 
 struct Replicas {
-    a: TestServer,
-    b: TestServer,
+    a: TestApp,
+    b: TestApp,
     gate: Arc<Semaphore>,
     runs: Arc<AtomicU32>,
     url: String,
 }
 
+/// `config` with a pool of `pool_size` connections.
+fn with_pool(mut config: turnstile::Config, pool_size: usize) -> turnstile::Config {
+    if let turnstile::config::StoreConfig::Postgres { pool_size: p, .. } = &mut config.store {
+        *p = pool_size;
+    }
+    config
+}
+
 async fn replicas(pool_size: usize) -> Replicas {
-    let url = support::pg::fresh_database().await;
     let gate = Arc::new(Semaphore::new(0));
     let runs = Arc::new(AtomicU32::new(0));
     let bots = || {
@@ -63,25 +70,27 @@ async fn replicas(pool_size: usize) -> Replicas {
             },
         )
     };
-    let mut config = postgres_config(&url);
-    if let turnstile::config::StoreConfig::Postgres { pool_size: p, .. } = &mut config.store {
-        *p = pool_size;
-    }
+    let a = TestApp::postgres()
+        .bots(bots())
+        .config(move |c| with_pool(c, pool_size))
+        .spawn()
+        .await;
+    let b = a.replica(bots()).await;
     Replicas {
-        a: TestServer::start(config.clone(), bots()).await,
-        b: TestServer::start(config, bots()).await,
+        url: a.database_url().to_owned(),
+        a,
+        b,
         gate,
         runs,
-        url,
     }
 }
 
-/// Opens a `StreamTurn` of `activity` on `server` and reads it to its first draft.
+/// Opens a `StreamTurn` of `activity` on `app` and reads it to its first draft.
 async fn until_drafted(
-    server: &TestServer,
+    app: &TestApp,
     activity: &pb::Activity,
 ) -> (tonic::Streaming<pb::StreamTurnResponse>, Vec<Event>) {
-    support::streams::open_until(server, activity, |e| matches!(e, Event::Draft(_))).await
+    support::streams::open_until(app, activity, |e| matches!(e, Event::Draft(_))).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -91,7 +100,7 @@ async fn a_redelivery_on_another_replica_joins_the_running_turn_and_the_bot_runs
     let (events, seen) = until_drafted(&r.a, &activity).await;
 
     // The channel sends the activity again, to the other replica, while the first still runs.
-    let b = r.b.client().await;
+    let b = r.b.client.clone();
     let again = activity.clone();
     let redelivered = tokio::spawn(async move {
         let mut b = b;
@@ -200,20 +209,18 @@ async fn a_turn_that_stalled_past_its_hold_cannot_commit_and_replays_after_the_n
 async fn serialized_slow_turns_on_many_conversations_all_run_at_once_on_a_small_pool() {
     const CONVERSATIONS: usize = 48;
     const BOT_DELAY: Duration = Duration::from_millis(1500);
-    let url = support::pg::fresh_database().await;
-    let mut config = postgres_config(&url);
-    if let turnstile::config::StoreConfig::Postgres { pool_size: p, .. } = &mut config.store {
-        *p = 4;
-    }
     let bots = BotRegistry::new("slow", turnstile::bots::SlowBot::new(BOT_DELAY))
         .with_policy("slow", turnstile::ConcurrencyPolicy::Serialized)
         .unwrap();
-    let server = TestServer::start(config, bots).await;
-    let client = server.client().await;
+    let app = TestApp::postgres()
+        .bots(bots)
+        .config(|c| with_pool(c, 4))
+        .spawn()
+        .await;
     let started = std::time::Instant::now();
     let turns: Vec<_> = (0..CONVERSATIONS)
         .map(|i| {
-            let mut client = client.clone();
+            let mut client = app.client.clone();
             tokio::spawn(async move {
                 let mut call = tonic::Request::new(pb::ProcessTurnRequest::typed(
                     message(&format!("serial-{i}"), "ada", "hi"),
@@ -226,7 +233,7 @@ async fn serialized_slow_turns_on_many_conversations_all_run_at_once_on_a_small_
         .collect();
     // Midway through the bots' runs: nobody holds a transaction open.
     tokio::time::sleep(BOT_DELAY / 2).await;
-    let observer = support::pg::session(&url).await;
+    let observer = support::pg::session(app.database_url()).await;
     let open: i64 = observer
         .query_one(
             "SELECT count(*) FROM pg_stat_activity \
@@ -276,7 +283,6 @@ impl Bot for Patient {
 /// plain commit wait, and so commits on that replay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_turn_beaten_by_a_plain_turn_replays_under_the_lock_and_wins() {
-    let url = support::pg::fresh_database().await;
     let gate = Arc::new(Semaphore::new(0));
     let bots = || {
         BotRegistry::new(
@@ -286,13 +292,12 @@ async fn a_held_turn_beaten_by_a_plain_turn_replays_under_the_lock_and_wins() {
             },
         )
     };
-    let a = TestServer::start(postgres_config(&url), bots()).await;
-    let b = TestServer::start(postgres_config(&url), bots()).await;
-    let mut b_client = b.client().await;
+    let a = TestApp::postgres().bots(bots()).spawn().await;
+    let mut b = a.replica(bots()).await;
     let plain = |text: &str| pb::ProcessTurnRequest::typed(message("beaten", "bob", text), "");
 
     let (mut events, mut seen) = until_drafted(&a, &message("beaten", "ada", "wait")).await;
-    let first = b_client.process_turn(plain("one")).await.unwrap();
+    let first = b.client.process_turn(plain("one")).await.unwrap();
     assert_eq!(texts(first.get_ref()), ["one"]);
     gate.add_permits(1);
     // The held turn's commit meets the plain one's: a reset, and the replay drafts again.
@@ -301,7 +306,7 @@ async fn a_held_turn_beaten_by_a_plain_turn_replays_under_the_lock_and_wins() {
     }
     assert!(matches!(seen[1], Event::Reset(_)), "{seen:?}");
     // While the replay runs, another plain turn: its commit must wait for the replay's.
-    let mut late = b_client.clone();
+    let mut late = b.client.clone();
     let second = tokio::spawn(async move {
         late.process_turn(pb::ProcessTurnRequest::typed(
             message("beaten", "bob", "two"),
@@ -331,7 +336,7 @@ async fn a_turn_longer_than_its_hold_keeps_the_conversation_by_renewing_it() {
     let r = replicas(8).await;
     let (events, seen) = until_drafted(&r.a, &message("renewed", "ada", "wait")).await;
     // A streamed turn on the other replica, with time to wait for the hold.
-    let mut b = r.b.client().await;
+    let mut b = r.b.client.clone();
     let waiting = async {
         let mut call = tonic::Request::new(pb::StreamTurnRequest::typed(
             message("renewed", "bob", "cheese"),

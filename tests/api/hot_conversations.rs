@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use support::fleet::Fleet;
-use support::{TestServer, message, postgres_config, request, say, texts, toppings};
+use support::{TestApp, message, request, say, texts, toppings};
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::transport::Channel;
@@ -60,7 +60,7 @@ impl Bot for Pondering {
 
 /// Three replicas over one fresh database, each with its own pool, hosting the counted pizza bot
 /// under `policy`; and the shared run counter.
-async fn replicas(policy: ConcurrencyPolicy) -> (Vec<TestServer>, Arc<AtomicU32>) {
+async fn replicas(policy: ConcurrencyPolicy) -> (Vec<TestApp>, Arc<AtomicU32>) {
     replicas_on(&support::pg::fresh_database().await, policy, false).await
 }
 
@@ -69,7 +69,7 @@ async fn replicas_on(
     url: &str,
     policy: ConcurrencyPolicy,
     ponder: bool,
-) -> (Vec<TestServer>, Arc<AtomicU32>) {
+) -> (Vec<TestApp>, Arc<AtomicU32>) {
     let runs = Arc::new(AtomicU32::new(0));
     let bots = || {
         if ponder {
@@ -81,29 +81,26 @@ async fn replicas_on(
         .unwrap()
     };
     let (a, b, c) = tokio::join!(
-        TestServer::start(postgres_config(url), bots()),
-        TestServer::start(postgres_config(url), bots()),
-        TestServer::start(postgres_config(url), bots()),
+        TestApp::on(url).bots(bots()).spawn(),
+        TestApp::on(url).bots(bots()).spawn(),
+        TestApp::on(url).bots(bots()).spawn(),
     );
     (vec![a, b, c], runs)
 }
 
 /// Sends `add t00` … `add t39` at once, turn i through replica i % 3; returns each turn's
 /// topping, reply and attempts.
-async fn race(servers: &[TestServer], conversation: &str) -> Vec<(String, String, u32)> {
+async fn race(servers: &[TestApp], conversation: &str) -> Vec<(String, String, u32)> {
     race_of(servers, conversation, TURNS).await
 }
 
 /// [`race`] with `turns` turns.
 async fn race_of(
-    servers: &[TestServer],
+    servers: &[TestApp],
     conversation: &str,
     turns: usize,
 ) -> Vec<(String, String, u32)> {
-    let mut clients = Vec::new();
-    for server in servers {
-        clients.push(server.client().await);
-    }
+    let clients: Vec<_> = servers.iter().map(|app| app.client.clone()).collect();
     let calls: Vec<_> = (0..turns)
         .map(|i| {
             let mut client = clients[i % clients.len()].clone();
@@ -175,9 +172,9 @@ async fn on_citus_optimistic_turns_that_conflict_queue_for_the_lock_and_run_at_m
     .await;
 }
 
-async fn optimistic_turns_queue_for_the_lock((servers, runs): (Vec<TestServer>, Arc<AtomicU32>)) {
+async fn optimistic_turns_queue_for_the_lock((servers, runs): (Vec<TestApp>, Arc<AtomicU32>)) {
     let added = race(&servers, "hot").await;
-    let mut client = servers[0].client().await;
+    let mut client = servers[0].client.clone();
     assert_exact(&added, &mut client).await;
 
     let attempts: Vec<u32> = added.iter().map(|(_, _, a)| *a).collect();
@@ -220,7 +217,7 @@ async fn on_citus_a_serialized_bot_runs_exactly_once_per_turn() {
     .await;
 }
 
-async fn serialized_runs_once((servers, runs): (Vec<TestServer>, Arc<AtomicU32>), turns: usize) {
+async fn serialized_runs_once((servers, runs): (Vec<TestApp>, Arc<AtomicU32>), turns: usize) {
     let added = race_of(&servers, "hot", turns).await;
     assert_eq!(
         runs.load(Ordering::SeqCst),
@@ -228,7 +225,7 @@ async fn serialized_runs_once((servers, runs): (Vec<TestServer>, Arc<AtomicU32>)
         "one run per turn, none thrown away"
     );
     assert!(added.iter().all(|(_, _, a)| *a == 1), "{added:?}");
-    let mut client = servers[0].client().await;
+    let mut client = servers[0].client.clone();
     assert_exact(&added, &mut client).await;
 }
 
@@ -658,17 +655,14 @@ async fn queued_turns_share_one_lease(url: &str) {
         holds: AtomicU32::new(0),
     });
     let runs = Arc::new(AtomicU32::new(0));
-    let server = TestServer::start_with_store(
-        postgres_config(&url),
-        Arc::clone(&store) as Arc<dyn Store>,
-        BotRegistry::new("pizza", Counted(Arc::clone(&runs))),
-    )
-    .await;
-    let mut client = server.client().await;
+    let mut app = TestApp::shared(Arc::clone(&store) as Arc<dyn Store>)
+        .bots(BotRegistry::new("pizza", Counted(Arc::clone(&runs))))
+        .spawn()
+        .await;
     let observer = session(&url).await;
     let key = conversation_key("pizza", "queue");
 
-    say(&mut client, "queue", "add ham").await;
+    say(&mut app.client, "queue", "add ham").await;
     // Another replica moves the conversation on, and holds it.
     observer
         .execute(
@@ -683,7 +677,7 @@ async fn queued_turns_share_one_lease(url: &str) {
     // This replica's next turn conflicts, and asks for the conversation; the others queue here.
     let started = Instant::now();
     let send = |i: usize| {
-        let mut client = client.clone();
+        let mut client = app.client.clone();
         tokio::spawn(async move {
             client
                 .process_turn(request(message("queue", "alice", &format!("add q{i:02}"))))
@@ -711,7 +705,7 @@ async fn queued_turns_share_one_lease(url: &str) {
         assert_eq!(turn.await.unwrap().attempts, 1, "a queued turn ran twice");
     }
     let elapsed = started.elapsed();
-    let shown = say(&mut client, "queue", "show").await;
+    let shown = say(&mut app.client, "queue", "show").await;
     assert_eq!(toppings(&texts(&shown)[0]).len(), QUEUED + 2);
     assert_eq!(runs.load(Ordering::SeqCst) as usize, 1 + 2 + QUEUED + 1);
 
@@ -733,13 +727,12 @@ async fn queued_turns_share_one_lease(url: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_hold_not_granted_in_time_ends_the_turn_with_nothing_committed() {
-    let url = support::pg::fresh_database().await;
     let runs = Arc::new(AtomicU32::new(0));
     let bots = BotRegistry::new("pizza", Counted(Arc::clone(&runs)))
         .with_policy("pizza", ConcurrencyPolicy::Serialized)
         .unwrap();
-    let server = TestServer::start(postgres_config(&url), bots).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::postgres().bots(bots).spawn().await;
+    let url = app.database_url().to_owned();
 
     // Another party holds the conversation, as a replica with a slow turn would.
     let holder = session(&url).await;
@@ -749,7 +742,7 @@ async fn a_hold_not_granted_in_time_ends_the_turn_with_nothing_committed() {
     let asked = Instant::now();
     let mut call = tonic::Request::new(request(message("held", "alice", "add ham")));
     call.set_timeout(Duration::from_secs(2));
-    let status = client.process_turn(call).await.unwrap_err();
+    let status = app.client.process_turn(call).await.unwrap_err();
     // The server gives up a little before the deadline to say so; on a loaded machine tonic's
     // client may still see its own timer first, which it reports as CANCELLED.
     assert!(
@@ -770,7 +763,8 @@ async fn a_hold_not_granted_in_time_ends_the_turn_with_nothing_committed() {
 
     // Without a deadline the server bounds the wait itself and says so: the status is its own.
     let started = Instant::now();
-    let status = client
+    let status = app
+        .client
         .process_turn(request(message("held", "alice", "add olives")))
         .await
         .unwrap_err();
@@ -795,7 +789,7 @@ async fn a_hold_not_granted_in_time_ends_the_turn_with_nothing_committed() {
 
     // Once the holder is done, the conversation serves again.
     release_hold_by_hand(&holder, "pizza", "held").await;
-    let added = say(&mut client, "held", "add ham").await;
+    let added = say(&mut app.client, "held", "add ham").await;
     assert_eq!(toppings(&texts(&added)[0]), ["ham"]);
 }
 
@@ -805,19 +799,19 @@ async fn a_hold_not_granted_in_time_ends_the_turn_with_nothing_committed() {
 /// announcement lets it in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_turn_waiting_for_the_hold_loads_what_was_committed_while_it_waited() {
-    let url = support::pg::fresh_database().await;
     let runs = Arc::new(AtomicU32::new(0));
     let serialized = BotRegistry::new("pizza", Counted(Arc::clone(&runs)))
         .with_policy("pizza", ConcurrencyPolicy::Serialized)
         .unwrap();
-    let waiter = TestServer::start(postgres_config(&url), serialized).await;
+    let waiter = TestApp::postgres().bots(serialized).spawn().await;
+    let url = waiter.database_url();
     // Another replica whose bot is not serialized, so it commits without the hold.
-    let other = TestServer::start(postgres_config(&url), BotRegistry::new("pizza", PizzaBot)).await;
+    let mut other = waiter.replica(BotRegistry::new("pizza", PizzaBot)).await;
 
-    let holder = session(&url).await;
-    take_hold_by_hand(&holder, &url, "pizza", "queued").await;
+    let holder = session(url).await;
+    take_hold_by_hand(&holder, url, "pizza", "queued").await;
 
-    let mut client = waiter.client().await;
+    let mut client = waiter.client.clone();
     let waiting = tokio::spawn(async move {
         client
             .process_turn(request(message("queued", "alice", "add olives")))
@@ -831,8 +825,7 @@ async fn a_turn_waiting_for_the_hold_loads_what_was_committed_while_it_waited() 
         "the turn waits for the hold"
     );
     // While it waits, the conversation comes into being elsewhere.
-    let mut other_client = other.client().await;
-    let added = say(&mut other_client, "queued", "add ham").await;
+    let added = say(&mut other.client, "queued", "add ham").await;
     assert_eq!(toppings(&texts(&added)[0]), ["ham"]);
     let released = Instant::now();
     release_hold_by_hand(&holder, "pizza", "queued").await;

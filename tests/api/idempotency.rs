@@ -7,7 +7,7 @@ use crate::support;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use support::{TestServer, message, postgres_config, texts};
+use support::{TestApp, message, spawn_app, texts};
 use tonic::Code;
 use turnstile::bots::CounterBot;
 use turnstile::grpc::pb;
@@ -38,14 +38,12 @@ async fn send(
 
 #[tokio::test]
 async fn the_same_activity_twice_in_a_row_runs_once() {
-    let url = support::pg::fresh_database().await;
-    let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
-    let mut client = server.client().await;
+    let mut app = spawn_app().await;
 
-    let first = send(&mut client, with_id("a1")).await;
+    let first = send(&mut app.client, with_id("a1")).await;
     assert_eq!(texts(&first), ["count: 1"]);
     assert!(!first.redelivered);
-    let again = send(&mut client, with_id("a1")).await;
+    let again = send(&mut app.client, with_id("a1")).await;
     assert!(again.redelivered, "recognized as a redelivery");
     assert_eq!(
         again.activities, first.activities,
@@ -56,16 +54,15 @@ async fn the_same_activity_twice_in_a_row_runs_once() {
         (first.attempts, first.version)
     );
 
-    let next = send(&mut client, with_id("a2")).await;
+    let next = send(&mut app.client, with_id("a2")).await;
     assert_eq!(texts(&next), ["count: 2"], "the redelivery did not count");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn ten_copies_at_once_across_replicas_run_once() {
-    let url = support::pg::fresh_database().await;
-    let a = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
-    let b = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
-    let clients = [a.client().await, b.client().await];
+    let a = spawn_app().await;
+    let b = a.replica(turnstile::bots::samples()).await;
+    let clients = [a.client.clone(), b.client.clone()];
     let calls: Vec<_> = (0..10)
         .map(|i| {
             let mut client = clients[i % 2].clone();
@@ -104,15 +101,13 @@ impl Bot for SlowCounter {
 
 #[tokio::test]
 async fn a_lost_response_is_answered_from_the_receipt() {
-    let url = support::pg::fresh_database().await;
     let bots = BotRegistry::new("counter", SlowCounter);
-    let server = TestServer::start(postgres_config(&url), bots).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::postgres().bots(bots).spawn().await;
 
     // The gateway gives up before the turn finishes: its response is lost.
     let mut hasty = tonic::Request::new(counted(with_id("slow")));
     hasty.set_timeout(Duration::from_millis(100));
-    let status = client.process_turn(hasty).await.expect_err("times out");
+    let status = app.client.process_turn(hasty).await.expect_err("times out");
     // tonic's client reports its own timeout as CANCELLED; a server would say DEADLINE_EXCEEDED.
     assert!(
         matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled),
@@ -121,38 +116,35 @@ async fn a_lost_response_is_answered_from_the_receipt() {
 
     // The turn still finished and committed; the gateway's retry gets its answer.
     tokio::time::sleep(Duration::from_millis(600)).await;
-    let retried = send(&mut client, with_id("slow")).await;
+    let retried = send(&mut app.client, with_id("slow")).await;
     assert!(
         retried.redelivered,
         "answered from the receipt, not run again"
     );
     assert_eq!(texts(&retried), ["count: 1"]);
-    let next = send(&mut client, with_id("slow-2")).await;
+    let next = send(&mut app.client, with_id("slow-2")).await;
     assert_eq!(texts(&next), ["count: 2"], "the bot ran once for `slow`");
 }
 
 #[tokio::test]
 async fn activities_without_an_id_are_not_deduplicated() {
-    let server = TestServer::start(turnstile::Config::default(), turnstile::bots::samples()).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::memory().spawn().await;
     let no_id = || pb::Activity {
         id: None,
         ..message("c1", "alice", "hi")
     };
-    assert_eq!(texts(&send(&mut client, no_id()).await), ["count: 1"]);
-    let second = send(&mut client, no_id()).await;
+    assert_eq!(texts(&send(&mut app.client, no_id()).await), ["count: 1"]);
+    let second = send(&mut app.client, no_id()).await;
     assert_eq!(texts(&second), ["count: 2"]);
     assert!(!second.redelivered);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_replica_queues_its_own_turns_instead_of_conflicting() {
-    let url = support::pg::fresh_database().await;
-    let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
-    let client = server.client().await;
+    let app = spawn_app().await;
     let calls: Vec<_> = (0..40)
         .map(|i| {
-            let mut client = client.clone();
+            let mut client = app.client.clone();
             tokio::spawn(async move {
                 let activity = message("hot", &format!("u{i}"), "hi");
                 send(&mut client, activity).await
@@ -196,7 +188,6 @@ impl Bot for RunCounting {
 /// receipt this replica committed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resend_to_the_replica_that_committed_it_does_not_run_the_bot_again() {
-    let url = support::pg::fresh_database().await;
     let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
     let bots = BotRegistry::new(
@@ -206,14 +197,13 @@ async fn a_resend_to_the_replica_that_committed_it_does_not_run_the_bot_again() 
             gate: std::sync::Arc::clone(&gate),
         },
     );
-    let server = TestServer::start(postgres_config(&url), bots).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::postgres().bots(bots).spawn().await;
     let ran = || runs.load(std::sync::atomic::Ordering::SeqCst);
 
     // Cached: the conversation's state after a first turn.
-    send(&mut client, with_id("warm")).await;
-    let first = send(&mut client, with_id("again")).await;
-    let resent = send(&mut client, with_id("again")).await;
+    send(&mut app.client, with_id("warm")).await;
+    let first = send(&mut app.client, with_id("again")).await;
+    let resent = send(&mut app.client, with_id("again")).await;
     assert!(resent.redelivered);
     assert_eq!(resent.activities, first.activities);
     assert_eq!(ran(), 2, "the resend did not run the bot");
@@ -223,13 +213,13 @@ async fn a_resend_to_the_replica_that_committed_it_does_not_run_the_bot_again() 
         text: Some("hold".into()),
         ..with_id("long")
     };
-    let mut first_client = client.clone();
+    let mut first_client = app.client.clone();
     let first_hold = hold.clone();
     let running = tokio::spawn(async move { send(&mut first_client, first_hold).await });
     while ran() < 3 {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let mut resend_client = client.clone();
+    let mut resend_client = app.client.clone();
     let resend = tokio::spawn(async move { send(&mut resend_client, hold).await });
     // The resend is queued behind the running turn; let the first finish.
     gate.add_permits(1);
@@ -239,6 +229,6 @@ async fn a_resend_to_the_replica_that_committed_it_does_not_run_the_bot_again() 
     assert!(resend.redelivered);
     assert_eq!(resend.activities, first.activities);
     assert_eq!(ran(), 3, "the bot ran once for `long`");
-    let next = send(&mut client, with_id("next")).await;
+    let next = send(&mut app.client, with_id("next")).await;
     assert_eq!(texts(&next), ["count: 4"]);
 }

@@ -7,7 +7,7 @@ use crate::support;
 
 use async_trait::async_trait;
 use serde_json::{Value, json};
-use support::{TestServer, postgres_config};
+use support::TestApp;
 use tonic::Code;
 use turnstile::activity::Activity;
 use turnstile::grpc::pb;
@@ -80,13 +80,14 @@ fn parsed(texts: &[String]) -> Vec<Value> {
 
 #[tokio::test]
 async fn unnamed_members_reach_the_bot_and_come_back_verbatim() {
-    let url = support::pg::fresh_database().await;
-    let server = TestServer::start(postgres_config(&url), BotRegistry::new("mirror", Mirror)).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::postgres()
+        .bots(BotRegistry::new("mirror", Mirror))
+        .spawn()
+        .await;
     let sent = teams_message("1700000000001");
     let text = sent.to_string();
 
-    let first = turn(&mut client, &text).await;
+    let first = turn(&mut app.client, &text).await;
     assert!(first.activities.is_empty(), "replies come as JSON only");
     let replies = parsed(&first.activities_json);
     assert_eq!(replies.len(), 2);
@@ -115,7 +116,7 @@ async fn unnamed_members_reach_the_bot_and_come_back_verbatim() {
     assert_eq!(replies[1]["replyToId"], "1700000000001");
     assert_eq!(replies[1]["conversation"], sent["conversation"]);
 
-    let again = turn(&mut client, &text).await;
+    let again = turn(&mut app.client, &text).await;
     assert!(again.redelivered, "answered from the receipt");
     assert_eq!(
         parsed(&again.activities_json),
@@ -126,10 +127,12 @@ async fn unnamed_members_reach_the_bot_and_come_back_verbatim() {
 
 #[tokio::test]
 async fn typed_and_json_forms_mix_and_the_reply_form_follows_the_flag() {
-    let url = support::pg::fresh_database().await;
-    let server = TestServer::start(postgres_config(&url), BotRegistry::new("mirror", Mirror)).await;
-    let mut client = server.client().await;
-    let typed = client
+    let mut app = TestApp::postgres()
+        .bots(BotRegistry::new("mirror", Mirror))
+        .spawn()
+        .await;
+    let typed = app
+        .client
         .process_turn(pb::ProcessTurnRequest::json(
             teams_message("j1").to_string(),
             "mirror",
@@ -149,7 +152,8 @@ async fn typed_and_json_forms_mix_and_the_reply_form_follows_the_flag() {
         "unnamed members ride in typed `properties` too"
     );
 
-    let json = client
+    let json = app
+        .client
         .process_turn(
             pb::ProcessTurnRequest::typed(support::message("c2", "alice", "hi"), "mirror")
                 .with_json_replies(),
@@ -164,9 +168,10 @@ async fn typed_and_json_forms_mix_and_the_reply_form_follows_the_flag() {
 
 #[tokio::test]
 async fn broken_json_is_invalid_argument_naming_activity_json_and_runs_nothing() {
-    let url = support::pg::fresh_database().await;
-    let server = TestServer::start(postgres_config(&url), BotRegistry::new("mirror", Mirror)).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::postgres()
+        .bots(BotRegistry::new("mirror", Mirror))
+        .spawn()
+        .await;
     let no_conversation = {
         let mut v = teams_message("j2");
         v.as_object_mut().unwrap().remove("conversation");
@@ -178,7 +183,8 @@ async fn broken_json_is_invalid_argument_naming_activity_json_and_runs_nothing()
         ("null", "`activity_json`"),
         (no_conversation.as_str(), "`conversation`"),
     ] {
-        let status = client
+        let status = app
+            .client
             .process_turn(pb::ProcessTurnRequest::json(text, "mirror"))
             .await
             .expect_err(text);
@@ -194,7 +200,8 @@ async fn broken_json_is_invalid_argument_naming_activity_json_and_runs_nothing()
         v["text"] = json!("x".repeat(65 * 1024));
         v.to_string()
     };
-    let status = client
+    let status = app
+        .client
         .process_turn(pb::ProcessTurnRequest::json(long, "mirror"))
         .await
         .expect_err("over the text limit");

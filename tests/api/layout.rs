@@ -7,7 +7,7 @@
 use crate::support;
 
 use serde_json::json;
-use support::{TestServer, message, postgres_config, say, texts};
+use support::{TestApp, message, say, texts};
 use turnstile::config::{Config, StoreConfig};
 use turnstile::grpc::pb;
 use turnstile::store::postgres::{self, DatabaseUrl, Schema};
@@ -26,14 +26,15 @@ async fn relations(url: &str, schema: &str, kind: &str) -> i64 {
         .get(0)
 }
 
-fn in_schema(url: &str, schema: &str) -> Config {
+/// `config` with its tables in `schema` of the database at `url`.
+fn in_schema(config: Config, url: &str, schema: &str) -> Config {
     Config {
         store: StoreConfig::Postgres {
             url: DatabaseUrl::new(url).with_schema(Schema::parse(schema).unwrap()),
             pool_size: 4,
             commits_in_flight: None,
         },
-        ..Config::default()
+        ..config
     }
 }
 
@@ -52,16 +53,19 @@ async fn a_fresh_database_keeps_public_clean() {
 async fn a_database_laid_out_in_public_moves_with_every_row_and_keeps_serving_older_statements() {
     let url = support::pg::fresh_database().await;
     // An older release's layout: everything in public.
-    let server = TestServer::start(in_schema(&url, "public"), turnstile::bots::samples()).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::on(&url)
+        .config(|c| in_schema(c, &url, "public"))
+        .spawn()
+        .await;
     let first = message("moving", "ada", "add ham");
-    let answered = client
+    let answered = app
+        .client
         .process_turn(pb::ProcessTurnRequest::typed(first.clone(), ""))
         .await
         .unwrap()
         .into_inner();
-    say(&mut client, "moving", "add olives").await;
-    server.stop().await.unwrap();
+    say(&mut app.client, "moving", "add olives").await;
+    app.stop().await.unwrap();
     assert!(relations(&url, "public", "r").await > 1000);
 
     // An older replica's long transaction (a leased conversation's) holds the receipts while the
@@ -100,16 +104,16 @@ async fn a_database_laid_out_in_public_moves_with_every_row_and_keeps_serving_ol
 
     // This release, in the schema: the rows came along, and a redelivery is answered from its
     // receipt.
-    let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
-    let mut client = server.client().await;
-    let again = client
+    let mut app = TestApp::on(&url).spawn().await;
+    let again = app
+        .client
         .process_turn(pb::ProcessTurnRequest::typed(first, ""))
         .await
         .unwrap()
         .into_inner();
     assert!(again.redelivered);
     assert_eq!(texts(&again), texts(&answered));
-    let next = say(&mut client, "moving", "add cheese").await;
+    let next = say(&mut app.client, "moving", "add cheese").await;
     assert!(
         texts(&next)[0].ends_with("ham, olives, cheese."),
         "{next:?}"
@@ -174,7 +178,7 @@ async fn a_database_laid_out_in_public_moves_with_every_row_and_keeps_serving_ol
         .unwrap()
         .get(0);
     assert_eq!(functions, 0);
-    let last = say(&mut client, "moving", "add mushroom").await;
+    let last = say(&mut app.client, "moving", "add mushroom").await;
     assert!(texts(&last)[0].ends_with("cheese, mushroom."), "{last:?}");
-    server.stop().await.unwrap();
+    app.stop().await.unwrap();
 }

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use support::{TestServer, message, postgres_config, texts};
+use support::{TestApp, message, texts};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::time::Instant;
 use tonic::Code;
@@ -114,21 +114,24 @@ fn count(response: &pb::ProcessTurnResponse) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn calls_past_the_limit_are_refused_at_once_and_admitted_turns_are_exact() {
-    let url = support::pg::fresh_database().await;
     let bot = GatedCounter {
         gate: Arc::new(Semaphore::new(0)),
         inside: Arc::default(),
         most_inside: Arc::default(),
         pause_ms: Arc::default(),
     };
-    let config = Config {
-        max_in_flight: Some(LIMIT),
-        ..postgres_config(&url)
-    };
-    let server = TestServer::start(config, BotRegistry::new("counter", bot.clone())).await;
-    let mut clients = Vec::new();
-    for _ in 0..4 {
-        clients.push(server.client().await);
+    let app = TestApp::postgres()
+        .bots(BotRegistry::new("counter", bot.clone()))
+        .config(|c| Config {
+            max_in_flight: Some(LIMIT),
+            ..c
+        })
+        .spawn()
+        .await;
+    // Four connections.
+    let mut clients = vec![app.client.clone()];
+    for _ in 1..4 {
+        clients.push(app.connect().await);
     }
 
     // Wave 1, the gate shut: no turn can finish, so exactly LIMIT are admitted and every other
@@ -145,8 +148,7 @@ async fn calls_past_the_limit_are_refused_at_once_and_admitted_turns_are_exact()
     }
     // Refused before its request is read: bytes that are no request at all (which an admitted
     // call would have refused as INVALID_ARGUMENT) get the same answer as a valid one.
-    let unread =
-        support::raw::send_raw(server.addr, vec![0xff, 0xff, 0xff, 0x0f, 0x01], None).await;
+    let unread = support::raw::send_raw(app.addr, vec![0xff, 0xff, 0xff, 0x0f, 0x01], None).await;
     assert_overloaded(&unread);
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(
@@ -250,21 +252,26 @@ async fn a_connection_carries_at_most_max_concurrent_streams_calls() {
         most_inside: Arc::default(),
         pause_ms: Arc::default(),
     };
-    let mut config = Config {
-        max_in_flight: Some(64),
-        ..Config::default()
-    };
-    config.connections.max_streams = Some(2);
-    let server = TestServer::start(config, BotRegistry::new("counter", bot.clone())).await;
+    let mut app = TestApp::memory()
+        .bots(BotRegistry::new("counter", bot.clone()))
+        .config(|c| {
+            let mut config = Config {
+                max_in_flight: Some(64),
+                ..c
+            };
+            config.connections.max_streams = Some(2);
+            config
+        })
+        .spawn()
+        .await;
     // One connection: its clones share it. A first call, let through, so that the client has
     // the server's settings before it sends more (sent before them, extra streams are reset).
-    let mut client = server.client().await;
     bot.gate.add_permits(1);
-    client.process_turn(turn("streams", 0)).await.unwrap();
+    app.client.process_turn(turn("streams", 0)).await.unwrap();
     bot.most_inside.store(0, Ordering::SeqCst);
     let calls: Vec<_> = (0..5)
         .map(|i| {
-            let mut client = client.clone();
+            let mut client = app.client.clone();
             tokio::spawn(async move { client.process_turn(turn("streams", i + 1)).await })
         })
         .collect();

@@ -9,11 +9,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use support::{TestServer, message, postgres_config, request, say, texts, toppings};
+use support::{TestApp, message, request, say, texts, toppings};
 use turnstile::bots::PizzaBot;
 use turnstile::store::Store;
 use turnstile::store::memory::MemoryStore;
-use turnstile::{Bot, BotError, BotRegistry, Config, TurnContext};
+use turnstile::{Bot, BotError, BotRegistry, TurnContext};
 
 const TURNS: usize = 40;
 
@@ -143,11 +143,11 @@ async fn three_replicas_on_citus_never_acknowledge_a_lost_topping() {
 async fn three_replicas_race(url: &str) {
     // Three replicas start together, each migrating on start, each with its own pool and port.
     let (a, b, c) = tokio::join!(
-        TestServer::start(postgres_config(url), turnstile::bots::samples()),
-        TestServer::start(postgres_config(url), turnstile::bots::samples()),
-        TestServer::start(postgres_config(url), turnstile::bots::samples()),
+        TestApp::on(url).spawn(),
+        TestApp::on(url).spawn(),
+        TestApp::on(url).spawn(),
     );
-    let clients = [a.client().await, b.client().await, c.client().await];
+    let clients = [a.client.clone(), b.client.clone(), c.client.clone()];
     let added = race(&clients, "pizza-race").await;
     let mut client = clients[0].clone();
     assert_no_lost_update(&added, &mut client, "pizza-race").await;
@@ -169,14 +169,12 @@ impl Bot for Pondering {
 async fn three_engines_on_one_memory_store_never_acknowledge_a_lost_topping() {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let start = || {
-        TestServer::start_with_store(
-            Config::default(),
-            Arc::clone(&store),
-            BotRegistry::new("pizza", Pondering),
-        )
+        TestApp::shared(Arc::clone(&store))
+            .bots(BotRegistry::new("pizza", Pondering))
+            .spawn()
     };
     let (a, b, c) = tokio::join!(start(), start(), start());
-    let clients = [a.client().await, b.client().await, c.client().await];
+    let clients = [a.client.clone(), b.client.clone(), c.client.clone()];
     let added = race(&clients, "pizza-race").await;
     let mut client = clients[0].clone();
     assert_no_lost_update(&added, &mut client, "pizza-race").await;

@@ -125,15 +125,13 @@ impl TlsCluster {
     }
 }
 
-/// Serves a few turns over `url` (migrations on start included) and returns the server.
-async fn serve_turns(url: &str) -> support::TestServer {
-    let server =
-        support::TestServer::start(support::postgres_config(url), turnstile::bots::samples()).await;
-    let mut client = server.client().await;
+/// Serves a few turns over `url` (migrations on start included) and returns the app.
+async fn serve_turns(url: &str) -> support::TestApp {
+    let mut app = support::TestApp::on(url).spawn().await;
     for text in ["hi", "a", "b"] {
-        support::say(&mut client, "tls-conversation", text).await;
+        support::say(&mut app.client, "tls-conversation", text).await;
     }
-    server
+    app
 }
 
 fn key() -> StateKey {

@@ -4,7 +4,7 @@
 
 use crate::support;
 
-use support::{TestServer, message, postgres_config, say, texts};
+use support::{TestApp, message, say, spawn_app, texts};
 use tonic::transport::Channel;
 use turnstile::grpc::pb;
 use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
@@ -56,27 +56,25 @@ async fn subtract_conversation(clients: &mut [TurnServiceClient<Channel>], conve
 
 #[tokio::test]
 async fn subtract_behaves_as_the_seed_sample_on_the_memory_store() {
-    let server = TestServer::start(turnstile::Config::default(), turnstile::bots::samples()).await;
-    subtract_conversation(&mut [server.client().await], "subtract-memory").await;
+    let app = TestApp::memory().spawn().await;
+    subtract_conversation(&mut [app.client.clone()], "subtract-memory").await;
 }
 
 #[tokio::test]
 async fn subtract_continues_on_another_replica_over_postgres() {
-    let url = support::pg::fresh_database().await;
-    let a = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
-    let b = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
+    let a = spawn_app().await;
+    let b = a.replica(turnstile::bots::samples()).await;
     // Every turn runs on the other replica than the one before: the dialog stack lives in the
     // store, not in a process.
-    subtract_conversation(&mut [a.client().await, b.client().await], "subtract-pg").await;
+    subtract_conversation(&mut [a.client.clone(), b.client.clone()], "subtract-pg").await;
 }
 
 #[tokio::test]
 async fn pizza_asks_before_clearing_and_any_other_command_drops_the_question() {
-    let server = TestServer::start(turnstile::Config::default(), turnstile::bots::samples()).await;
-    let client = server.client().await;
+    let app = TestApp::memory().spawn().await;
     let c = "pizza-clear";
     let said = |text: &'static str| {
-        let mut client = client.clone();
+        let mut client = app.client.clone();
         async move { texts(&say(&mut client, c, text).await) }
     };
     assert_eq!(said("add ham").await, ["Added ham. Your pizza has: ham."]);

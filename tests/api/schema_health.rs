@@ -15,12 +15,12 @@ use tonic_types::StatusExt as _;
 use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
 use turnstile::store::postgres::{self, DatabaseUrl};
 
-use crate::support::{self, TestServer, message, request, say, texts};
+use crate::support::{self, TestApp, message, request, say, texts};
 
 const TURNS: &str = "turnstile.v1.TurnService";
 
-async fn health(server: &TestServer) -> HealthClient<Channel> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
+async fn health(app: &TestApp) -> HealthClient<Channel> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", app.addr))
         .unwrap()
         .connect()
         .await
@@ -70,18 +70,17 @@ async fn refused_turn(client: &mut TurnServiceClient<Channel>) -> tonic::Status 
     panic!("turns were never refused as SCHEMA_BEHIND");
 }
 
-fn unmigrated_start(url: &str) -> turnstile::Config {
-    let mut config = support::postgres_config(url);
+/// `config`, not migrating on start.
+fn unmigrated(mut config: turnstile::Config) -> turnstile::Config {
     config.migrate_on_start = false;
     config
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unmigrated_database_is_not_served_until_migrate_runs() {
-    let url = support::pg::fresh_database().await;
-    let server = TestServer::start(unmigrated_start(&url), turnstile::bots::samples()).await;
-    let mut health = health(&server).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::postgres().config(unmigrated).spawn().await;
+    let url = app.database_url().to_owned();
+    let mut health = health(&app).await;
 
     assert_eq!(status(&mut health, TURNS).await, ServingStatus::NotServing);
     assert_eq!(
@@ -89,7 +88,7 @@ async fn an_unmigrated_database_is_not_served_until_migrate_runs() {
         ServingStatus::Serving,
         "the process is up: liveness must not restart it while it waits for the migration"
     );
-    let refused = refused_turn(&mut client).await;
+    let refused = refused_turn(&mut app.client).await;
     assert!(
         refused.message().contains("turnstile migrate")
             && refused.message().contains("no migration has run"),
@@ -105,9 +104,9 @@ async fn an_unmigrated_database_is_not_served_until_migrate_runs() {
     // The migration Job runs; the server notices without a restart.
     postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
     until(&mut health, ServingStatus::Serving).await;
-    let reply = say(&mut client, "c1", "add ham").await;
+    let reply = say(&mut app.client, "c1", "add ham").await;
     assert_eq!(texts(&reply), ["Added ham. Your pizza has: ham."]);
-    server.stop().await.unwrap();
+    app.stop().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -126,11 +125,10 @@ async fn a_schema_one_migration_behind_names_both_versions() {
         .await
         .unwrap();
 
-    let server = TestServer::start(unmigrated_start(&url), turnstile::bots::samples()).await;
-    let mut health = health(&server).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::on(&url).config(unmigrated).spawn().await;
+    let mut health = health(&app).await;
     assert_eq!(status(&mut health, TURNS).await, ServingStatus::NotServing);
-    let refused = refused_turn(&mut client).await;
+    let refused = refused_turn(&mut app.client).await;
     let info = refused.get_details_error_info().unwrap();
     assert_eq!(info.metadata["schema_version"], (needed - 1).to_string());
     assert!(
@@ -144,8 +142,8 @@ async fn a_schema_one_migration_behind_names_both_versions() {
 
     assert_eq!(postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap(), 1);
     until(&mut health, ServingStatus::Serving).await;
-    say(&mut client, "c1", "add ham").await;
-    server.stop().await.unwrap();
+    say(&mut app.client, "c1", "add ham").await;
+    app.stop().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -165,14 +163,17 @@ async fn a_schema_newer_than_the_binary_is_served() {
 
     // Without migrating on start, and with: migrate leaves the newer schema alone.
     for migrate_on_start in [false, true] {
-        let mut config = support::postgres_config(&url);
-        config.migrate_on_start = migrate_on_start;
-        let server = TestServer::start(config, turnstile::bots::samples()).await;
-        let mut health = health(&server).await;
+        let mut app = TestApp::on(&url)
+            .config(move |mut c| {
+                c.migrate_on_start = migrate_on_start;
+                c
+            })
+            .spawn()
+            .await;
+        let mut health = health(&app).await;
         until(&mut health, ServingStatus::Serving).await;
-        let mut client = server.client().await;
-        say(&mut client, &format!("c-{migrate_on_start}"), "add ham").await;
-        server.stop().await.unwrap();
+        say(&mut app.client, &format!("c-{migrate_on_start}"), "add ham").await;
+        app.stop().await.unwrap();
     }
     assert_eq!(postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap(), 0);
 }
@@ -181,11 +182,11 @@ async fn a_schema_newer_than_the_binary_is_served() {
 async fn an_unreachable_database_at_start_is_not_serving_and_turns_are_unavailable() {
     let port = support::free_port();
     let url = format!("postgres://postgres@127.0.0.1:{port}/nothing");
-    let server = TestServer::start(unmigrated_start(&url), turnstile::bots::samples()).await;
-    let mut health = health(&server).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::on(&url).config(unmigrated).spawn().await;
+    let mut health = health(&app).await;
     assert_eq!(status(&mut health, TURNS).await, ServingStatus::NotServing);
-    let status = client
+    let status = app
+        .client
         .process_turn(request(message("c1", "alice", "add ham")))
         .await
         .expect_err("a turn without a database was served");
@@ -194,5 +195,5 @@ async fn an_unreachable_database_at_start_is_not_serving_and_turns_are_unavailab
         status.get_details_error_info().unwrap().reason,
         "STORE_UNAVAILABLE"
     );
-    server.stop().await.unwrap();
+    app.stop().await.unwrap();
 }

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use support::{TestServer, message, postgres_config, texts};
+use support::{TestApp, message, texts};
 use tokio::sync::watch;
 use tonic::Code;
 use tonic_health::pb::HealthCheckRequest;
@@ -58,16 +58,20 @@ fn turn(id: &str) -> pb::ProcessTurnRequest {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn in_flight_turns_finish_once_and_new_ones_are_refused() {
-    let url = support::pg::fresh_database().await;
     let started = Arc::new(AtomicUsize::new(0));
     let (open, gate) = watch::channel(false);
     let bot = GatedCounter {
         started: started.clone(),
         gate,
     };
-    let server = TestServer::start(postgres_config(&url), BotRegistry::new("counter", bot)).await;
-    let client = server.client().await;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
+    let app = TestApp::postgres()
+        .bots(BotRegistry::new("counter", bot))
+        .spawn()
+        .await;
+    let url = app.database_url().to_owned();
+    // The app goes away mid-test: its client stays.
+    let client = app.client.clone();
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", app.addr))
         .unwrap()
         .connect()
         .await
@@ -84,7 +88,7 @@ async fn in_flight_turns_finish_once_and_new_ones_are_refused() {
     })
     .await;
 
-    let stopped = tokio::spawn(server.stop());
+    let stopped = tokio::spawn(app.stop());
     let health = HealthClient::new(channel);
     eventually("probes see the drain", async || {
         let status = health
@@ -130,18 +134,17 @@ async fn in_flight_turns_finish_once_and_new_ones_are_refused() {
 
     // A new replica on the same database: every drained turn committed exactly once, and the
     // refused one never ran.
-    let next = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
-    let mut client = next.client().await;
+    let mut next = TestApp::on(&url).spawn().await;
     for i in 0..8 {
         let mut again = turn(&format!("t{i}"));
         again.bot = "counter".into();
-        let response = client.process_turn(again).await.unwrap().into_inner();
+        let response = next.client.process_turn(again).await.unwrap().into_inner();
         assert!(response.redelivered, "t{i} committed before the stop");
         assert_eq!(texts(&response), ["count: 1"]);
     }
     let mut late = turn("late");
     late.bot = "counter".into();
-    let response = client.process_turn(late).await.unwrap().into_inner();
+    let response = next.client.process_turn(late).await.unwrap().into_inner();
     assert!(!response.redelivered, "the refused turn had not run");
     assert_eq!(texts(&response), ["count: 1"]);
 }

@@ -9,7 +9,7 @@
 use turnstile::BotRegistry;
 use turnstile::bots::CounterBot;
 
-use crate::support::{self, TestServer, postgres_config, say};
+use crate::support::{self, TestApp, say};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_load_is_planned_once_per_connection_not_once_per_turn() {
@@ -30,15 +30,13 @@ async fn a_load_is_planned_once_per_connection_not_once_per_turn() {
         .batch_execute("CREATE EXTENSION pg_stat_statements")
         .await
         .unwrap();
-    let server = TestServer::start(
-        postgres_config(&url),
-        BotRegistry::new("counter", CounterBot),
-    )
-    .await;
-    let mut client = server.client().await;
+    let mut app = TestApp::on(&url)
+        .bots(BotRegistry::new("counter", CounterBot))
+        .spawn()
+        .await;
 
     // The server has migrated the schema once it answers a turn.
-    say(&mut client, "plans-first", "one").await;
+    say(&mut app.client, "plans-first", "one").await;
     // A state table of a deployment's size: over a few rows, any plan is cheap, and PostgreSQL
     // keeps a generic one whatever the statement.
     admin
@@ -53,7 +51,7 @@ async fn a_load_is_planned_once_per_connection_not_once_per_turn() {
     // Every turn a conversation's first: none is in the server's state cache, so each loads.
     const TURNS: i64 = 120;
     for n in 0..TURNS {
-        let reply = say(&mut client, &format!("plans-{n}"), "one").await;
+        let reply = say(&mut app.client, &format!("plans-{n}"), "one").await;
         assert_eq!(support::texts(&reply), ["count: 1"]);
     }
 
@@ -75,5 +73,5 @@ async fn a_load_is_planned_once_per_connection_not_once_per_turn() {
         plans <= 6 * 8 && plans * 2 < calls,
         "{plans} plans for {calls} loads: the load is planned again at every execution"
     );
-    server.stop().await.unwrap();
+    app.stop().await.unwrap();
 }

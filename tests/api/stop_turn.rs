@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use async_trait::async_trait;
 use support::streams::{collect, outcome};
-use support::{TestServer, message, postgres_config, texts};
+use support::{TestApp, message, texts};
 use tokio::sync::Semaphore;
 use tonic::Code;
 use turnstile::bot::{Bot, BotError, BotRegistry, TurnContext};
@@ -69,11 +69,11 @@ fn stop(activity: &pb::Activity, shown: Option<&str>) -> pb::StopTurnRequest {
 
 /// Opens a `StreamTurn` of `activity` and reads it up to the draft "one two".
 async fn until_second_draft(
-    server: &TestServer,
+    app: &TestApp,
     activity: &pb::Activity,
 ) -> (tonic::Streaming<pb::StreamTurnResponse>, Vec<Event>) {
     support::streams::open_until(
-        server,
+        app,
         activity,
         |e| matches!(e, Event::Draft(d) if d.text == "one two"),
     )
@@ -82,7 +82,6 @@ async fn until_second_draft(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_turn_commits_what_was_shown_once_on_unchanged_state_and_its_bot_is_cancelled() {
-    let url = support::pg::fresh_database().await;
     let gate = Arc::new(Semaphore::new(0));
     let finished = Arc::new(AtomicU32::new(0));
     let cancelled = Arc::new(AtomicU32::new(0));
@@ -94,13 +93,13 @@ async fn a_stopped_turn_commits_what_was_shown_once_on_unchanged_state_and_its_b
             cancelled: Arc::clone(&cancelled),
         },
     );
-    let server = TestServer::start(postgres_config(&url), bots).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::postgres().bots(bots).spawn().await;
 
     // The channel showed "one tw" when the user pressed Stop.
     let first = message("stop-1", "ada", "write");
-    let (events, seen) = until_second_draft(&server, &first).await;
-    let stopped = client
+    let (events, seen) = until_second_draft(&app, &first).await;
+    let stopped = app
+        .client
         .stop_turn(stop(&first, Some("one tw")))
         .await
         .unwrap()
@@ -127,7 +126,8 @@ async fn a_stopped_turn_commits_what_was_shown_once_on_unchanged_state_and_its_b
     gate.forget_permits(1);
 
     // A redelivery is answered from the receipt: the same stopped reply, the bot not run.
-    let again = client
+    let again = app
+        .client
         .process_turn(pb::ProcessTurnRequest::typed(first.clone(), ""))
         .await
         .unwrap()
@@ -135,21 +135,24 @@ async fn a_stopped_turn_commits_what_was_shown_once_on_unchanged_state_and_its_b
     assert!(again.redelivered && again.stopped, "{again:?}");
     assert_eq!(texts(&again), ["one tw"]);
     // The turn is over: nothing runs to stop.
-    let late = client.stop_turn(stop(&first, None)).await.unwrap();
+    let late = app.client.stop_turn(stop(&first, None)).await.unwrap();
     assert_eq!(late.into_inner().result(), pb::StopTurnResult::NotRunning);
 
     // Shown text that the bot never drafted is cut to what it did: "one two", not "one twelve";
     // stopping twice keeps the first stop.
     let second = message("stop-1", "ada", "write");
-    let (events, seen) = until_second_draft(&server, &second).await;
-    let result = client.stop_turn(stop(&second, Some("one twelve"))).await;
+    let (events, seen) = until_second_draft(&app, &second).await;
+    let result = app
+        .client
+        .stop_turn(stop(&second, Some("one twelve")))
+        .await;
     assert_eq!(
         result.unwrap().into_inner().result(),
         pb::StopTurnResult::Stopped
     );
     // A second stop finds the turn stopping (or, on a busy machine, over already): either way
     // the first stop's text is what commits.
-    let again = client.stop_turn(stop(&second, Some("o"))).await;
+    let again = app.client.stop_turn(stop(&second, Some("o"))).await;
     assert!(
         matches!(
             again.unwrap().into_inner().result(),
@@ -163,14 +166,15 @@ async fn a_stopped_turn_commits_what_was_shown_once_on_unchanged_state_and_its_b
 
     // Without shown text: the latest text draft.
     let third = message("stop-1", "ada", "write");
-    let (events, seen) = until_second_draft(&server, &third).await;
-    client.stop_turn(stop(&third, None)).await.unwrap();
+    let (events, seen) = until_second_draft(&app, &third).await;
+    app.client.stop_turn(stop(&third, None)).await.unwrap();
     let (events, _) = collect(events, seen).await;
     assert_eq!(texts(outcome(&events)), ["one two"]);
     assert_eq!(cancelled.load(Ordering::SeqCst), 3);
 
     // None of the stopped turns counted: the next one is the conversation's first.
-    let quick = client
+    let quick = app
+        .client
         .process_turn(pb::ProcessTurnRequest::typed(
             message("stop-1", "ada", "quick"),
             "",
@@ -186,7 +190,6 @@ async fn a_stopped_turn_commits_what_was_shown_once_on_unchanged_state_and_its_b
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_names_what_is_wrong_with_it_and_stops_only_streamed_turns_running_here() {
-    let url = support::pg::fresh_database().await;
     let gate = Arc::new(Semaphore::new(0));
     let bots = || {
         BotRegistry::new(
@@ -198,14 +201,15 @@ async fn a_stop_names_what_is_wrong_with_it_and_stops_only_streamed_turns_runnin
             },
         )
     };
-    let mut config = postgres_config(&url);
-    config.limits.max_text_bytes = 16;
-    let (a, b) = (
-        TestServer::start(config.clone(), bots()).await,
-        TestServer::start(config, bots()).await,
-    );
-    let mut a_client = a.client().await;
-    let mut b_client = b.client().await;
+    let mut a = TestApp::postgres()
+        .bots(bots())
+        .config(|mut c| {
+            c.limits.max_text_bytes = 16;
+            c
+        })
+        .spawn()
+        .await;
+    let mut b = a.replica(bots()).await;
     let activity = message("stop-2", "ada", "write");
 
     let mut missing = stop(&activity, None);
@@ -218,14 +222,14 @@ async fn a_stop_names_what_is_wrong_with_it_and_stops_only_streamed_turns_runnin
         (too_long.clone(), Code::InvalidArgument, "shown_text"),
         (unknown, Code::NotFound, "nobody"),
     ] {
-        let status = a_client.stop_turn(request).await.unwrap_err();
+        let status = a.client.stop_turn(request).await.unwrap_err();
         assert_eq!(status.code(), code, "{status:?}");
         assert!(status.message().contains(field), "{status:?}");
     }
 
     // A turn run with ProcessTurn shows nothing and cannot be stopped; nor can one running on
     // another replica, which this one does not know of.
-    let mut unary = a_client.clone();
+    let mut unary = a.client.clone();
     let plain = activity.clone();
     let running = tokio::spawn(async move {
         unary
@@ -233,7 +237,7 @@ async fn a_stop_names_what_is_wrong_with_it_and_stops_only_streamed_turns_runnin
             .await
     });
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    let result = a_client.stop_turn(stop(&activity, None)).await.unwrap();
+    let result = a.client.stop_turn(stop(&activity, None)).await.unwrap();
     assert_eq!(result.into_inner().result(), pb::StopTurnResult::NotRunning);
     gate.add_permits(1);
     let done = running.await.unwrap().unwrap().into_inner();
@@ -241,14 +245,14 @@ async fn a_stop_names_what_is_wrong_with_it_and_stops_only_streamed_turns_runnin
 
     let streamed = message("stop-2", "ada", "write");
     let (events, seen) = until_second_draft(&a, &streamed).await;
-    let elsewhere = b_client.stop_turn(stop(&streamed, None)).await.unwrap();
+    let elsewhere = b.client.stop_turn(stop(&streamed, None)).await.unwrap();
     assert_eq!(
         elsewhere.into_inner().result(),
         pb::StopTurnResult::NotRunning
     );
     too_long.activity_id = streamed.id.clone().unwrap();
     too_long.shown_text = Some("one".into());
-    let here = a_client.stop_turn(too_long).await.unwrap();
+    let here = a.client.stop_turn(too_long).await.unwrap();
     assert_eq!(here.into_inner().result(), pb::StopTurnResult::Stopped);
     let (events, _) = collect(events, seen).await;
     assert_eq!(texts(outcome(&events)), ["one"]);

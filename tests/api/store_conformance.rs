@@ -1,5 +1,6 @@
 //! One conformance suite for every store: the memory store and PostgreSQL must keep the same
-//! optimistic-concurrency contract, case by case.
+//! optimistic-concurrency contract, case by case. Each case is a test of its own on each store,
+//! `store_conformance::on_<store>::<case>`, so that a failure names both.
 #![allow(clippy::unwrap_used)]
 
 use crate::support;
@@ -80,8 +81,9 @@ async fn version_of(store: &dyn Store, key: &StateKey) -> Option<(JsonMap, Versi
         .map(|row| (JsonMap::clone(&row.state), row.version))
 }
 
-/// The whole contract, run against one store.
-async fn conformance(store: Arc<dyn Store>) {
+/// Versions and conflicts: create-if-absent, updates at the version read, keys only checked, all
+/// keys of a commit or none, loads of several keys, and JSON as written.
+async fn versions_and_conflicts(store: Arc<dyn Store>) {
     let store = store.as_ref();
     let a = conversation("a");
     let b = user("b");
@@ -836,60 +838,46 @@ async fn erasure(store: Arc<dyn Store>) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn memory_store_keeps_the_contract() {
-    inspection(Arc::new(MemoryStore::new())).await;
-    erasure(Arc::new(MemoryStore::new())).await;
-    conformance(Arc::new(MemoryStore::new())).await;
-    exactly_one_concurrent_writer_wins(Arc::new(MemoryStore::new())).await;
-    crossing_commits_do_not_deadlock(Arc::new(MemoryStore::new())).await;
-    receipts(Arc::new(MemoryStore::new())).await;
-    one_receipt_per_activity_under_concurrency(Arc::new(MemoryStore::new())).await;
+/// The suite's cases, each a test of its own on a store of its own from `$store` (an expression a
+/// test may `return` from), and `expiry` on one from `$expiring`.
+macro_rules! cases_on {
+    (@each $store:expr => $($case:ident),+) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                super::$case($store).await;
+            }
+        )+
+    };
+    ($store:expr $(, expiring: $expiring:expr)?) => {
+        cases_on!(@each $store => versions_and_conflicts, exactly_one_concurrent_writer_wins,
+            crossing_commits_do_not_deadlock, receipts, one_receipt_per_activity_under_concurrency,
+            inspection, erasure);
+        $(cases_on!(@each $expiring => expiry);)?
+    };
 }
 
+/// The suite on the memory store: `store_conformance::on_memory::<case>`.
+mod on_memory {
+    cases_on!(
+        std::sync::Arc::new(super::MemoryStore::new()),
+        expiring: std::sync::Arc::new(super::MemoryStore::new().with_ttls(super::conversation_ttl()))
+    );
+}
+
+/// A store over a fresh database, migrated.
 async fn postgres_store() -> Arc<dyn Store> {
     let url = DatabaseUrl::new(support::pg::fresh_database().await);
     postgres::migrate(&url).await.unwrap();
     Arc::new(PostgresStore::connect(&url, 8).unwrap())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_store_keeps_the_contract() {
-    inspection(postgres_store().await).await;
-    erasure(postgres_store().await).await;
-    conformance(postgres_store().await).await;
-    exactly_one_concurrent_writer_wins(postgres_store().await).await;
-    crossing_commits_do_not_deadlock(postgres_store().await).await;
-    receipts(postgres_store().await).await;
-    one_receipt_per_activity_under_concurrency(postgres_store().await).await;
-}
-
-/// A store over a database of the shared Citus cluster (a coordinator and 2 workers), laid out for
-/// Citus by `migrate`; `None` where Citus is not installed (`support::citus::installed`).
-async fn citus_store() -> Arc<dyn Store> {
-    let url = DatabaseUrl::new(support::citus::shared().fresh_database().await);
-    let (_, citus) = postgres::migrate_with(&url, postgres::CitusLayout::Required)
-        .await
-        .unwrap();
-    assert_eq!(citus, postgres::Citus::Distributed);
-    Arc::new(PostgresStore::connect(&url, 8).unwrap())
-}
-
-/// The same contract on Citus: the tables distributed over two workers, each statement asking the
-/// shards of its keys.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn citus_store_keeps_the_contract() {
-    if !support::citus::installed() {
-        return;
-    }
-    inspection(citus_store().await).await;
-    erasure(citus_store().await).await;
-    conformance(citus_store().await).await;
-    exactly_one_concurrent_writer_wins(citus_store().await).await;
-    crossing_commits_do_not_deadlock(citus_store().await).await;
-    receipts(citus_store().await).await;
-    one_receipt_per_activity_under_concurrency(citus_store().await).await;
-    expiry(expiring_store(&support::citus::shared().fresh_database().await).await).await;
+/// The suite on PostgreSQL: `store_conformance::on_postgres::<case>`.
+mod on_postgres {
+    cases_on!(
+        super::postgres_store().await,
+        expiring: super::expiring_store(&crate::support::pg::fresh_database().await).await
+    );
 }
 
 /// The store as it runs behind a transaction-mode pooler: every statement unnamed, typed here.
@@ -899,15 +887,43 @@ async fn unprepared_postgres_store() -> Arc<dyn Store> {
     Arc::new(PostgresStore::connect_with(&url, 8, Statements::Unprepared).unwrap())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_store_without_prepared_statements_keeps_the_contract() {
-    inspection(unprepared_postgres_store().await).await;
-    erasure(unprepared_postgres_store().await).await;
-    conformance(unprepared_postgres_store().await).await;
-    exactly_one_concurrent_writer_wins(unprepared_postgres_store().await).await;
-    crossing_commits_do_not_deadlock(unprepared_postgres_store().await).await;
-    receipts(unprepared_postgres_store().await).await;
-    one_receipt_per_activity_under_concurrency(unprepared_postgres_store().await).await;
+/// The suite on PostgreSQL without prepared statements:
+/// `store_conformance::on_postgres_unprepared::<case>`.
+mod on_postgres_unprepared {
+    cases_on!(super::unprepared_postgres_store().await);
+}
+
+/// A store over a database of the shared Citus cluster (a coordinator and 2 workers), laid out for
+/// Citus by `migrate`; `None` where Citus is not installed (`support::citus::installed`).
+async fn citus_store() -> Option<Arc<dyn Store>> {
+    if !support::citus::installed() {
+        return None;
+    }
+    let url = DatabaseUrl::new(support::citus::shared().fresh_database().await);
+    let (_, citus) = postgres::migrate_with(&url, postgres::CitusLayout::Required)
+        .await
+        .unwrap();
+    assert_eq!(citus, postgres::Citus::Distributed);
+    Some(Arc::new(PostgresStore::connect(&url, 8).unwrap()))
+}
+
+/// The same contract on Citus, the tables distributed over two workers, each statement asking the
+/// shards of its keys: `store_conformance::on_citus::<case>`.
+mod on_citus {
+    cases_on!(
+        {
+            let Some(store) = super::citus_store().await else {
+                return;
+            };
+            store
+        },
+        expiring: {
+            if !crate::support::citus::installed() {
+                return;
+            }
+            super::expiring_store(&crate::support::citus::shared().fresh_database().await).await
+        }
+    );
 }
 
 #[tokio::test]
@@ -1772,12 +1788,6 @@ fn conversation_ttl() -> turnstile::store::Ttls {
         conversation: Some(std::time::Duration::from_secs(1)),
         ..turnstile::store::Ttls::NONE
     }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn both_stores_expire_state_and_sweep_it() {
-    expiry(Arc::new(MemoryStore::new().with_ttls(conversation_ttl()))).await;
-    expiry(expiring_store(&support::pg::fresh_database().await).await).await;
 }
 
 /// A store over database `url`, migrated, whose conversations live [`conversation_ttl`].

@@ -12,7 +12,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use support::bots::Gated;
 use support::streams::{collect, drafts, outcome, stream};
-use support::{TestServer, message, postgres_config, texts};
+use support::{TestApp, message, texts};
 use tokio::sync::Semaphore;
 use tonic::Code;
 use tonic_types::StatusExt as _;
@@ -23,12 +23,11 @@ use turnstile::grpc::pb::stream_turn_response::Event;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drafts_come_before_the_committed_outcome_and_a_redelivery_gets_the_outcome_alone() {
-    let url = support::pg::fresh_database().await;
     let bots = BotRegistry::new("llm", LlmBot::new(Duration::from_millis(1)));
-    let server = TestServer::start(postgres_config(&url), bots).await;
+    let mut app = TestApp::postgres().bots(bots).spawn().await;
     let activity = message("stream-1", "ada", "hello");
 
-    let (events, ended) = stream(&server, activity.clone(), "").await;
+    let (events, ended) = stream(&app, activity.clone(), "").await;
     ended.unwrap();
     let shown = drafts(&events);
     assert!(shown.len() > 10, "a draft per word: {events:?}");
@@ -64,7 +63,7 @@ async fn drafts_come_before_the_committed_outcome_and_a_redelivery_gets_the_outc
     );
 
     // The same activity again: its receipt answers, the bot does not run, nothing is drafted.
-    let (again, ended) = stream(&server, activity, "").await;
+    let (again, ended) = stream(&app, activity, "").await;
     ended.unwrap();
     assert_eq!(again.len(), 1, "the outcome alone: {again:?}");
     let redelivered = outcome(&again);
@@ -73,8 +72,8 @@ async fn drafts_come_before_the_committed_outcome_and_a_redelivery_gets_the_outc
     assert_eq!(redelivered.version, 1);
 
     // ProcessTurn of the same bot is unchanged: the drafts go nowhere.
-    let mut client = server.client().await;
-    let reply = client
+    let reply = app
+        .client
         .process_turn(pb::ProcessTurnRequest::typed(
             message("stream-1", "ada", "more"),
             "",
@@ -88,7 +87,6 @@ async fn drafts_come_before_the_committed_outcome_and_a_redelivery_gets_the_outc
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conflict_mid_stream_resets_the_drafts_and_the_replay_commits_once() {
-    let url = support::pg::fresh_database().await;
     let gate = Arc::new(Semaphore::new(0));
     let bots = || {
         BotRegistry::new(
@@ -98,15 +96,10 @@ async fn a_conflict_mid_stream_resets_the_drafts_and_the_replay_commits_once() {
             },
         )
     };
-    let (a, b, c) = (
-        TestServer::start(postgres_config(&url), bots()).await,
-        TestServer::start(postgres_config(&url), bots()).await,
-        TestServer::start(postgres_config(&url), bots()).await,
-    );
-    let mut b_client = b.client().await;
-    let mut c_client = c.client().await;
+    let mut a = TestApp::postgres().bots(bots()).spawn().await;
+    let (mut b, mut c) = (a.replica(bots()).await, a.replica(bots()).await);
     // The conversation exists: both replicas' turns will update the same row.
-    c_client
+    c.client
         .process_turn(pb::ProcessTurnRequest::typed(
             message("race", "ada", "first"),
             "",
@@ -114,8 +107,8 @@ async fn a_conflict_mid_stream_resets_the_drafts_and_the_replay_commits_once() {
         .await
         .unwrap();
 
-    let mut a_client = a.client().await;
-    let mut events = a_client
+    let mut events = a
+        .client
         .stream_turn(pb::StreamTurnRequest::typed(
             message("race", "ada", "wait"),
             "",
@@ -130,7 +123,8 @@ async fn a_conflict_mid_stream_resets_the_drafts_and_the_replay_commits_once() {
         "{first:?}"
     );
     // Meanwhile another replica commits a turn of the same conversation.
-    let other = b_client
+    let other = b
+        .client
         .process_turn(pb::ProcessTurnRequest::typed(
             message("race", "bob", "other"),
             "",
@@ -185,14 +179,18 @@ impl Bot for DraftsThenFails {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bot_that_drafts_then_fails_or_drafts_too_much_ends_the_stream_with_a_status_and_commits_nothing()
  {
-    let url = support::pg::fresh_database().await;
-    let mut config = postgres_config(&url);
-    config.limits.max_text_bytes = 64;
     let bots = BotRegistry::new("fails", DraftsThenFails)
         .with("llm", LlmBot::new(Duration::from_millis(1)));
-    let server = TestServer::start(config, bots).await;
+    let app = TestApp::postgres()
+        .bots(bots)
+        .config(|mut c| {
+            c.limits.max_text_bytes = 64;
+            c
+        })
+        .spawn()
+        .await;
 
-    let (events, ended) = stream(&server, message("f", "ada", "fail"), "").await;
+    let (events, ended) = stream(&app, message("f", "ada", "fail"), "").await;
     let status = ended.expect_err("the bot failed");
     assert_eq!(status.code(), Code::Internal, "{status:?}");
     assert_eq!(
@@ -207,12 +205,12 @@ async fn a_bot_that_drafts_then_fails_or_drafts_too_much_ends_the_stream_with_a_
     assert!(!events.iter().any(|e| matches!(e, Event::Outcome(_))));
 
     // The llm bot's answer outgrows 64 bytes: its draft is refused, failing the turn.
-    let (events, ended) = stream(&server, message("f", "ada", "hello"), "llm").await;
+    let (events, ended) = stream(&app, message("f", "ada", "hello"), "llm").await;
     assert_eq!(ended.expect_err("too large").code(), Code::Internal);
     assert!(!events.iter().any(|e| matches!(e, Event::Outcome(_))));
 
     // Nothing was committed by either: the next turn counts from zero.
-    let (events, ended) = stream(&server, message("f", "ada", "ok"), "").await;
+    let (events, ended) = stream(&app, message("f", "ada", "ok"), "").await;
     ended.unwrap();
     let committed = outcome(&events);
     assert_eq!(texts(committed), ["count: 1"]);
@@ -223,15 +221,14 @@ async fn a_bot_that_drafts_then_fails_or_drafts_too_much_ends_the_stream_with_a_
 /// only until its headers); the turn goes on and commits, and a redelivery gets its answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streams_deadline_ends_the_call_and_the_turn_still_commits_once() {
-    let url = support::pg::fresh_database().await;
     // About 35 words at 20 ms: some 700 ms, well past the call's 200 ms.
     let bots = BotRegistry::new("llm", LlmBot::new(Duration::from_millis(20)));
-    let server = TestServer::start(postgres_config(&url), bots).await;
+    let mut app = TestApp::postgres().bots(bots).spawn().await;
     let activity = message("deadline", "ada", "hello");
-    let mut client = server.client().await;
     // The server is up first (on a fresh database its start migrates it, which can take longer
     // than the deadline below): a stream's first event means it serves.
-    let mut warm = client
+    let mut warm = app
+        .client
         .stream_turn(pb::StreamTurnRequest::typed(
             message("warm", "ada", "hi"),
             "",
@@ -242,7 +239,7 @@ async fn a_streams_deadline_ends_the_call_and_the_turn_still_commits_once() {
     warm.message().await.unwrap().expect("a first event");
     let mut request = tonic::Request::new(pb::StreamTurnRequest::typed(activity.clone(), ""));
     request.set_timeout(Duration::from_millis(200));
-    let events = client.stream_turn(request).await.unwrap().into_inner();
+    let events = app.client.stream_turn(request).await.unwrap().into_inner();
     let (shown, ended) = collect(events, Vec::new()).await;
     let status = ended.expect_err("the deadline ends the stream");
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
@@ -254,7 +251,7 @@ async fn a_streams_deadline_ends_the_call_and_the_turn_still_commits_once() {
     assert!(!shown.iter().any(|e| matches!(e, Event::Outcome(_))));
 
     // The same activity again: it queues behind the running turn, then its receipt answers.
-    let (again, ended) = stream(&server, activity, "").await;
+    let (again, ended) = stream(&app, activity, "").await;
     ended.unwrap();
     assert_eq!(again.len(), 1, "the outcome alone: {again:?}");
     let committed = outcome(&again);

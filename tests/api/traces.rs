@@ -98,17 +98,19 @@ async fn a_collector_receives_the_spans_of_a_turn_in_the_callers_trace() {
         turnstile::telemetry::traces::otlp_layer(&format!("http://{collector}")).unwrap();
     tracing_subscriber::registry().with(layer).init();
 
-    let config = Config {
-        auth_tokens: vec![turnstile::grpc::auth::Token::new("trace-token")],
-        ..Config::default()
-    };
-    let server = support::TestServer::start(config, turnstile::bots::samples()).await;
-    let mut client = server.client().await;
-    client
+    let mut app = support::TestApp::memory()
+        .config(|c| Config {
+            auth_tokens: vec![turnstile::grpc::auth::Token::new("trace-token")],
+            ..c
+        })
+        .spawn()
+        .await;
+    app.client
         .process_turn(request_in_trace(TRACE_ID, Some("trace-token")))
         .await
         .unwrap();
-    let refused = client
+    let refused = app
+        .client
         .process_turn(request_in_trace(REFUSED_TRACE_ID, None))
         .await
         .unwrap_err();

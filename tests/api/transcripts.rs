@@ -8,7 +8,7 @@ use crate::support;
 
 use std::path::{Path, PathBuf};
 
-use support::{TestServer, postgres_config};
+use support::{TestApp, spawn_app};
 use tonic::transport::Channel;
 use turnstile::activity::Activity;
 use turnstile::grpc::pb;
@@ -128,10 +128,9 @@ async fn replay(
     Ok(())
 }
 
-/// Replays every transcript against `server`, all of them even when one fails, and fails
-/// naming each that did.
-async fn replay_all(server: &TestServer, store: &str) {
-    let mut client = server.client().await;
+/// Replays every transcript against `app`, all of them even when one fails, and fails naming
+/// each that did.
+async fn replay_all(mut app: TestApp, store: &str) {
     let transcripts = transcripts();
     assert_eq!(
         transcripts.len(),
@@ -140,7 +139,7 @@ async fn replay_all(server: &TestServer, store: &str) {
     );
     let mut failures = Vec::new();
     for transcript in &transcripts {
-        match replay(&mut client, transcript, store).await {
+        match replay(&mut app.client, transcript, store).await {
             Ok(()) => eprintln!("{store}: {} ({}) ok", transcript.name, transcript.bot),
             Err(e) => failures.push(format!(
                 "{} (bot `{}`) on {store}: {e}",
@@ -153,29 +152,25 @@ async fn replay_all(server: &TestServer, store: &str) {
 
 #[tokio::test]
 async fn every_transcript_replays_on_the_memory_store() {
-    let server = TestServer::start(turnstile::Config::default(), turnstile::bots::samples()).await;
-    replay_all(&server, "memory").await;
+    replay_all(TestApp::memory().spawn().await, "memory").await;
 }
 
 #[tokio::test]
 async fn every_transcript_replays_on_postgres() {
-    let url = support::pg::fresh_database().await;
-    let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
-    replay_all(&server, "postgres").await;
+    replay_all(spawn_app().await, "postgres").await;
 }
 
 #[tokio::test]
 async fn a_transcript_replayed_twice_in_one_conversation_starts_over() {
     // The dialogs leave no stack behind when they end, so the same conversation can run the
     // whole transcript again, as Bot Framework's bots can.
-    let server = TestServer::start(turnstile::Config::default(), turnstile::bots::samples()).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::memory().spawn().await;
     for transcript in transcripts()
         .iter()
         .filter(|t| t.name.ends_with("Prompt") && t.name != "WaterfallPrompt")
     {
         for _ in 0..2 {
-            replay(&mut client, transcript, "twice")
+            replay(&mut app.client, transcript, "twice")
                 .await
                 .unwrap_or_else(|e| panic!("{}: {e}", transcript.name));
         }
@@ -184,8 +179,7 @@ async fn a_transcript_replayed_twice_in_one_conversation_starts_over() {
 
 #[tokio::test]
 async fn the_replayer_notices_an_extra_or_a_missing_reply() {
-    let server = TestServer::start(turnstile::Config::default(), turnstile::bots::samples()).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::memory().spawn().await;
     let waterfall = transcripts()
         .into_iter()
         .find(|t| t.name == "Waterfall")
@@ -196,7 +190,7 @@ async fn the_replayer_notices_an_extra_or_a_missing_reply() {
         bot: "waterfall-nested",
         activities: waterfall.activities.clone(),
     };
-    let err = replay(&mut client, &extra, "extra")
+    let err = replay(&mut app.client, &extra, "extra")
         .await
         .expect_err("waterfall-nested says step1.1 too");
     assert!(err.contains("step1.1"), "{err}");
@@ -205,7 +199,7 @@ async fn the_replayer_notices_an_extra_or_a_missing_reply() {
     let mut unanswered = missing.activities.last().unwrap().clone();
     unanswered.text = Some("step4".into());
     missing.activities.push(unanswered);
-    let err = replay(&mut client, &missing, "missing")
+    let err = replay(&mut app.client, &missing, "missing")
         .await
         .expect_err("there is no step4");
     assert!(err.contains("step4"), "{err}");

@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use support::{TestServer, message, postgres_config, request, say, texts, toppings};
+use support::{TestApp, message, request, say, texts, toppings};
 use tonic::Code;
 use tonic_types::StatusExt as _;
 use turnstile::bots::PizzaBot;
@@ -44,17 +44,17 @@ fn assert_details(status: &tonic::Status, reason: &str, retry: bool) {
 
 #[tokio::test]
 async fn invalid_activities_get_invalid_argument_naming_the_field_and_change_nothing() {
-    let url = support::pg::fresh_database().await;
-    let config = turnstile::Config {
-        limits: turnstile::grpc::limits::Limits {
-            max_activity_bytes: 4096,
-            ..Default::default()
-        },
-        ..postgres_config(&url)
-    };
-    let server = TestServer::start(config, turnstile::bots::samples()).await;
-    let mut client = server.client().await;
-    say(&mut client, "c1", "add ham").await;
+    let mut app = TestApp::postgres()
+        .config(|c| turnstile::Config {
+            limits: turnstile::grpc::limits::Limits {
+                max_activity_bytes: 4096,
+                ..Default::default()
+            },
+            ..c
+        })
+        .spawn()
+        .await;
+    say(&mut app.client, "c1", "add ham").await;
 
     let base = || message("c1", "alice", "add pineapple");
     let cases: Vec<(&str, pb::ProcessTurnRequest)> = vec![
@@ -113,7 +113,7 @@ async fn invalid_activities_get_invalid_argument_naming_the_field_and_change_not
         ),
     ];
     for (field, req) in cases {
-        let status = client.process_turn(req).await.expect_err(field);
+        let status = app.client.process_turn(req).await.expect_err(field);
         assert_eq!(status.code(), Code::InvalidArgument, "{field}: {status:?}");
         assert!(
             status.message().contains(&format!("`{field}`")),
@@ -134,15 +134,15 @@ async fn invalid_activities_get_invalid_argument_naming_the_field_and_change_not
         };
         assert_eq!(named, [expected.as_str()], "{status:?}");
     }
-    let shown = say(&mut client, "c1", "show").await;
+    let shown = say(&mut app.client, "c1", "show").await;
     assert_eq!(texts(&shown), ["Your pizza has: ham."]);
 }
 
 #[tokio::test]
 async fn an_unknown_bot_is_not_found() {
-    let server = TestServer::start(turnstile::Config::default(), turnstile::bots::samples()).await;
-    let mut client = server.client().await;
-    let result = client
+    let mut app = TestApp::memory().spawn().await;
+    let result = app
+        .client
         .process_turn(pb::ProcessTurnRequest::typed(
             message("c1", "alice", "hi"),
             "calzone",
@@ -187,23 +187,26 @@ impl Bot for Notes {
 
 #[tokio::test]
 async fn a_failing_or_panicking_bot_is_internal_and_leaves_state_untouched() {
-    let url = support::pg::fresh_database().await;
-    let server = TestServer::start(postgres_config(&url), BotRegistry::new("notes", Notes)).await;
-    let mut client = server.client().await;
-    say(&mut client, "c1", "note first").await;
+    let mut app = TestApp::postgres()
+        .bots(BotRegistry::new("notes", Notes))
+        .spawn()
+        .await;
+    say(&mut app.client, "c1", "note first").await;
 
-    let failed = client
+    let failed = app
+        .client
         .process_turn(request(message("c1", "alice", "fail second")))
         .await;
     let status = assert_status(failed, Code::Internal, "the bot failed");
     assert_details(&status, "BOT_FAILED", false);
-    let panicked = client
+    let panicked = app
+        .client
         .process_turn(request(message("c1", "alice", "panic third")))
         .await;
     let status = assert_status(panicked, Code::Internal, "the bot failed");
     assert_details(&status, "BOT_FAILED", false);
 
-    let read = say(&mut client, "c1", "read").await;
+    let read = say(&mut app.client, "c1", "read").await;
     assert_eq!(texts(&read), ["note: first"]);
     assert_eq!(read.version, 1, "only the first note committed");
 }
@@ -221,18 +224,17 @@ impl Bot for SlowPizza {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_attempt_under_contention_aborts_and_commits_nothing_for_the_aborted() {
-    let url = support::pg::fresh_database().await;
-    let mut config = postgres_config(&url);
-    config.retry.max_attempts = 1;
-    let servers = [
-        TestServer::start(config.clone(), BotRegistry::new("pizza", SlowPizza)).await,
-        TestServer::start(config.clone(), BotRegistry::new("pizza", SlowPizza)).await,
-        TestServer::start(config, BotRegistry::new("pizza", SlowPizza)).await,
-    ];
-    let mut clients = Vec::new();
-    for s in &servers {
-        clients.push(s.client().await);
-    }
+    let a = TestApp::postgres()
+        .bots(BotRegistry::new("pizza", SlowPizza))
+        .config(|mut c| {
+            c.retry.max_attempts = 1;
+            c
+        })
+        .spawn()
+        .await;
+    let b = a.replica(BotRegistry::new("pizza", SlowPizza)).await;
+    let c = a.replica(BotRegistry::new("pizza", SlowPizza)).await;
+    let mut clients = [a.client.clone(), b.client.clone(), c.client.clone()];
     let calls: Vec<_> = (0..30)
         .map(|i| {
             let mut client = clients[i % 3].clone();
@@ -287,19 +289,19 @@ async fn one_attempt_under_contention_aborts_and_commits_nothing_for_the_aborted
 async fn a_stopped_database_is_unavailable_and_state_survives_its_restart() {
     let cluster = support::pg::Cluster::start();
     let url = support::pg::fresh_database_in(&cluster).await;
-    let server = TestServer::start(postgres_config(&url), turnstile::bots::samples()).await;
-    let mut client = server.client().await;
-    say(&mut client, "c1", "add ham").await;
+    let mut app = TestApp::on(&url).spawn().await;
+    say(&mut app.client, "c1", "add ham").await;
 
     cluster.stop();
-    let result = client
+    let result = app
+        .client
         .process_turn(request(message("c1", "alice", "add olive")))
         .await;
     let status = assert_status(result, Code::Unavailable, "state store is unavailable");
     assert_details(&status, "STORE_UNAVAILABLE", true);
 
     cluster.resume();
-    let added = say(&mut client, "c1", "add mushroom").await;
+    let added = say(&mut app.client, "c1", "add mushroom").await;
     assert_eq!(
         texts(&added),
         ["Added mushroom. Your pizza has: ham, mushroom."]
@@ -313,8 +315,8 @@ async fn health_and_reflection_answer_without_the_proto_file() {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
 
-    let server = TestServer::start(turnstile::Config::default(), turnstile::bots::samples()).await;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
+    let app = TestApp::memory().spawn().await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", app.addr))
         .unwrap()
         .connect()
         .await
@@ -387,8 +389,8 @@ async fn health_and_reflection_answer_without_the_proto_file() {
 
 #[tokio::test]
 async fn calls_to_an_unknown_service_or_method_are_unimplemented() {
-    let server = TestServer::start(turnstile::Config::default(), turnstile::bots::samples()).await;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
+    let app = TestApp::memory().spawn().await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", app.addr))
         .unwrap()
         .connect()
         .await
@@ -438,21 +440,24 @@ impl Bot for Blob {
 
 #[tokio::test]
 async fn a_scope_written_past_the_size_limit_fails_naming_it_and_commits_nothing() {
-    let url = support::pg::fresh_database().await;
-    let config = turnstile::Config {
-        max_scope_bytes: 1000,
-        ..postgres_config(&url)
-    };
-    let server = TestServer::start(config, BotRegistry::new("blob", Blob)).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::postgres()
+        .bots(BotRegistry::new("blob", Blob))
+        .config(|c| turnstile::Config {
+            max_scope_bytes: 1000,
+            ..c
+        })
+        .spawn()
+        .await;
     // `{"blob":"x…x"}` is the length plus 11 bytes.
-    let fits = client
+    let fits = app
+        .client
         .process_turn(request(message("big", "ada", "989")))
         .await
         .unwrap()
         .into_inner();
     assert_eq!(texts(&fits), ["0"]);
-    let too_large = client
+    let too_large = app
+        .client
         .process_turn(request(message("big", "ada", "990")))
         .await;
     let status = assert_status(too_large, Code::FailedPrecondition, "conversation state");
@@ -466,7 +471,8 @@ async fn a_scope_written_past_the_size_limit_fails_naming_it_and_commits_nothing
     assert_eq!(info.metadata.get("bytes").map(String::as_str), Some("1001"));
     assert_eq!(info.metadata.get("limit").map(String::as_str), Some("1000"));
     // Nothing of it was committed: the blob is the one before, at its version.
-    let after = client
+    let after = app
+        .client
         .process_turn(request(message("big", "ada", "1")))
         .await
         .unwrap()

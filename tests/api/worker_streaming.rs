@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use support::proxy::Proxy;
 use support::streams::{outcome, stream};
-use support::{TestServer, message, postgres_config, texts};
+use support::{TestApp, message, texts};
 use tokio::sync::{Notify, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Status};
@@ -218,9 +218,9 @@ fn drafts(events: &[Event]) -> Vec<String> {
         .collect()
 }
 
-/// A server on PostgreSQL hosting each `(name, address)` as a remote bot.
-async fn server_for(config: Config, bots: &[(&str, std::net::SocketAddr)]) -> TestServer {
-    let config = Config {
+/// `config` hosting each `(name, address)` as a remote bot.
+fn with_remote_bots(config: Config, bots: &[(&str, std::net::SocketAddr)]) -> Config {
+    Config {
         remote_bots: RemoteBots {
             bots: bots
                 .iter()
@@ -229,8 +229,7 @@ async fn server_for(config: Config, bots: &[(&str, std::net::SocketAddr)]) -> Te
             ..RemoteBots::default()
         },
         ..config
-    };
-    TestServer::start(config, turnstile::bots::samples()).await
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -243,7 +242,7 @@ async fn a_worker_over_https_is_verified_against_the_remote_bot_ca() {
     std::fs::write(dir.path().join("other.pem"), other.pem()).unwrap();
     let worker = Arc::new(FakeWorker::default());
     let addr = worker.serve_tls(&ca).await;
-    let serving = |ca_file: &str| Config {
+    let serving = |config: Config, ca_file: &str| Config {
         remote_bots: RemoteBots {
             bots: vec![
                 format!("fake=https://localhost:{}", addr.port())
@@ -253,12 +252,15 @@ async fn a_worker_over_https_is_verified_against_the_remote_bot_ca() {
             ca: Some(dir.path().join(ca_file)),
             ..RemoteBots::default()
         },
-        ..postgres_config(&url)
+        ..config
     };
 
-    let server = TestServer::start(serving("ca.pem"), turnstile::bots::samples()).await;
-    let mut client = server.client().await;
-    let reply = client
+    let mut app = TestApp::on(&url)
+        .config(|c| serving(c, "ca.pem"))
+        .spawn()
+        .await;
+    let reply = app
+        .client
         .process_turn(pb::ProcessTurnRequest::typed(
             message("w-tls", "ada", "hello"),
             "fake",
@@ -269,9 +271,12 @@ async fn a_worker_over_https_is_verified_against_the_remote_bot_ca() {
     assert_eq!(texts(&reply), ["count: 1"]);
 
     // A worker whose certificate does not chain to the CA is never called.
-    let server = TestServer::start(serving("other.pem"), turnstile::bots::samples()).await;
-    let mut client = server.client().await;
-    let refused = client
+    let mut app = TestApp::on(&url)
+        .config(|c| serving(c, "other.pem"))
+        .spawn()
+        .await;
+    let refused = app
+        .client
         .process_turn(pb::ProcessTurnRequest::typed(
             message("w-tls", "ada", "again"),
             "fake",
@@ -285,13 +290,15 @@ async fn a_worker_over_https_is_verified_against_the_remote_bot_ca() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_workers_drafts_stream_before_its_committed_result_and_an_unstreamed_turn_calls_run_turn()
 {
-    let url = support::pg::fresh_database().await;
     let worker = Arc::new(FakeWorker::default());
     let addr = worker.serve().await;
-    let server = server_for(postgres_config(&url), &[("fake", addr)]).await;
+    let mut app = TestApp::postgres()
+        .config(|c| with_remote_bots(c, &[("fake", addr)]))
+        .spawn()
+        .await;
     let activity = message("w-stream", "ada", "hello");
 
-    let (events, ended) = stream(&server, activity.clone(), "fake").await;
+    let (events, ended) = stream(&app, activity.clone(), "fake").await;
     ended.unwrap();
     assert_eq!(
         drafts(&events),
@@ -307,15 +314,15 @@ async fn a_workers_drafts_stream_before_its_committed_result_and_an_unstreamed_t
     );
 
     // A redelivery: the receipt answers, the worker is not called, nothing is drafted.
-    let (again, ended) = stream(&server, activity, "fake").await;
+    let (again, ended) = stream(&app, activity, "fake").await;
     ended.unwrap();
     assert_eq!(again.len(), 1, "the outcome alone: {again:?}");
     assert!(outcome(&again).redelivered);
     assert_eq!(worker.calls().len(), 1);
 
     // A turn nobody streams costs what it did: one RunTurn.
-    let mut client = server.client().await;
-    let reply = client
+    let reply = app
+        .client
         .process_turn(pb::ProcessTurnRequest::typed(
             message("w-stream", "ada", "more"),
             "fake",
@@ -332,17 +339,19 @@ async fn a_workers_drafts_stream_before_its_committed_result_and_an_unstreamed_t
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_cannot_stream_is_called_with_run_turn_and_its_turn_commits() {
-    let url = support::pg::fresh_database().await;
     let worker = Arc::new(FakeWorker::default());
     let addr = worker.serve().await;
-    let server = server_for(postgres_config(&url), &[("old", addr)]).await;
+    let app = TestApp::postgres()
+        .config(|c| with_remote_bots(c, &[("old", addr)]))
+        .spawn()
+        .await;
 
-    let (events, ended) = stream(&server, message("w-old", "ada", "one"), "old").await;
+    let (events, ended) = stream(&app, message("w-old", "ada", "one"), "old").await;
     ended.unwrap();
     assert_eq!(events.len(), 1, "no drafts, the outcome: {events:?}");
     assert_eq!(texts(outcome(&events)), ["count: 1"]);
     // The next streamed turn goes straight to RunTurn: the worker said it cannot stream.
-    let (events, ended) = stream(&server, message("w-old", "ada", "two"), "old").await;
+    let (events, ended) = stream(&app, message("w-old", "ada", "two"), "old").await;
     ended.unwrap();
     assert_eq!(texts(outcome(&events)), ["count: 2"]);
     let methods: Vec<(&str, String)> = worker
@@ -363,13 +372,16 @@ async fn a_worker_that_cannot_stream_is_called_with_run_turn_and_its_turn_commit
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_the_worker_gets_wrong_or_that_breaks_ends_with_a_status_naming_it_and_commits_nothing()
  {
-    let url = support::pg::fresh_database().await;
     let worker = Arc::new(FakeWorker::default());
     let addr = worker.serve().await;
     let proxy = Proxy::start(addr).await;
-    let mut config = postgres_config(&url);
-    config.limits.max_text_bytes = 64;
-    let server = server_for(config, &[("fake", addr), ("cut", proxy.addr())]).await;
+    let mut app = TestApp::postgres()
+        .config(|mut c| {
+            c.limits.max_text_bytes = 64;
+            with_remote_bots(c, &[("fake", addr), ("cut", proxy.addr())])
+        })
+        .spawn()
+        .await;
 
     for (text, problem) in [
         (
@@ -389,7 +401,7 @@ async fn a_stream_the_worker_gets_wrong_or_that_breaks_ends_with_a_status_naming
             "bot worker `fake` sent a draft of 100 bytes, over the limit of 64 bytes (--max-text-bytes)",
         ),
     ] {
-        let (events, ended) = stream(&server, message("w-bad", "ada", text), "fake").await;
+        let (events, ended) = stream(&app, message("w-bad", "ada", text), "fake").await;
         let status = ended.expect_err(text);
         assert_eq!(status.code(), Code::Internal, "{text}: {status:?}");
         assert_eq!(
@@ -409,8 +421,8 @@ async fn a_stream_the_worker_gets_wrong_or_that_breaks_ends_with_a_status_naming
     }
 
     // The connection breaks after a draft has reached the caller: the worker went away.
-    let mut client = server.client().await;
-    let mut events = client
+    let mut events = app
+        .client
         .stream_turn(pb::StreamTurnRequest::typed(
             message("w-bad", "ada", "break"),
             "cut",
@@ -435,7 +447,7 @@ async fn a_stream_the_worker_gets_wrong_or_that_breaks_ends_with_a_status_naming
     );
 
     // Nothing of any of them committed: the next turn counts from zero.
-    let (events, ended) = stream(&server, message("w-bad", "ada", "hello"), "fake").await;
+    let (events, ended) = stream(&app, message("w-bad", "ada", "hello"), "fake").await;
     ended.unwrap();
     let committed = outcome(&events);
     assert_eq!(texts(committed), ["count: 1"]);
@@ -444,13 +456,14 @@ async fn a_stream_the_worker_gets_wrong_or_that_breaks_ends_with_a_status_naming
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conflict_mid_stream_voids_the_workers_drafts_and_its_replay_drafts_anew() {
-    let url = support::pg::fresh_database().await;
     let worker = Arc::new(FakeWorker::default());
     let addr = worker.serve().await;
-    let a = server_for(postgres_config(&url), &[("fake", addr)]).await;
-    let b = server_for(postgres_config(&url), &[("fake", addr)]).await;
-    let mut b_client = b.client().await;
-    b_client
+    let mut a = TestApp::postgres()
+        .config(|c| with_remote_bots(c, &[("fake", addr)]))
+        .spawn()
+        .await;
+    let mut b = a.replica(turnstile::bots::samples()).await;
+    b.client
         .process_turn(pb::ProcessTurnRequest::typed(
             message("w-race", "ada", "first"),
             "fake",
@@ -458,8 +471,8 @@ async fn a_conflict_mid_stream_voids_the_workers_drafts_and_its_replay_drafts_an
         .await
         .unwrap();
 
-    let mut a_client = a.client().await;
-    let mut events = a_client
+    let mut events = a
+        .client
         .stream_turn(pb::StreamTurnRequest::typed(
             message("w-race", "ada", "wait"),
             "fake",
@@ -474,7 +487,8 @@ async fn a_conflict_mid_stream_voids_the_workers_drafts_and_its_replay_drafts_an
         "{first:?}"
     );
     // Meanwhile replica B commits a turn of the same conversation.
-    let other = b_client
+    let other = b
+        .client
         .process_turn(pb::ProcessTurnRequest::typed(
             message("w-race", "bob", "other"),
             "fake",
@@ -507,13 +521,15 @@ async fn a_conflict_mid_stream_voids_the_workers_drafts_and_its_replay_drafts_an
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_turn_cancels_the_workers_call_and_commits_what_it_had_drafted() {
-    let url = support::pg::fresh_database().await;
     let worker = Arc::new(FakeWorker::default());
     let addr = worker.serve().await;
-    let server = server_for(postgres_config(&url), &[("remote", addr)]).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::postgres()
+        .config(|c| with_remote_bots(c, &[("remote", addr)]))
+        .spawn()
+        .await;
     let activity = message("stop-w", "ada", "wait");
-    let mut events = client
+    let mut events = app
+        .client
         .stream_turn(pb::StreamTurnRequest::typed(activity.clone(), "remote"))
         .await
         .unwrap()
@@ -524,7 +540,8 @@ async fn a_stopped_turn_cancels_the_workers_call_and_commits_what_it_had_drafted
         "{first:?}"
     );
 
-    let stopped = client
+    let stopped = app
+        .client
         .stop_turn(pb::StopTurnRequest {
             bot: "remote".into(),
             channel_id: activity.channel_id.clone().unwrap(),

@@ -1,7 +1,8 @@
 //! What the integration tests share: PostgreSQL clusters, servers started the one way `main`
-//! starts them (on port 0), and builders for requests.
+//! starts them (on port 0) — most tests through [`spawn_app`] — and builders for requests.
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod app;
 pub mod bots;
 pub mod check;
 pub mod citus;
@@ -15,6 +16,10 @@ pub mod release;
 pub mod streams;
 pub mod tools;
 
+// Each test target uses what it needs of these.
+#[allow(unused_imports)]
+pub use app::{TestApp, spawn_app};
+
 use std::net::SocketAddr;
 
 use tokio::sync::oneshot;
@@ -27,7 +32,8 @@ use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
 use turnstile::server::ServeError;
 use turnstile::store::postgres::DatabaseUrl;
 
-/// A server running in this process, stopped when dropped.
+/// A server running in this process, stopped when dropped. Tests start one through [`TestApp`],
+/// which wraps it, and start it themselves only where a plain client could not connect (TLS).
 pub struct TestServer {
     pub addr: SocketAddr,
     shutdown: Option<oneshot::Sender<()>>,

@@ -5,15 +5,15 @@ use tonic::codec::Streaming;
 use turnstile::grpc::pb;
 use turnstile::grpc::pb::stream_turn_response::Event;
 
-use super::TestServer;
+use super::TestApp;
 
-/// Every event of a `StreamTurn` call of `activity` to `bot` on `server`, and how it ended.
+/// Every event of a `StreamTurn` call of `activity` to `bot` on `app`, and how it ended.
 pub async fn stream(
-    server: &TestServer,
+    app: &TestApp,
     activity: pb::Activity,
     bot: &str,
 ) -> (Vec<Event>, Result<(), Status>) {
-    let mut client = server.client().await;
+    let mut client = app.client.clone();
     match client
         .stream_turn(pb::StreamTurnRequest::typed(activity, bot))
         .await
@@ -69,14 +69,14 @@ pub fn kinds(events: &[Event]) -> Vec<String> {
         .collect()
 }
 
-/// Opens a `StreamTurn` of `activity` to the default bot of `server` and reads it up to and with
+/// Opens a `StreamTurn` of `activity` to the default bot of `app` and reads it up to and with
 /// the first event `until` accepts: the open call and the events read.
 pub async fn open_until(
-    server: &TestServer,
+    app: &TestApp,
     activity: &pb::Activity,
     until: impl Fn(&Event) -> bool,
 ) -> (Streaming<pb::StreamTurnResponse>, Vec<Event>) {
-    let mut client = server.client().await;
+    let mut client = app.client.clone();
     let mut events = client
         .stream_turn(pb::StreamTurnRequest::typed(activity.clone(), ""))
         .await

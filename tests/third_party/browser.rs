@@ -25,7 +25,7 @@ use axum::http::header;
 use axum::response::Html;
 use axum::routing::get;
 use serde_json::{Value, json};
-use support::{TestServer, postgres_config};
+use support::TestApp;
 use tokio::sync::oneshot;
 use turnstile::activity::Activity;
 use turnstile::bots::LlmBot;
@@ -202,20 +202,18 @@ fn web_chat_page(gateway: SocketAddr, token: &str, web_socket: bool) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pizza_is_ordered_on_the_own_page_and_in_web_chat() {
     let tools = tokio::task::spawn_blocking(tools).await.unwrap();
-    let url = support::pg::fresh_database().await;
-    let server = TestServer::start(
-        postgres_config(&url),
-        turnstile::bots::samples().with("menu", Menu),
-    )
-    .await;
+    let app = TestApp::postgres()
+        .bots(turnstile::bots::samples().with("menu", Menu))
+        .spawn()
+        .await;
     let mut stops = Vec::new();
     // The own page from the gateway `turnstile serve` embeds: development, the default bot.
-    let own = gateway(GatewayConfig::embedded(server.addr), &mut stops).await;
-    let mut menu_config = GatewayConfig::embedded(server.addr);
+    let own = gateway(GatewayConfig::embedded(app.addr), &mut stops).await;
+    let mut menu_config = GatewayConfig::embedded(app.addr);
     menu_config.bot = "menu".into();
     let menu = gateway(menu_config, &mut stops).await;
     // Web Chat against a gateway with a Direct Line secret, as a site would embed it.
-    let mut with_secret = GatewayConfig::embedded(server.addr);
+    let mut with_secret = GatewayConfig::embedded(app.addr);
     with_secret.direct_line_secrets = vec![Secret::new(SECRET)];
     let secured = gateway(with_secret, &mut stops).await;
 
@@ -351,7 +349,7 @@ async fn a_pizza_is_ordered_on_the_own_page_and_in_web_chat() {
         millis(&driven["polling"]),
     );
     drop(stops);
-    server.stop().await.unwrap();
+    app.stop().await.unwrap();
 }
 
 /// A token for a new conversation, as a site's backend gets it with the secret.
@@ -373,16 +371,17 @@ async fn generate(http: &reqwest::Client, gateway: SocketAddr) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_answer_shows_as_a_draft_then_settles_on_the_own_page_and_in_web_chat() {
     let tools = tokio::task::spawn_blocking(tools).await.unwrap();
-    let url = support::pg::fresh_database().await;
     // Slow enough that a browser sees the draft: about six seconds for the whole answer.
-    let server = TestServer::start(
-        postgres_config(&url),
-        turnstile::BotRegistry::new("llm", LlmBot::new(Duration::from_millis(150))),
-    )
-    .await;
+    let app = TestApp::postgres()
+        .bots(turnstile::BotRegistry::new(
+            "llm",
+            LlmBot::new(Duration::from_millis(150)),
+        ))
+        .spawn()
+        .await;
     let mut stops = Vec::new();
-    let own = gateway(GatewayConfig::embedded(server.addr), &mut stops).await;
-    let mut with_secret = GatewayConfig::embedded(server.addr);
+    let own = gateway(GatewayConfig::embedded(app.addr), &mut stops).await;
+    let mut with_secret = GatewayConfig::embedded(app.addr);
     with_secret.direct_line_secrets = vec![Secret::new(SECRET)];
     let secured = gateway(with_secret, &mut stops).await;
     let http = reqwest::Client::new();
@@ -474,7 +473,7 @@ async fn a_streamed_answer_shows_as_a_draft_then_settles_on_the_own_page_and_in_
         assert!(size > 1000, "{name} is a screenshot");
     }
     drop(stops);
-    server.stop().await.unwrap();
+    app.stop().await.unwrap();
 }
 
 /// Web Chat's bundle, as npm ships it.

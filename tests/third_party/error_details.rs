@@ -7,7 +7,7 @@
 use crate::support;
 
 use support::raw::send_raw;
-use support::{TestServer, message, request};
+use support::{TestApp, message, request};
 use tonic::Code;
 use tonic_types::StatusExt as _;
 use turnstile::config::Config;
@@ -45,21 +45,29 @@ fn with_token(activity: pb::Activity) -> tonic::Request<pb::ProcessTurnRequest> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_refusal_carries_details_a_client_can_decode() {
-    let config = Config {
-        auth_tokens: vec![Token::new("t0ken")],
-        ..Config::default()
-    };
-    let server = TestServer::start(config, turnstile::bots::samples()).await;
-    let mut client = server.client().await;
+    let mut app = TestApp::memory()
+        .config(|c| Config {
+            auth_tokens: vec![Token::new("t0ken")],
+            ..c
+        })
+        .spawn()
+        .await;
     let ok = message("details", "alice", "hi");
-    client.process_turn(with_token(ok.clone())).await.unwrap();
+    app.client
+        .process_turn(with_token(ok.clone()))
+        .await
+        .unwrap();
 
     // A missing field: INVALID_ARGUMENT naming it from the request, no retry advice.
     let missing = pb::Activity {
         conversation: Some(pb::ConversationAccount::default()),
         ..ok.clone()
     };
-    let status = client.process_turn(with_token(missing)).await.unwrap_err();
+    let status = app
+        .client
+        .process_turn(with_token(missing))
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     assert_eq!(reason(&status), "INVALID_ACTIVITY");
     assert_eq!(bad_fields(&status), ["activity.conversation.id"]);
@@ -70,20 +78,20 @@ async fn every_refusal_carries_details_a_client_can_decode() {
         text: Some("x".repeat(turnstile::grpc::limits::Limits::default().max_text_bytes + 1)),
         ..ok.clone()
     };
-    let status = client.process_turn(with_token(long)).await.unwrap_err();
+    let status = app.client.process_turn(with_token(long)).await.unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     assert_eq!(bad_fields(&status), ["activity.text"]);
 
     // No activity at all.
     let mut empty = with_token(ok.clone());
     empty.get_mut().input = None;
-    let status = client.process_turn(empty).await.unwrap_err();
+    let status = app.client.process_turn(empty).await.unwrap_err();
     assert_eq!(bad_fields(&status), ["activity"]);
 
     // A bot not hosted here.
     let mut unknown = with_token(ok.clone());
     unknown.get_mut().bot = "calzone".into();
-    let status = client.process_turn(unknown).await.unwrap_err();
+    let status = app.client.process_turn(unknown).await.unwrap_err();
     assert_eq!(status.code(), Code::NotFound, "{status:?}");
     assert_eq!(reason(&status), "UNKNOWN_BOT");
     let info = status.get_details_error_info().unwrap();
@@ -93,7 +101,11 @@ async fn every_refusal_carries_details_a_client_can_decode() {
     );
 
     // No token.
-    let status = client.process_turn(request(ok.clone())).await.unwrap_err();
+    let status = app
+        .client
+        .process_turn(request(ok.clone()))
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
     assert_eq!(reason(&status), "UNAUTHENTICATED");
 
@@ -103,7 +115,7 @@ async fn every_refusal_carries_details_a_client_can_decode() {
         text: Some("x".repeat(5 << 20)),
         ..ok.clone()
     };
-    let status = client.process_turn(with_token(huge)).await.unwrap_err();
+    let status = app.client.process_turn(with_token(huge)).await.unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     assert_eq!(reason(&status), "MESSAGE_TOO_LARGE");
     assert!(status.get_details_retry_info().is_none(), "{status:?}");
@@ -111,7 +123,7 @@ async fn every_refusal_carries_details_a_client_can_decode() {
 
     // Bytes that are no protobuf.
     let status = send_raw(
-        server.addr,
+        app.addr,
         vec![0xff, 0xff, 0xff, 0xff, 0x0f, 0x01],
         Some("t0ken"),
     )
@@ -120,7 +132,7 @@ async fn every_refusal_carries_details_a_client_can_decode() {
     assert_eq!(reason(&status), "MALFORMED_REQUEST");
 
     // The connection survived all of it.
-    client.process_turn(with_token(ok)).await.unwrap();
+    app.client.process_turn(with_token(ok)).await.unwrap();
 }
 
 /// grpcio and grpcio-status, the reference Python client and its status-details helper.
@@ -174,12 +186,14 @@ fn python_grpc() -> std::path::PathBuf {
 async fn an_independent_python_client_decodes_the_details() {
     use prost::Message as _;
     let python_path = tokio::task::spawn_blocking(python_grpc).await.unwrap();
-    let config = Config {
-        auth_tokens: vec![Token::new("t0ken")],
-        ..Config::default()
-    };
-    let server = TestServer::start(config, turnstile::bots::samples()).await;
-    drop(server.client().await);
+    // Up (its client connected) before Python calls it.
+    let app = TestApp::memory()
+        .config(|c| Config {
+            auth_tokens: vec![Token::new("t0ken")],
+            ..c
+        })
+        .spawn()
+        .await;
 
     let ok = message("python", "alice", "hi");
     let hex = |r: pb::ProcessTurnRequest| -> String {
@@ -201,7 +215,7 @@ async fn an_independent_python_client_decodes_the_details() {
         {"name": "malformed", "hex": "ffffffff0f01", "token": true},
         {"name": "huge", "zeros": 5 << 20, "token": true},
     ]);
-    let addr = server.addr.to_string();
+    let addr = app.addr.to_string();
     let output = tokio::task::spawn_blocking(move || {
         use std::io::Write as _;
         let mut child = std::process::Command::new("python3")
@@ -285,17 +299,19 @@ fn grpcurl() -> std::path::PathBuf {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpcurl_reads_every_detail_through_reflection() {
     let grpcurl = tokio::task::spawn_blocking(grpcurl).await.unwrap();
-    let config = Config {
-        remote_bots: turnstile::bots::remote::RemoteBots {
-            // Nothing listens on the discard port: the worker is unavailable, with a RetryInfo.
-            bots: vec!["gone=http://127.0.0.1:9".parse().unwrap()],
-            ..Default::default()
-        },
-        ..Config::default()
-    };
-    let server = TestServer::start(config, turnstile::bots::samples()).await;
-    drop(server.client().await);
-    let addr = server.addr.to_string();
+    // Up (its client connected) before grpcurl calls it.
+    let app = TestApp::memory()
+        .config(|c| Config {
+            remote_bots: turnstile::bots::remote::RemoteBots {
+                // Nothing listens on the discard port: the worker is unavailable, with a RetryInfo.
+                bots: vec!["gone=http://127.0.0.1:9".parse().unwrap()],
+                ..Default::default()
+            },
+            ..c
+        })
+        .spawn()
+        .await;
+    let addr = app.addr.to_string();
     let call = move |body: &'static str| {
         let output = std::process::Command::new(&grpcurl)
             .args(["-plaintext", "-d", body, &addr])

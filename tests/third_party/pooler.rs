@@ -19,7 +19,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use support::pg::{self, Cluster};
-use support::{TestServer, message, postgres_config, request, say, texts, toppings};
+use support::{TestApp, message, request, say, texts, toppings};
 use tokio_postgres::NoTls;
 use turnstile::grpc::pb;
 use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
@@ -227,11 +227,15 @@ async fn cluster_with_database() -> (Cluster, String, String) {
 }
 
 /// A replica whose store goes through `pooled`, migrating straight to `direct` on start.
-async fn replica(pooled: &str, direct: &str, statements: Statements) -> TestServer {
-    let mut config = postgres_config(pooled);
-    config.statements = statements;
-    config.migration_url = Some(DatabaseUrl::new(direct));
-    TestServer::start(config, turnstile::bots::samples()).await
+async fn replica(pooled: &str, direct: &str, statements: Statements) -> TestApp {
+    TestApp::on(pooled)
+        .config(|mut c| {
+            c.statements = statements;
+            c.migration_url = Some(DatabaseUrl::new(direct));
+            c
+        })
+        .spawn()
+        .await
 }
 
 fn counted(id: &str, conversation: &str) -> pb::ProcessTurnRequest {
@@ -279,7 +283,7 @@ async fn two_replicas_through_pgbouncer_in_transaction_mode_are_exact_without_pr
         replica(&pooled, &direct, Statements::Unprepared),
         replica(&pooled, &direct, Statements::Unprepared),
     );
-    let clients = [a.client().await, b.client().await];
+    let clients = [a.client.clone(), b.client.clone()];
 
     // The pizza race: every acknowledged topping survives, one version per commit.
     let replies = pizza_race(&clients, "pooled-pizza").await;
@@ -408,9 +412,9 @@ async fn with_prepared_statements_the_same_setup_fails() {
     // PgBouncer refuses the connection outright: prepared mode sends the statement timeout as
     // the `options` startup parameter.
     let strict = Bouncer::start(&cluster, "extra_float_digits").await;
-    let server = replica(&strict.url(&database), &direct, Statements::Prepared).await;
-    let mut client = server.client().await;
-    let status = client
+    let mut server = replica(&strict.url(&database), &direct, Statements::Prepared).await;
+    let status = server
+        .client
         .process_turn(counted("refused", "prepared"))
         .await
         .expect_err("a turn through PgBouncer with `options` succeeded");
@@ -430,7 +434,7 @@ async fn with_prepared_statements_the_same_setup_fails() {
         replica(&pooled, &direct, Statements::Prepared),
         replica(&pooled, &direct, Statements::Prepared),
     );
-    let clients = [a.client().await, b.client().await];
+    let clients = [a.client.clone(), b.client.clone()];
     let replies = pizza_race(&clients, "prepared-pizza").await;
     let failed: Vec<tonic::Status> = replies.into_iter().filter_map(Result::err).collect();
     assert!(

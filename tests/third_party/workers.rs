@@ -31,9 +31,8 @@ use std::time::Duration;
 use support::fleet::Fleet;
 use support::load::{Failure, Gateway, Shape};
 use support::tools::run;
-use support::{TestServer, check, message, texts, toppings};
+use support::{TestApp, check, message, texts, toppings};
 use tokio::time::{Instant, sleep};
-use tonic::transport::Channel;
 use tonic::{Code, Status};
 use tonic_types::StatusExt as _;
 use turnstile::DoubleText;
@@ -41,7 +40,6 @@ use turnstile::bots::remote::RemoteBots;
 use turnstile::config::Config;
 use turnstile::grpc::pb;
 use turnstile::grpc::pb::stream_turn_response::Event as StreamEvent;
-use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
 use turnstile::store::Store;
 use turnstile::store::memory::MemoryStore;
 
@@ -659,13 +657,13 @@ async fn the_python_pizza_bot_never_acknowledges_a_lost_topping_over_three_repli
     let sdk = tokio::task::block_in_place(python_sdk);
     let worker = WorkerProcess::python(&sdk.sdk.join("examples/pizza.py"), &["127.0.0.1:0"]);
     let url = support::pg::fresh_database().await;
-    let config = || remote(support::postgres_config(&url), "pizza-py", &worker.url());
-    let (a, b, c) = tokio::join!(
-        TestServer::start(config(), turnstile::bots::samples()),
-        TestServer::start(config(), turnstile::bots::samples()),
-        TestServer::start(config(), turnstile::bots::samples()),
-    );
-    let clients = [a.client().await, b.client().await, c.client().await];
+    let start = || {
+        TestApp::on(&url)
+            .config(|c| remote(c, "pizza-py", &worker.url()))
+            .spawn()
+    };
+    let (a, b, c) = tokio::join!(start(), start(), start());
+    let clients = [a.client.clone(), b.client.clone(), c.client.clone()];
 
     let calls = (0..RACE_TURNS).map(|i| {
         let mut client = clients[i % clients.len()].clone();
@@ -740,10 +738,10 @@ async fn the_python_pizza_bot_never_acknowledges_a_lost_topping_over_three_repli
 
 // --- the TypeScript counter: redelivery and a replica SIGKILL -------------------------------
 
-/// Sends activity `id` once, then three times at once, to `server`'s `counter`: every answer is
-/// the first one's.
-async fn deliver_four_times(server: &TestServer, worker: &WorkerProcess, id: &str, n: u64) {
-    let mut client = server.client().await;
+/// Sends activity `id` once, then three times at once, to `app`'s `counter`: every answer is the
+/// first one's.
+async fn deliver_four_times(app: &TestApp, worker: &WorkerProcess, id: &str, n: u64) {
+    let mut client = app.client.clone();
     let first = client
         .process_turn(to_bot("counter", "ts", id, "hi"))
         .await
@@ -778,18 +776,19 @@ async fn a_redelivery_is_answered_from_the_receipt_without_calling_the_typescrip
     let worker = WorkerProcess::node(&["dist/counter.js"]);
     // Without the state cache every attempt loads the receipt with the state: a redelivery never
     // reaches the worker.
-    let uncached = Config {
-        state_cache_entries: 0,
-        ..Config::default()
-    };
-    let server = TestServer::start(
-        remote(uncached, "counter", &worker.url()),
-        turnstile::bots::samples(),
-    )
-    .await;
-    deliver_four_times(&server, &worker, "once-1", 1).await;
+    let uncached = TestApp::memory()
+        .config(|c| {
+            let c = Config {
+                state_cache_entries: 0,
+                ..c
+            };
+            remote(c, "counter", &worker.url())
+        })
+        .spawn()
+        .await;
+    deliver_four_times(&uncached, &worker, "once-1", 1).await;
     assert_eq!(worker.calls("once-1"), [1], "the worker ran the turn once");
-    deliver_four_times(&server, &worker, "once-2", 2).await;
+    deliver_four_times(&uncached, &worker, "once-2", 2).await;
     assert_eq!(
         worker.calls("once-2"),
         [1],
@@ -799,11 +798,10 @@ async fn a_redelivery_is_answered_from_the_receipt_without_calling_the_typescrip
     // With it (the default), a redelivery to the replica that cached the conversation skips the
     // load that finds the receipt: the worker runs once more, that run's commit meets the
     // receipt and is thrown away, and the stored answer is returned (README, guarantees).
-    let cached = TestServer::start(
-        remote(Config::default(), "counter", &worker.url()),
-        turnstile::bots::samples(),
-    )
-    .await;
+    let cached = TestApp::memory()
+        .config(|c| remote(c, "counter", &worker.url()))
+        .spawn()
+        .await;
     deliver_four_times(&cached, &worker, "cached-1", 1).await;
     deliver_four_times(&cached, &worker, "cached-2", 2).await;
     let calls = worker.calls("cached-2");
@@ -987,15 +985,13 @@ new Worker().bot('moody', moody).bot('drafter-ts', drafter).serve(process.argv[2
 async fn a_worker_raising_slow_or_down_fails_the_turn_with_its_status_and_commits_nothing() {
     let mut worker = WorkerProcess::moody_py();
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let server = TestServer::start_with_store(
-        remote(Config::default(), "moody", &worker.url()),
-        Arc::clone(&store),
-        turnstile::bots::samples(),
-    )
-    .await;
-    let mut client = server.client().await;
+    let mut app = TestApp::shared(Arc::clone(&store))
+        .config(|c| remote(c, "moody", &worker.url()))
+        .spawn()
+        .await;
 
-    let raised = client
+    let raised = app
+        .client
         .process_turn(to_bot("moody", "m", "boom-1", "boom"))
         .await
         .unwrap_err();
@@ -1013,7 +1009,7 @@ async fn a_worker_raising_slow_or_down_fails_the_turn_with_its_status_and_commit
     let mut slow = tonic::Request::new(to_bot("moody", "m", "slow-1", "slow"));
     slow.set_timeout(Duration::from_secs(3));
     let started = Instant::now();
-    let late = client.process_turn(slow).await.unwrap_err();
+    let late = app.client.process_turn(slow).await.unwrap_err();
     assert_eq!(late.code(), Code::DeadlineExceeded, "{late:?}");
     assert!(started.elapsed() < Duration::from_secs(9), "not cut short");
     if !late.details().is_empty() {
@@ -1026,7 +1022,8 @@ async fn a_worker_raising_slow_or_down_fails_the_turn_with_its_status_and_commit
         "the slow worker was called"
     );
 
-    let ok = client
+    let ok = app
+        .client
         .process_turn(to_bot("moody", "m", "ok-1", "hi"))
         .await
         .unwrap()
@@ -1039,7 +1036,8 @@ async fn a_worker_raising_slow_or_down_fails_the_turn_with_its_status_and_commit
     assert_eq!(ok.version, 1);
 
     worker.kill();
-    let down = client
+    let down = app
+        .client
         .process_turn(to_bot("moody", "m", "down-1", "hi"))
         .await
         .unwrap_err();
@@ -1051,15 +1049,12 @@ async fn a_worker_raising_slow_or_down_fails_the_turn_with_its_status_and_commit
     // The worker back (on another port, so through another server over the same store): the
     // turn that found it down had committed nothing.
     let back = WorkerProcess::moody_py();
-    let other = TestServer::start_with_store(
-        remote(Config::default(), "moody", &back.url()),
-        Arc::clone(&store),
-        turnstile::bots::samples(),
-    )
-    .await;
+    let mut other = TestApp::shared(Arc::clone(&store))
+        .config(|c| remote(c, "moody", &back.url()))
+        .spawn()
+        .await;
     let after = other
-        .client()
-        .await
+        .client
         .process_turn(to_bot("moody", "m", "down-1", "hi"))
         .await
         .unwrap()
@@ -1074,7 +1069,7 @@ async fn a_worker_raising_slow_or_down_fails_the_turn_with_its_status_and_commit
     // too (the client library says UNKNOWN with a transport error).
     let mut back = back;
     let cut = {
-        let mut client = other.client().await;
+        let mut client = other.client.clone();
         tokio::spawn(async move {
             let mut slow = tonic::Request::new(to_bot("moody", "m", "slow-2", "slow"));
             slow.set_timeout(Duration::from_secs(30));
@@ -1093,16 +1088,13 @@ async fn a_python_turn_that_only_read_a_scope_is_replayed_when_it_moved() {
     let worker = WorkerProcess::moody_py();
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let start = || {
-        TestServer::start_with_store(
-            remote(Config::default(), "moody", &worker.url()),
-            Arc::clone(&store),
-            turnstile::bots::samples(),
-        )
+        TestApp::shared(Arc::clone(&store))
+            .config(|c| remote(c, "moody", &worker.url()))
+            .spawn()
     };
-    let (a, b) = tokio::join!(start(), start());
-    let mut client_b = b.client().await;
+    let (a, mut b) = tokio::join!(start(), start());
     let peeking = {
-        let mut client = a.client().await;
+        let mut client = a.client.clone();
         tokio::spawn(async move {
             client
                 .process_turn(to_bot("moody", "p", "peek-1", "peek"))
@@ -1117,7 +1109,8 @@ async fn a_python_turn_that_only_read_a_scope_is_replayed_when_it_moved() {
         sleep(Duration::from_millis(10)).await;
     }
     // While the peek sleeps in the worker, another replica changes what it read.
-    let changed = client_b
+    let changed = b
+        .client
         .process_turn(to_bot("moody", "p", "count-1", "hi"))
         .await
         .unwrap()
@@ -1143,14 +1136,13 @@ const SECRET_TEXT: &str = "said the cat";
 /// {SECRET_TEXT}`, which fails in the bot with an error whose message quotes both. Returns that
 /// turn's status, checked to be `INTERNAL`, `BOT_FAILED`, and to quote neither.
 async fn fail_with_secrets(worker: &WorkerProcess, failing: &str) -> Status {
-    let server = TestServer::start(
-        remote(Config::default(), "moody", &worker.url()),
-        turnstile::bots::samples(),
-    )
-    .await;
-    let mut client = server.client().await;
+    let mut app = TestApp::memory()
+        .config(|c| remote(c, "moody", &worker.url()))
+        .spawn()
+        .await;
     let conversation = format!("secrets-{failing}");
-    let remembered = client
+    let remembered = app
+        .client
         .process_turn(to_bot(
             "moody",
             &conversation,
@@ -1161,7 +1153,8 @@ async fn fail_with_secrets(worker: &WorkerProcess, failing: &str) -> Status {
         .unwrap()
         .into_inner();
     assert_eq!(texts(&remembered), ["remembered"]);
-    let status = client
+    let status = app
+        .client
         .process_turn(to_bot(
             "moody",
             &conversation,
@@ -1270,17 +1263,15 @@ async fn a_typescript_bot_error_is_logged_whole_and_named_by_its_place_without_t
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_plain_python_handler_that_blocks_holds_up_no_other_turn() {
     let worker = WorkerProcess::moody_py();
-    let server = TestServer::start(
-        remote(Config::default(), "together", &worker.url()),
-        turnstile::bots::samples(),
-    )
-    .await;
-    let client = server.client().await;
+    let app = TestApp::memory()
+        .config(|c| remote(c, "together", &worker.url()))
+        .spawn()
+        .await;
     // `together` blocks its thread until four of its turns are in it at once: they all pass only
     // if the worker runs four plain handlers at the same time. Run on the event loop, the first
     // would block it, the others would never start, and the barrier would break.
     let turns = (0..4).map(|i| {
-        let mut client = client.clone();
+        let mut client = app.client.clone();
         tokio::spawn(async move {
             let conversation = format!("together-{i}");
             client
@@ -1310,22 +1301,23 @@ async fn the_readme_bots_and_the_examples_answer_as_written() {
     let mut counter_js = node_command(&["examples/counter.js", "127.0.0.1:0"]);
     counter_js.env("BOT_NAME", "counter-js");
     let counter_js = WorkerProcess::spawn(counter_js);
-    let server = TestServer::start(
-        remotes(
-            Config::default(),
-            &[
-                ("greeter", &greeter.url()),
-                ("counter-py", &counter_py.url()),
-                ("counter", &counter_ts.url()),
-                ("counter-js", &counter_js.url()),
-            ],
-        ),
-        turnstile::bots::samples(),
-    )
-    .await;
-    let mut client = server.client().await;
+    let mut app = TestApp::memory()
+        .config(|c| {
+            remotes(
+                c,
+                &[
+                    ("greeter", &greeter.url()),
+                    ("counter-py", &counter_py.url()),
+                    ("counter", &counter_ts.url()),
+                    ("counter-js", &counter_js.url()),
+                ],
+            )
+        })
+        .spawn()
+        .await;
     for n in 1..=2 {
-        let greeted = client
+        let greeted = app
+            .client
             .process_turn(to_bot(
                 "greeter",
                 "readme-greeter",
@@ -1340,7 +1332,8 @@ async fn the_readme_bots_and_the_examples_answer_as_written() {
             [format!("Hello alice, message {n} from you.")]
         );
         for bot in ["counter-py", "counter", "counter-js"] {
-            let counted = client
+            let counted = app
+                .client
                 .process_turn(to_bot(
                     bot,
                     &format!("readme-{bot}"),
@@ -1359,11 +1352,11 @@ async fn the_readme_bots_and_the_examples_answer_as_written() {
 
 /// Every event of a `StreamTurn` call, and how it ended.
 async fn stream_turn(
-    server: &TestServer,
+    app: &TestApp,
     bot: &str,
     activity: pb::Activity,
 ) -> (Vec<StreamEvent>, Result<(), Status>) {
-    let mut client = server.client().await;
+    let mut client = app.client.clone();
     let mut events = Vec::new();
     let mut stream = match client
         .stream_turn(pb::StreamTurnRequest::typed(activity, bot))
@@ -1448,28 +1441,23 @@ async fn the_python_and_typescript_llm_samples_stream_their_tokens_and_commit_th
     let mut llm_ts = node_command(&["dist/examples/llm.js", "127.0.0.1:0"]);
     llm_ts.env("LLM_TOKEN_DELAY_MS", "2");
     let llm_ts = WorkerProcess::spawn(llm_ts);
-    let url = support::pg::fresh_database().await;
-    let server = TestServer::start(
-        remotes(
-            support::postgres_config(&url),
-            &[("llm-py", &llm_py.url()), ("llm-ts", &llm_ts.url())],
-        ),
-        turnstile::bots::samples(),
-    )
-    .await;
+    let mut app = TestApp::postgres()
+        .config(|c| remotes(c, &[("llm-py", &llm_py.url()), ("llm-ts", &llm_ts.url())]))
+        .spawn()
+        .await;
 
     for (bot, worker) in [("llm-py", &llm_py), ("llm-ts", &llm_ts)] {
         let conversation = format!("stream-{bot}");
         let first = message(&conversation, "ada", "hello");
         let id = first.id.clone().unwrap();
-        let (events, ended) = stream_turn(&server, bot, first.clone()).await;
+        let (events, ended) = stream_turn(&app, bot, first.clone()).await;
         ended.unwrap_or_else(|s| panic!("{bot}: {s:?}\n{}", worker.stderr()));
         check_llm_stream(bot, 1, &events);
         let committed = streamed_outcome(&events).clone();
         assert_eq!(committed.version, 1, "{bot}");
 
         // A redelivery gets the outcome alone: the worker is not called, nothing is drafted.
-        let (again, ended) = stream_turn(&server, bot, first).await;
+        let (again, ended) = stream_turn(&app, bot, first).await;
         ended.unwrap();
         assert_eq!(again.len(), 1, "{bot}: the outcome alone: {again:?}");
         let redelivered = streamed_outcome(&again);
@@ -1483,16 +1471,15 @@ async fn the_python_and_typescript_llm_samples_stream_their_tokens_and_commit_th
         );
 
         // The transcript was kept: the second answer knows it is the second.
-        let (events, ended) =
-            stream_turn(&server, bot, message(&conversation, "ada", "again")).await;
+        let (events, ended) = stream_turn(&app, bot, message(&conversation, "ada", "again")).await;
         ended.unwrap();
         check_llm_stream(bot, 2, &events);
 
         // A turn nobody streams just answers, through RunTurn.
-        let mut client = server.client().await;
         let unstreamed = message(&conversation, "ada", "quietly");
         let unstreamed_id = unstreamed.id.clone().unwrap();
-        let reply = client
+        let reply = app
+            .client
             .process_turn(pb::ProcessTurnRequest::typed(unstreamed, bot))
             .await
             .unwrap()
@@ -1519,21 +1506,16 @@ async fn a_stopped_turn_cancels_the_llm_samples_handler_and_commits_what_was_sho
     let mut llm_ts = node_command(&["dist/examples/llm.js", "127.0.0.1:0"]);
     llm_ts.env("LLM_TOKEN_DELAY_MS", "150");
     let llm_ts = WorkerProcess::spawn(llm_ts);
-    let url = support::pg::fresh_database().await;
-    let server = TestServer::start(
-        remotes(
-            support::postgres_config(&url),
-            &[("llm-py", &llm_py.url()), ("llm-ts", &llm_ts.url())],
-        ),
-        turnstile::bots::samples(),
-    )
-    .await;
-    let mut client = server.client().await;
+    let mut app = TestApp::postgres()
+        .config(|c| remotes(c, &[("llm-py", &llm_py.url()), ("llm-ts", &llm_ts.url())]))
+        .spawn()
+        .await;
 
     for (bot, worker) in [("llm-py", &llm_py), ("llm-ts", &llm_ts)] {
         let activity = message(&format!("stop-{bot}"), "ada", "hello");
         let id = activity.id.clone().unwrap();
-        let mut stream = client
+        let mut stream = app
+            .client
             .clone()
             .stream_turn(pb::StreamTurnRequest::typed(activity.clone(), bot))
             .await
@@ -1554,7 +1536,8 @@ async fn a_stopped_turn_cancels_the_llm_samples_handler_and_commits_what_was_sho
                 break words;
             }
         };
-        let stopped = client
+        let stopped = app
+            .client
             .stop_turn(pb::StopTurnRequest {
                 bot: bot.into(),
                 channel_id: activity.channel_id.clone().unwrap(),
@@ -1592,16 +1575,20 @@ async fn a_stopped_turn_cancels_the_llm_samples_handler_and_commits_what_was_sho
 async fn a_worker_bot_that_drafts_then_fails_or_drafts_too_much_commits_nothing() {
     let python = WorkerProcess::moody_py();
     let typescript = WorkerProcess::node(&["dist/moody.js"]);
-    let url = support::pg::fresh_database().await;
-    let mut config = remotes(
-        support::postgres_config(&url),
-        &[
-            ("drafter-py", &python.url()),
-            ("drafter-ts", &typescript.url()),
-        ],
-    );
-    config.limits.max_text_bytes = 64;
-    let server = TestServer::start(config, turnstile::bots::samples()).await;
+    let app = TestApp::postgres()
+        .config(|c| {
+            let mut config = remotes(
+                c,
+                &[
+                    ("drafter-py", &python.url()),
+                    ("drafter-ts", &typescript.url()),
+                ],
+            );
+            config.limits.max_text_bytes = 64;
+            config
+        })
+        .spawn()
+        .await;
     for (bot, failure) in [
         (
             "drafter-py",
@@ -1613,8 +1600,7 @@ async fn a_worker_bot_that_drafts_then_fails_or_drafts_too_much_commits_nothing(
         ),
     ] {
         let conversation = format!("drafts-{bot}");
-        let (events, ended) =
-            stream_turn(&server, bot, message(&conversation, "ada", "fail")).await;
+        let (events, ended) = stream_turn(&app, bot, message(&conversation, "ada", "fail")).await;
         let status = ended.expect_err(bot);
         assert_eq!(status.code(), Code::Internal, "{bot}: {status:?}");
         assert_eq!(reason(&status), "BOT_FAILED", "{bot}");
@@ -1628,8 +1614,7 @@ async fn a_worker_bot_that_drafts_then_fails_or_drafts_too_much_commits_nothing(
             "{bot}"
         );
 
-        let (events, ended) =
-            stream_turn(&server, bot, message(&conversation, "ada", "huge")).await;
+        let (events, ended) = stream_turn(&app, bot, message(&conversation, "ada", "huge")).await;
         let status = ended.expect_err(bot);
         assert_eq!(status.code(), Code::Internal, "{bot}: {status:?}");
         assert!(
@@ -1644,7 +1629,7 @@ async fn a_worker_bot_that_drafts_then_fails_or_drafts_too_much_commits_nothing(
         );
 
         // Neither committed anything: the next turn counts from zero.
-        let (events, ended) = stream_turn(&server, bot, message(&conversation, "ada", "ok")).await;
+        let (events, ended) = stream_turn(&app, bot, message(&conversation, "ada", "ok")).await;
         ended.unwrap();
         let drafts: Vec<String> = events
             .iter()
@@ -1776,18 +1761,12 @@ impl FakeWorker {
     }
 }
 
-async fn client_for(
-    worker_url: &str,
-    store: &Arc<dyn Store>,
-) -> (TestServer, TurnServiceClient<Channel>) {
-    let server = TestServer::start_with_store(
-        remote(Config::default(), "fake", worker_url),
-        Arc::clone(store),
-        turnstile::bots::samples(),
-    )
-    .await;
-    let client = server.client().await;
-    (server, client)
+/// An app over `store` hosting the worker at `worker_url` as `fake`.
+async fn app_for(worker_url: &str, store: &Arc<dyn Store>) -> TestApp {
+    TestApp::shared(Arc::clone(store))
+        .config(|c| remote(c, "fake", worker_url))
+        .spawn()
+        .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1795,7 +1774,7 @@ async fn a_garbage_or_oversized_answer_is_internal_naming_the_problem_and_commit
     let worker = Arc::new(FakeWorker::default());
     let url = worker.serve().await;
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let (_server, mut client) = client_for(&url, &store).await;
+    let mut app = app_for(&url, &store).await;
 
     for (text, problem) in [
         (
@@ -1812,7 +1791,8 @@ async fn a_garbage_or_oversized_answer_is_internal_naming_the_problem_and_commit
             "bot worker `fake` failed: Internal: the model provider refused",
         ),
     ] {
-        let status = client
+        let status = app
+            .client
             .process_turn(to_bot("fake", "g", text, text))
             .await
             .unwrap_err();
@@ -1824,7 +1804,8 @@ async fn a_garbage_or_oversized_answer_is_internal_naming_the_problem_and_commit
             status.message()
         );
     }
-    let ok = client
+    let ok = app
+        .client
         .process_turn(to_bot("fake", "g", "fine", "hi"))
         .await
         .unwrap()
@@ -1843,12 +1824,12 @@ async fn a_conflict_calls_the_worker_again_with_the_fresh_state() {
     let worker = Arc::new(FakeWorker::default());
     let url = worker.serve().await;
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let (_a, client_a) = client_for(&url, &store).await;
-    let (_b, mut client_b) = client_for(&url, &store).await;
+    let a = app_for(&url, &store).await;
+    let mut b = app_for(&url, &store).await;
 
     // Replica A's turn reads the state, then waits inside the worker.
     let waiting = {
-        let mut client = client_a.clone();
+        let mut client = a.client.clone();
         tokio::spawn(async move {
             client
                 .process_turn(to_bot("fake", "race", "slow-turn", "wait"))
@@ -1863,7 +1844,8 @@ async fn a_conflict_calls_the_worker_again_with_the_fresh_state() {
         sleep(Duration::from_millis(10)).await;
     }
     // Meanwhile replica B commits a turn of the same conversation.
-    let fast = client_b
+    let fast = b
+        .client
         .process_turn(to_bot("fake", "race", "fast-turn", "hi"))
         .await
         .unwrap()
@@ -1884,7 +1866,7 @@ async fn a_conflict_calls_the_worker_again_with_the_fresh_state() {
 
     // A turn that only read the state is version-checked too: the worker said it read it.
     let peeking = {
-        let mut client = client_a.clone();
+        let mut client = a.client.clone();
         tokio::spawn(async move {
             client
                 .process_turn(to_bot("fake", "race", "peek-turn", "wait-peek"))
@@ -1897,7 +1879,7 @@ async fn a_conflict_calls_the_worker_again_with_the_fresh_state() {
         assert!(Instant::now() < until, "the worker was never called");
         sleep(Duration::from_millis(10)).await;
     }
-    client_b
+    b.client
         .process_turn(to_bot("fake", "race", "fast-turn-2", "hi"))
         .await
         .unwrap();
@@ -2025,24 +2007,25 @@ async fn double_text_replicas(
     bot: &str,
     worker: &WorkerProcess,
     policy: DoubleText,
-) -> (TestServer, TestServer) {
+) -> (TestApp, TestApp) {
     let url = support::pg::fresh_database().await;
-    let config = || Config {
-        double_text: vec![(bot.to_owned(), policy)],
-        ..remote(support::postgres_config(&url), bot, &worker.url())
+    let start = || {
+        TestApp::on(&url)
+            .config(|c| Config {
+                double_text: vec![(bot.to_owned(), policy)],
+                ..remote(c, bot, &worker.url())
+            })
+            .spawn()
     };
-    tokio::join!(
-        TestServer::start(config(), turnstile::bots::samples()),
-        TestServer::start(config(), turnstile::bots::samples()),
-    )
+    tokio::join!(start(), start())
 }
 
-/// `request` to `server`, on a task of its own.
+/// `request` to `app`, on a task of its own.
 async fn spawn_turn(
-    server: &TestServer,
+    app: &TestApp,
     request: pb::ProcessTurnRequest,
 ) -> tokio::task::JoinHandle<Result<pb::ProcessTurnResponse, Status>> {
-    let mut client = server.client().await;
+    let mut client = app.client.clone();
     tokio::spawn(async move {
         client
             .process_turn(request)
@@ -2133,8 +2116,8 @@ async fn coalesce_answers_the_messages_sent_during_a_python_turn_in_one_run_that
     for ((id, text, server), answer) in batch.into_iter().zip(&answers) {
         let other = if std::ptr::eq(server, &a) { &b } else { &a };
         let again = other
-            .client()
-            .await
+            .client
+            .clone()
             .process_turn(to(id, text))
             .await
             .unwrap_or_else(|s| panic!("redelivering {id} failed: {s:?}"))
@@ -2152,7 +2135,8 @@ async fn coalesce_answers_the_messages_sent_during_a_python_turn_in_one_run_that
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn interrupt_cancels_a_running_python_turn_and_the_next_run_sees_its_message_superseded() {
     let doubles = Doubles::start("interrupt");
-    let (a, b) = double_text_replicas("interrupting", &doubles.worker, DoubleText::Interrupt).await;
+    let (a, mut b) =
+        double_text_replicas("interrupting", &doubles.worker, DoubleText::Interrupt).await;
     let to = |id: &str, text: &str| to_bot("interrupting", "in", id, text);
     // The first run records itself in the conversation state, then waits (on a gate this test
     // never opens: for 15 s, unless it is cancelled).
@@ -2165,9 +2149,9 @@ async fn interrupt_cancels_a_running_python_turn_and_the_next_run_sees_its_messa
     );
 
     // A second message, on the other replica.
-    let mut client_b = b.client().await;
     let started = Instant::now();
-    let second = client_b
+    let second = b
+        .client
         .process_turn(to("in-2", "second"))
         .await
         .unwrap_or_else(|s| panic!("in-2 failed: {s:?}"))
@@ -2196,7 +2180,8 @@ async fn interrupt_cancels_a_running_python_turn_and_the_next_run_sees_its_messa
     assert!(runs.iter().all(|run| run.batch.is_empty()), "{runs:?}");
 
     // Nothing of the first run was committed: the state holds the second run's write alone.
-    let peeked = client_b
+    let peeked = b
+        .client
         .process_turn(to("in-peek", "peek"))
         .await
         .unwrap()
@@ -2206,8 +2191,8 @@ async fn interrupt_cancels_a_running_python_turn_and_the_next_run_sees_its_messa
     // A redelivery of the first, to either replica, is answered superseded without running.
     for server in [&a, &b] {
         let again = server
-            .client()
-            .await
+            .client
+            .clone()
             .process_turn(to("in-wait", "wait"))
             .await
             .unwrap_or_else(|s| panic!("redelivering in-wait failed: {s:?}"))
