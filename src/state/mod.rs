@@ -13,8 +13,10 @@ use std::cell::Cell;
 use std::sync::Arc;
 
 use serde::{Serialize, de::DeserializeOwned};
+use serde_json::Value;
 
 use crate::activity::JsonMap;
+use crate::activity::scan::needs_escape;
 
 /// A property could not be converted between its stored JSON and the type the bot asked for.
 #[derive(Debug, thiserror::Error)]
@@ -202,9 +204,51 @@ impl ScopeState {
     }
 }
 
-/// The length of `state` as JSON text (what the store keeps), counted as it is written, without
-/// keeping the text: the scope size limit and the admin service's sizes.
+/// The length of `state` as JSON text (what the store keeps), counted without writing the text:
+/// the scope size limit, the state-size histogram and the admin service's sizes.
+///
+/// Counted the way `store::postgres`'s writer writes (`jsonb`): a string with nothing to escape
+/// — almost every string a bot stores — is its length plus its quotes, found a block at a time
+/// ([`needs_escape`]); any other string and every number are counted as serde_json writes them.
+/// Serializing the whole state into a counter instead looked at every byte of every string on its
+/// own and cost as much as a tenth of a warm turn (`bench/RESULTS.md`).
 pub fn json_len(state: &JsonMap) -> usize {
+    object_len(state)
+}
+
+fn object_len(map: &JsonMap) -> usize {
+    let commas = map.len().saturating_sub(1);
+    map.iter().fold(2 + commas, |len, (key, value)| {
+        len + str_len(key) + 1 + value_len(value)
+    })
+}
+
+fn value_len(value: &Value) -> usize {
+    match value {
+        Value::Null | Value::Bool(true) => 4,
+        Value::Bool(false) => 5,
+        Value::Number(n) => serialized_len(n),
+        Value::String(s) => str_len(s),
+        Value::Array(items) => {
+            let commas = items.len().saturating_sub(1);
+            items
+                .iter()
+                .fold(2 + commas, |len, item| len + value_len(item))
+        }
+        Value::Object(map) => object_len(map),
+    }
+}
+
+fn str_len(s: &str) -> usize {
+    if needs_escape(s.as_bytes()) {
+        serialized_len(s)
+    } else {
+        s.len() + 2
+    }
+}
+
+/// The length of `value` as serde_json writes it.
+fn serialized_len<T: Serialize + ?Sized>(value: &T) -> usize {
     struct Count(usize);
     impl std::io::Write for Count {
         fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
@@ -216,14 +260,47 @@ pub fn json_len(state: &JsonMap) -> usize {
         }
     }
     let mut count = Count(0);
-    // Writing to a counter cannot fail, and a map of JSON values always serializes.
-    let _ = serde_json::to_writer(&mut count, state);
+    // Writing to a counter cannot fail, and a string or a JSON number always serializes.
+    let _ = serde_json::to_writer(&mut count, value);
     count.0
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    /// Any JSON value, strings with escapes and numbers of every kind included.
+    fn any_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(|n| json!(n)),
+            any::<u64>().prop_map(|n| json!(n)),
+            any::<f64>().prop_map(|f| json!(f)),
+            "\\PC*|[\\x00-\\x7f]*".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 64, 8, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..8).prop_map(Value::Array),
+                proptest::collection::vec(("\\PC*|[\\x00-\\x7f]*", inner), 0..8)
+                    .prop_map(|entries| Value::Object(entries.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn json_len_is_the_length_serde_json_writes(values in proptest::collection::vec(any_json(), 0..6)) {
+            let state: JsonMap = values
+                .into_iter()
+                .enumerate()
+                .map(|(i, value)| (format!("k{i}\"\u{1}"), value))
+                .collect();
+            prop_assert_eq!(json_len(&state), serde_json::to_vec(&state).expect("json").len());
+        }
+    }
 
     #[test]
     fn typed_properties_round_trip_and_track_changes() {
