@@ -16,7 +16,7 @@
 //! needs; it is checked again once the slot is detached. Every step can be cut short (a replica
 //! killed, a statement timed out) and the next pass completes it from where it stopped: a detach
 //! left pending is finished, a detached slot attached again. Replicas pass every few minutes
-//! (`server::Upkeep`); two doing it at once find the slot already detached or attached, and that
+//! (`store::upkeep`); two doing it at once find the slot already detached or attached, and that
 //! step fails harmlessly.
 //!
 //! The receipts of the releases before V5 stay in `turnstile_receipt_legacy`, read but never
