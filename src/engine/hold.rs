@@ -110,9 +110,8 @@ impl<'t> Hold<'t> {
     }
 
     /// Chooses how the replay after a conflict on `key` holds its conversation, the attempt that
-    /// lost having run `free` ([`Hold::is_free`]). True: replay at once, the lock being the queue
-    /// now; false: back off first.
-    pub(super) fn after_conflict(&mut self, key: &StateKey, free: bool) -> bool {
+    /// lost having run `free` ([`Hold::is_free`]).
+    pub(super) fn after_conflict(&mut self, key: &StateKey, free: bool) {
         if self.mode == Mode::Held && !key.is_hold() {
             // A writer that holds nothing (a plain turn of another replica) beat a held turn:
             // the hold cannot keep it out, the lock's row lock can. The replay locks, as an
@@ -122,7 +121,6 @@ impl<'t> Hold<'t> {
         if free && self.mode == Mode::Optimistic {
             self.mode = Mode::Leased;
         }
-        free
     }
 
     /// The caller's deadline, which no wait may pass.
@@ -277,10 +275,14 @@ impl Engine {
         hold: &mut Hold<'_>,
         attempt: u32,
     ) -> Result<Taken, TurnError> {
-        let keys = (&plan.key_list[..], plan.receipt.as_ref());
         let lock = self
             .store
-            .lock_conversation(&plan.keys.conversation, keys.0, keys.1, hold.wait())
+            .lock_conversation(
+                &plan.keys.conversation,
+                &plan.key_list,
+                plan.receipt.as_ref(),
+                hold.wait(),
+            )
             .await?;
         match lock {
             ConversationLock::Held { snapshot, turn } => Ok(self.granted(snapshot, turn)),
@@ -307,10 +309,15 @@ impl Engine {
             DoubleText::Interrupt => Others::Interrupt,
             _ => Others::Wait,
         };
-        let keys = (&plan.key_list[..], plan.receipt.as_ref());
         let held = self
             .store
-            .hold_conversation(&plan.keys.conversation, keys.0, keys.1, hold.wait(), others)
+            .hold_conversation(
+                &plan.keys.conversation,
+                &plan.key_list,
+                plan.receipt.as_ref(),
+                hold.wait(),
+                others,
+            )
             .await?;
         match held {
             ConversationLock::Held { snapshot, turn } => Ok(self.granted(snapshot, turn)),
@@ -353,10 +360,14 @@ impl Engine {
             // this turn alone, holding the row.
             return self.lock(plan, hold, attempt).await;
         }
-        let keys = (&plan.key_list[..], plan.receipt.as_ref());
         let leased = self
             .store
-            .lease_conversation(&plan.keys.conversation, keys.0, keys.1, hold.wait())
+            .lease_conversation(
+                &plan.keys.conversation,
+                &plan.key_list,
+                plan.receipt.as_ref(),
+                hold.wait(),
+            )
             .await?;
         match leased {
             ConversationLease::Held {

@@ -514,7 +514,8 @@ impl Engine {
         self.metrics.conflicts.increment(1);
         tracing::debug!(attempt, %key, "conflict; replaying the turn under the lock");
         self.hot.contended(&plan.keys.conversation);
-        if !hold.after_conflict(key, free) {
+        hold.after_conflict(key, free);
+        if !free {
             return Ok(false);
         }
         self.give_up_if_spent(attempt, None)?;

@@ -387,11 +387,6 @@ impl<S: Store> CachedStore<S> {
             cache: Arc::new(StateCache::new(size)),
         }
     }
-
-    /// The store behind the cache.
-    pub fn inner(&self) -> &S {
-        &self.inner
-    }
 }
 
 /// The store as the turn engine uses it: its calls timed ([`TimedStore`]), behind this
@@ -402,7 +397,10 @@ impl TurnStore {
     /// `store` as the turn engine uses it: timed, behind a cache of `size` (0 turns it off)
     /// that guesses a row of a scope with a time to live (`ttls`) only until it would expire.
     pub fn for_turns(store: Arc<dyn Store>, size: CacheSize, ttls: Ttls) -> Self {
-        Self::new(TimedStore::new(store), size).with_ttls(ttls)
+        Self {
+            inner: TimedStore::new(store),
+            cache: Arc::new(StateCache::new(size).with_ttls(ttls)),
+        }
     }
 }
 
@@ -410,26 +408,6 @@ impl<S> CachedStore<S> {
     /// The times to live its cache keeps to.
     pub fn ttls(&self) -> Ttls {
         self.cache.ttls
-    }
-}
-
-impl<S: Clone> CachedStore<S> {
-    /// The same store before an empty cache of the same size, which guesses a row of a scope
-    /// with a time to live only until it would expire.
-    #[must_use]
-    pub fn with_ttls(&self, ttls: Ttls) -> Self {
-        Self {
-            inner: self.inner.clone(),
-            cache: Arc::new(StateCache::with_ttls(
-                StateCache {
-                    generation: self.cache.generation,
-                    generation_bytes: self.cache.generation_bytes,
-                    maps: Mutex::default(),
-                    ttls: Ttls::NONE,
-                },
-                ttls,
-            )),
-        }
     }
 }
 
