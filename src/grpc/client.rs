@@ -81,7 +81,7 @@ pub fn endpoint(address: &str, tls: &ClientTls) -> Result<Endpoint, ClientError>
             address: address.to_owned(),
             source,
         })?;
-    secured(endpoint, address, address.starts_with("https://"), tls)
+    secured(endpoint, address, tls)
 }
 
 /// The same for an address parsed already (a bot worker's, from `--remote-bot`): `tls` applies
@@ -91,22 +91,13 @@ pub fn endpoint(address: &str, tls: &ClientTls) -> Result<Endpoint, ClientError>
 /// [`ClientError`] when a file cannot be read, or TLS settings were given for a plaintext
 /// address.
 pub fn endpoint_to(url: &Uri, tls: &ClientTls) -> Result<Endpoint, ClientError> {
-    secured(
-        Endpoint::from(url.clone()),
-        &url.to_string(),
-        url.scheme_str() == Some("https"),
-        tls,
-    )
+    secured(Endpoint::from(url.clone()), &url.to_string(), tls)
 }
 
-/// `endpoint` (for `address`) with `tls` applied when `https`, else refused if any is set.
-fn secured(
-    endpoint: Endpoint,
-    address: &str,
-    https: bool,
-    tls: &ClientTls,
-) -> Result<Endpoint, ClientError> {
-    if !https {
+/// `endpoint` (for `address`) with `tls` applied when its scheme is `https` (as parsed, so in
+/// any case), else refused if any is set.
+fn secured(endpoint: Endpoint, address: &str, tls: &ClientTls) -> Result<Endpoint, ClientError> {
+    if endpoint.uri().scheme_str() != Some("https") {
         if tls.is_set() {
             return Err(ClientError::TlsOnPlaintext(address.to_owned()));
         }
@@ -175,6 +166,18 @@ mod tests {
         assert!(endpoint_to(&plain, &ClientTls::default()).is_ok());
         let secure: Uri = "HTTPS://worker.example:50061".parse().unwrap();
         let err = endpoint_to(&secure, &tls).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/ca.pem"), "{err}");
+    }
+
+    #[test]
+    fn an_address_gets_tls_by_its_parsed_scheme_in_any_case() {
+        let tls = ClientTls {
+            ca_cert: Some("/nonexistent/ca.pem".into()),
+            ..ClientTls::default()
+        };
+        // TLS applies (the CA is read, and found missing) rather than being refused as settings
+        // on a plaintext address.
+        let err = endpoint("HTTPS://turnstile.example:443", &tls).unwrap_err();
         assert!(err.to_string().contains("/nonexistent/ca.pem"), "{err}");
     }
 
