@@ -153,6 +153,14 @@ macro_rules! tombstones_of_any {
     };
 }
 
+/// The start of a load's state rows, with their ages: the key condition follows.
+macro_rules! state_rows_where_key {
+    () => {
+        "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
+           FROM turnstile_state WHERE key "
+    };
+}
+
 /// State rows with their ages (seconds since written, for expiry), the tombstones of those of
 /// them that are gone (`migrations/V4__erasure.sql`), and, when `$2` is not NULL, the receipt:
 /// one statement, so one snapshot. The first column says which: [`ROW`], [`RECEIPT`] or
@@ -160,8 +168,7 @@ macro_rules! tombstones_of_any {
 macro_rules! load_text {
     ($keys:expr, $tombstones:expr) => {
         concat!(
-            "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
-               FROM turnstile_state WHERE key ",
+            state_rows_where_key!(),
             $keys,
             " UNION ALL ",
             $tombstones,
@@ -178,8 +185,7 @@ macro_rules! load_text {
 macro_rules! load_holding_text {
     ($keys:expr, $tombstones:expr) => {
         concat!(
-            "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
-               FROM turnstile_state WHERE key ",
+            state_rows_where_key!(),
             $keys,
             " AND key <> $3 \
              UNION ALL \
