@@ -4,7 +4,7 @@
 # ships them (`migrations/V5__receipt_slots.sql`: four slots, a check across them), against the
 # same statements over the single receipt table of migration V4, in the same database.
 #
-#   bench/receipt_statements.sh            about a minute after the build (valgrind)
+#   bench/receipt_statements.sh            about two minutes after the build (valgrind)
 #   NO_BUILD=1 bench/receipt_statements.sh migrates with target/release as it is (BIN=DIR: another
 #                                          build's; only its migrations matter)
 #
@@ -18,6 +18,12 @@
 # V4's indexes) and V4's `turnstile_key_conversation`, which was STRICT and so was never inlined
 # (V5 replaced it). Four figures per statement: V4 as it was; V4's table with V5's key function;
 # V5's slots without the check (the partitioned insert alone); V5 as shipped.
+#
+# Then what the number of slots costs (#29's "flat ±10 %" asks for slots a tenth of the retention
+# wide, so about twelve): `trial4_receipt` and `trial12_receipt`, partitioned as V5's table is,
+# with its indexes and its check (`trial4_slots`, `trial12_slots`: V5's query over that table),
+# each already holding 240,000 receipts spread over its slots, as a running service's do (the
+# shipped slots are empty here, which flatters V5's load).
 #
 # Results: target/artifacts/bench/receipt_statements/summary.txt.
 set -euo pipefail
@@ -57,6 +63,39 @@ CREATE TABLE v4_inlined (key text PRIMARY KEY, payload jsonb NOT NULL,
 CREATE INDEX ON v4_inlined USING brin (created_at);
 CREATE INDEX ON v4_inlined (turnstile_key_conversation(key));
 CREATE INDEX ON v4_inlined ((payload->>'user')) WHERE payload ? 'user';
+-- The slot-count trial: V5's table, indexes and check with 4 and with 12 slots, filled.
+DO $trial$
+DECLARE n int;
+BEGIN
+  FOREACH n IN ARRAY ARRAY[4, 12] LOOP
+    EXECUTE format('CREATE TABLE trial%s_receipt (slot int2 NOT NULL, key text NOT NULL,
+        payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())
+        PARTITION BY LIST (slot)', n);
+    FOR i IN 0..n - 1 LOOP
+      EXECUTE format('CREATE TABLE trial%1$s_receipt_%2$s PARTITION OF trial%1$s_receipt
+          (CONSTRAINT trial%1$s_receipt_%2$s_pkey PRIMARY KEY (key)) FOR VALUES IN (%2$s)', n, i);
+    END LOOP;
+    EXECUTE format('CREATE INDEX ON trial%s_receipt (turnstile_key_conversation(key))', n);
+    EXECUTE format('CREATE INDEX ON trial%s_receipt ((payload->>%L)) WHERE payload ? %L',
+        n, 'user', 'user');
+    EXECUTE format('CREATE INDEX ON trial%s_receipt USING brin (created_at)', n);
+    EXECUTE format('INSERT INTO trial%1$s_receipt (slot, key, payload)
+        SELECT g %% %1$s, %2$L || (g %% 10000) || %3$L || g, %4$L
+          FROM generate_series(1, 240000) g',
+        n, 'bot/c/conversations/c', '/activities/old', '{"user":"c/u1"}');
+    EXECUTE format('CREATE FUNCTION trial%1$s_slots(p_key text) RETURNS int2[]
+        LANGUAGE plpgsql STRICT AS %2$L', n, format(
+        'DECLARE taken boolean; width float8;
+         BEGIN
+           SELECT EXISTS (SELECT 1 FROM trial%s_receipt WHERE key = p_key), c.width_secs
+             INTO taken, width FROM turnstile_receipt_clock c;
+           IF taken THEN RAISE unique_violation; END IF;
+           RETURN ARRAY[1::int2];
+         END', n));
+  END LOOP;
+END
+$trial$;
+ANALYZE;
 SQL
 "${AS[@]}" "$PGBIN/pg_ctl" -D "$WORK/pg/data" -m fast stop >/dev/null
 
@@ -74,6 +113,10 @@ SQL[commit_v4_inlined]=$(commit_into "v4_inlined (key, payload) SELECT $KEY, $PA
 SQL[commit_slots_unchecked]=$(commit_into "turnstile_receipt (slot, key, payload) SELECT 1, $KEY, $PAYLOAD")
 SQL[commit_v5]=$(commit_into "turnstile_receipt (slot, key, payload) SELECT unnest(turnstile_receipt_slots($KEY)), $KEY, $PAYLOAD")
 STATE="SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 FROM turnstile_state WHERE key = ANY(ARRAY['bot/c/conversations/c' || \$1]) UNION ALL SELECT 2::int2, k, NULL, t.version, NULL FROM unnest(ARRAY['bot/c/conversations/c' || \$1]::text[]) AS k JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k) UNION ALL "
+for n in 4 12; do
+    SQL[commit_trial$n]=$(commit_into "trial${n}_receipt (slot, key, payload) SELECT unnest(trial${n}_slots($KEY)), $KEY, $PAYLOAD")
+    SQL[load_trial$n]="$STATE SELECT 1::int2, key, payload, 0, NULL FROM (SELECT key, payload FROM trial${n}_receipt WHERE key = $KEY LIMIT 1) r"
+done
 SQL[load_v4]="$STATE SELECT 1::int2, key, payload, 0, NULL FROM v4_receipt WHERE key = $KEY"
 SQL[load_v5]="$STATE SELECT 1::int2, key, payload, 0, NULL FROM (SELECT key, payload FROM turnstile_receipt WHERE key = $KEY UNION ALL SELECT key, payload FROM turnstile_receipt_legacy WHERE key = $KEY LIMIT 1) r"
 
@@ -102,7 +145,8 @@ for _ in range($2):
 {
     echo "receipt statements, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD)$(git diff --quiet || echo '+changes'), $("$PGBIN/postgres" --version)"
     echo "instructions per execution (callgrind, (1200 runs - 200 runs) / 1000)"
-    for name in commit_v4 commit_v4_inlined commit_slots_unchecked commit_v5 load_v4 load_v5; do
+    for name in commit_v4 commit_v4_inlined commit_slots_unchecked commit_v5 load_v4 load_v5 \
+        commit_trial4 commit_trial12 load_trial4 load_trial12; do
         few=$(instructions "$name" 200)
         many=$(instructions "$name" 1200)
         printf '%-24s %10d\n' "$name" $(((many - few) / 1000))
