@@ -156,12 +156,21 @@ pub enum Refusal {
 
 impl From<Refusal> for Status {
     fn from(refusal: Refusal) -> Self {
-        match refusal {
+        refusal.into_status_after(Duration::ZERO)
+    }
+}
+
+impl Refusal {
+    /// The refusal's status, sent `held` after it was decided (`server::admission` holds
+    /// refusals back in a storm of them): its `RetryInfo` delay is shortened by as much, so that
+    /// a caller that waits as asked retries when it would have had the refusal come at once.
+    pub fn into_status_after(self, held: Duration) -> Status {
+        match self {
             Refusal::ShuttingDown => with_details(
                 Code::Unavailable,
                 "this server is shutting down; send the turn to another replica",
                 Reason::ShuttingDown,
-                Some(RETRY_SHUTTING_DOWN),
+                Some(RETRY_SHUTTING_DOWN.saturating_sub(held)),
                 HashMap::new(),
             ),
             Refusal::Overloaded { limit } => with_details(
@@ -171,7 +180,7 @@ impl From<Refusal> for Status {
                      replica"
                 ),
                 Reason::Overloaded,
-                Some(RETRY_OVERLOADED),
+                Some(RETRY_OVERLOADED.saturating_sub(held)),
                 HashMap::from([("max_in_flight".to_owned(), limit.to_string())]),
             ),
             Refusal::MessageTooLarge { limit, detail } => with_details(

@@ -53,6 +53,9 @@ pub const BUILD_INFO: &str = "turnstile_build_info";
 /// Turns refused before they started, by `reason` as in the refusal's `ErrorInfo`
 /// (`OVERLOADED`: past `--max-in-flight`; `SHUTTING_DOWN`: draining).
 pub const REFUSALS: &str = "turnstile_refusals_total";
+/// Refusals held back before they were sent, while the replica refused faster than callers that
+/// wait as `RetryInfo` asks would make it refuse (`server::admission`).
+pub const REFUSALS_HELD: &str = "turnstile_refusals_held_total";
 /// Expired receipts removed by the pruner, a slot at a time (`store::postgres::receipts`).
 pub const RECEIPTS_PRUNED: &str = "turnstile_receipts_pruned_total";
 /// When (Unix seconds) a pruning pass last finished with every step done. Far behind `time()`,
@@ -148,6 +151,10 @@ fn describe() {
     );
     describe_gauge!(BUILD_INFO, "1, labelled with the running version");
     describe_counter!(REFUSALS, "Turns refused before they started, by reason");
+    describe_counter!(
+        REFUSALS_HELD,
+        "Overload refusals held back before they were sent, during a storm of refusals"
+    );
     describe_counter!(RECEIPTS_PRUNED, "Expired receipts deleted");
     describe_counter!(
         STATE_EXPIRED,

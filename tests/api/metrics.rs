@@ -268,6 +268,10 @@ async fn process_metrics_refusals_and_receipt_pruning_are_scraped() {
         before.contains(overloaded),
         "refusals are counted from zero, before the first: {before}"
     );
+    assert!(
+        before.contains("\nturnstile_refusals_held_total "),
+        "held refusals are counted from zero, before the first: {before}"
+    );
 
     // The slow bot holds the one slot for 200 ms: the second turn is refused meanwhile.
     let slow = |i: usize| {

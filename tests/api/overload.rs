@@ -1,6 +1,7 @@
-//! Back-pressure: past `max_in_flight` turns, calls are refused at once with
-//! `RESOURCE_EXHAUSTED` (with `ErrorInfo` OVERLOADED and a `RetryInfo`), the bot never runs more
-//! turns at a time than the limit, and every admitted turn commits exactly once.
+//! Back-pressure: past `max_in_flight` turns, calls are refused with `RESOURCE_EXHAUSTED` (with
+//! `ErrorInfo` OVERLOADED and a `RetryInfo`), at once unless they come in a storm, when they are
+//! held back; the bot never runs more turns at a time than the limit, and every admitted turn
+//! commits exactly once.
 #![allow(clippy::unwrap_used)]
 
 use crate::support;
@@ -286,5 +287,80 @@ async fn a_connection_carries_at_most_max_concurrent_streams_calls() {
         call.await
             .unwrap()
             .expect("every call runs once a stream is free");
+    }
+}
+
+/// A storm of refusals: past 100 refusals in 100 ms, each further one is held back 200 ms and
+/// its `RetryInfo` asks for 300 ms instead of 500, so that a caller that waits as asked retries
+/// when it would have, and one that retries at once is slowed down. The first ones go at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_a_storm_of_refusals_each_is_held_back_and_asks_for_as_much_less_wait() {
+    const STORM: usize = 1000;
+    let bot = GatedCounter {
+        gate: Arc::new(Semaphore::new(0)),
+        inside: Arc::default(),
+        most_inside: Arc::default(),
+        pause_ms: Arc::default(),
+    };
+    let app = TestApp::memory()
+        .bots(BotRegistry::new("counter", bot.clone()))
+        .config(|c| Config {
+            max_in_flight: Some(LIMIT),
+            ..c
+        })
+        .spawn()
+        .await;
+    // The places taken, behind the shut gate.
+    let admitted: Vec<_> = (0..LIMIT)
+        .map(|i| {
+            let mut client = app.client.clone();
+            tokio::spawn(async move { client.process_turn(turn("storm", i * 5 + 1)).await })
+        })
+        .collect();
+    while bot.inside.load(Ordering::SeqCst) < LIMIT {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // A thousand calls at once over eight connections: refused in a few windows of 100 ms, so
+    // that at least one of them counts more than 100.
+    let mut clients = Vec::new();
+    for _ in 0..8 {
+        clients.push(app.connect().await);
+    }
+    let calls: Vec<_> = (0..STORM)
+        .map(|i| {
+            let mut client = clients[i % clients.len()].clone();
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let status = client
+                    .process_turn(turn("storm", i * 5 + 2))
+                    .await
+                    .expect_err("refused: every place is taken");
+                (started.elapsed(), status)
+            })
+        })
+        .collect();
+    let (mut at_once, mut held) = (0, 0);
+    for call in calls {
+        let (took, status) = call.await.unwrap();
+        assert_overloaded(&status);
+        let delay = status
+            .get_details_retry_info()
+            .and_then(|r| r.retry_delay)
+            .unwrap();
+        if delay == Duration::from_millis(300) {
+            assert!(took >= Duration::from_millis(200), "held {took:?}");
+            held += 1;
+        } else {
+            assert_eq!(delay, Duration::from_millis(500), "{status:?}");
+            at_once += 1;
+        }
+    }
+    eprintln!("{at_once} refused at once, {held} held back");
+    assert!(at_once >= 100, "the first hundred go at once: {at_once}");
+    assert!(held > 0, "none of {STORM} held back");
+
+    bot.gate.add_permits(LIMIT);
+    for call in admitted {
+        call.await.unwrap().expect("the admitted turns commit");
     }
 }
