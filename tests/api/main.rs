@@ -46,6 +46,7 @@ mod sample_bots;
 mod schema_health;
 mod sdk_protos;
 mod shutdown;
+mod state_compression;
 mod statement_plans;
 mod stop_turn;
 mod store_conformance;
