@@ -36,6 +36,18 @@ struct GatedCounter {
     pause_ms: Arc<AtomicU64>,
 }
 
+impl GatedCounter {
+    /// The gate shut, nobody inside, no pause.
+    fn shut() -> Self {
+        Self {
+            gate: Arc::new(Semaphore::new(0)),
+            inside: Arc::default(),
+            most_inside: Arc::default(),
+            pause_ms: Arc::default(),
+        }
+    }
+}
+
 #[async_trait]
 impl Bot for GatedCounter {
     async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
@@ -115,12 +127,7 @@ fn count(response: &pb::ProcessTurnResponse) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn calls_past_the_limit_are_refused_at_once_and_admitted_turns_are_exact() {
-    let bot = GatedCounter {
-        gate: Arc::new(Semaphore::new(0)),
-        inside: Arc::default(),
-        most_inside: Arc::default(),
-        pause_ms: Arc::default(),
-    };
+    let bot = GatedCounter::shut();
     let app = TestApp::postgres()
         .bots(BotRegistry::new("counter", bot.clone()))
         .config(|c| Config {
@@ -247,12 +254,7 @@ async fn calls_past_the_limit_are_refused_at_once_and_admitted_turns_are_exact()
 /// them all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_connection_carries_at_most_max_concurrent_streams_calls() {
-    let bot = GatedCounter {
-        gate: Arc::new(Semaphore::new(0)),
-        inside: Arc::default(),
-        most_inside: Arc::default(),
-        pause_ms: Arc::default(),
-    };
+    let bot = GatedCounter::shut();
     let mut app = TestApp::memory()
         .bots(BotRegistry::new("counter", bot.clone()))
         .config(|c| {
@@ -296,12 +298,7 @@ async fn a_connection_carries_at_most_max_concurrent_streams_calls() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn in_a_storm_of_refusals_each_is_held_back_and_asks_for_as_much_less_wait() {
     const STORM: usize = 1000;
-    let bot = GatedCounter {
-        gate: Arc::new(Semaphore::new(0)),
-        inside: Arc::default(),
-        most_inside: Arc::default(),
-        pause_ms: Arc::default(),
-    };
+    let bot = GatedCounter::shut();
     let app = TestApp::memory()
         .bots(BotRegistry::new("counter", bot.clone()))
         .config(|c| Config {

@@ -20,6 +20,19 @@ fn padded(conversation: &str, pad: u64) -> pb::ProcessTurnRequest {
     support::request(activity)
 }
 
+/// How the conversation `lz4`'s state is stored: its compression and its size as JSON text.
+async fn stored(db: &tokio_postgres::Client) -> (Option<String>, i32) {
+    let row = db
+        .query_one(
+            "SELECT pg_column_compression(state), octet_length(state::text) \
+               FROM turnstile_state WHERE key LIKE '%/conversations/lz4'",
+            &[],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_state_is_written_lz4_compressed_and_an_older_pglz_row_still_serves() {
     let mut app = TestApp::postgres()
@@ -27,26 +40,13 @@ async fn a_large_state_is_written_lz4_compressed_and_an_older_pglz_row_still_ser
         .spawn()
         .await;
     let db = support::pg::session(app.database_url()).await;
-    let compression = |conversation: &'static str| {
-        let db = &db;
-        async move {
-            db.query_one(
-                "SELECT pg_column_compression(state), octet_length(state::text) \
-                   FROM turnstile_state WHERE key LIKE '%/conversations/' || $1",
-                &[&conversation],
-            )
-            .await
-            .unwrap()
-        }
+    let mut turn = async |count: &str| {
+        let reply = app.client.process_turn(padded("lz4", 16_384)).await;
+        assert_eq!(texts(reply.unwrap().get_ref()), [count]);
     };
 
     // The server has migrated the schema once it answers a turn.
-    let reply = app
-        .client
-        .process_turn(padded("lz4", 16_384))
-        .await
-        .unwrap();
-    assert_eq!(texts(reply.get_ref()), ["count: 1"]);
+    turn("count: 1").await;
     let column: String = db
         .query_one(
             "SELECT attcompression::text FROM pg_attribute \
@@ -57,9 +57,9 @@ async fn a_large_state_is_written_lz4_compressed_and_an_older_pglz_row_still_ser
         .unwrap()
         .get(0);
     assert_eq!(column, "l", "the state column's compression");
-    let row = compression("lz4").await;
-    assert_eq!(row.get::<_, Option<String>>(0).as_deref(), Some("lz4"));
-    assert!(row.get::<_, i32>(1) > 16_384);
+    let (compression, bytes) = stored(&db).await;
+    assert_eq!(compression.as_deref(), Some("lz4"));
+    assert!(bytes > 16_384, "{bytes} bytes");
 
     // A row as a release before this one left it, compressed with pglz: served and rewritten.
     db.batch_execute(
@@ -70,24 +70,10 @@ async fn a_large_state_is_written_lz4_compressed_and_an_older_pglz_row_still_ser
     )
     .await
     .unwrap();
+    assert_eq!(stored(&db).await.0.as_deref(), Some("pglz"));
+    turn("count: 2").await;
     assert_eq!(
-        compression("lz4")
-            .await
-            .get::<_, Option<String>>(0)
-            .as_deref(),
-        Some("pglz")
-    );
-    let reply = app
-        .client
-        .process_turn(padded("lz4", 16_384))
-        .await
-        .unwrap();
-    assert_eq!(texts(reply.get_ref()), ["count: 2"]);
-    assert_eq!(
-        compression("lz4")
-            .await
-            .get::<_, Option<String>>(0)
-            .as_deref(),
+        stored(&db).await.0.as_deref(),
         Some("lz4"),
         "rewritten by the next turn"
     );
