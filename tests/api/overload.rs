@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use support::{TestApp, message, texts};
+use support::{TestApp, TestAppBuilder, message, texts};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::time::Instant;
 use tonic::Code;
@@ -59,6 +59,17 @@ impl Bot for GatedCounter {
         passed.map_err(BotError::msg)?;
         CounterBot.on_turn(turn).await
     }
+}
+
+/// A server on `app` running `bot` with at most `LIMIT` turns in flight.
+async fn limited(app: TestAppBuilder<'_>, bot: &GatedCounter) -> TestApp {
+    app.bots(BotRegistry::new("counter", bot.clone()))
+        .config(|c| Config {
+            max_in_flight: Some(LIMIT),
+            ..c
+        })
+        .spawn()
+        .await
 }
 
 /// Whether call `i` goes to the shared conversation `hot` (one in five, on every connection).
@@ -128,14 +139,7 @@ fn count(response: &pb::ProcessTurnResponse) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn calls_past_the_limit_are_refused_at_once_and_admitted_turns_are_exact() {
     let bot = GatedCounter::shut();
-    let app = TestApp::postgres()
-        .bots(BotRegistry::new("counter", bot.clone()))
-        .config(|c| Config {
-            max_in_flight: Some(LIMIT),
-            ..c
-        })
-        .spawn()
-        .await;
+    let app = limited(TestApp::postgres(), &bot).await;
     // Four connections.
     let mut clients = vec![app.client.clone()];
     for _ in 1..4 {
@@ -299,14 +303,7 @@ async fn a_connection_carries_at_most_max_concurrent_streams_calls() {
 async fn in_a_storm_of_refusals_each_is_held_back_and_asks_for_as_much_less_wait() {
     const STORM: usize = 1000;
     let bot = GatedCounter::shut();
-    let app = TestApp::memory()
-        .bots(BotRegistry::new("counter", bot.clone()))
-        .config(|c| Config {
-            max_in_flight: Some(LIMIT),
-            ..c
-        })
-        .spawn()
-        .await;
+    let app = limited(TestApp::memory(), &bot).await;
     // The places taken, behind the shut gate.
     let admitted: Vec<_> = (0..LIMIT)
         .map(|i| {

@@ -18,7 +18,7 @@ pub mod tools;
 
 // Each test target uses what it needs of these.
 #[allow(unused_imports)]
-pub use app::{TestApp, spawn_app};
+pub use app::{TestApp, TestAppBuilder, spawn_app};
 
 use std::net::SocketAddr;
 
