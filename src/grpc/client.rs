@@ -133,12 +133,17 @@ fn read(path: &Path) -> Result<Vec<u8>, ClientError> {
 mod tests {
     use super::*;
 
+    /// TLS settings naming only a CA file.
+    fn with_ca(path: &str) -> ClientTls {
+        ClientTls {
+            ca_cert: Some(path.into()),
+            ..ClientTls::default()
+        }
+    }
+
     #[test]
     fn tls_settings_on_a_plaintext_address_are_refused_not_ignored() {
-        let tls = ClientTls {
-            ca_cert: Some("ca.pem".into()),
-            ..ClientTls::default()
-        };
+        let tls = with_ca("ca.pem");
         let err = endpoint("http://127.0.0.1:50051", &tls).unwrap_err();
         assert!(matches!(err, ClientError::TlsOnPlaintext(_)), "{err}");
         assert!(endpoint("http://127.0.0.1:50051", &ClientTls::default()).is_ok());
@@ -146,20 +151,14 @@ mod tests {
 
     #[test]
     fn an_unreadable_ca_is_named() {
-        let tls = ClientTls {
-            ca_cert: Some("/nonexistent/ca.pem".into()),
-            ..ClientTls::default()
-        };
+        let tls = with_ca("/nonexistent/ca.pem");
         let err = endpoint("https://turnstile.example:443", &tls).unwrap_err();
         assert!(err.to_string().contains("/nonexistent/ca.pem"), "{err}");
     }
 
     #[test]
     fn a_parsed_url_gets_tls_by_its_scheme() {
-        let tls = ClientTls {
-            ca_cert: Some("/nonexistent/ca.pem".into()),
-            ..ClientTls::default()
-        };
+        let tls = with_ca("/nonexistent/ca.pem");
         let plain: Uri = "http://127.0.0.1:50061".parse().unwrap();
         let err = endpoint_to(&plain, &tls).unwrap_err();
         assert!(matches!(err, ClientError::TlsOnPlaintext(_)), "{err}");
@@ -171,10 +170,7 @@ mod tests {
 
     #[test]
     fn an_address_gets_tls_by_its_parsed_scheme_in_any_case() {
-        let tls = ClientTls {
-            ca_cert: Some("/nonexistent/ca.pem".into()),
-            ..ClientTls::default()
-        };
+        let tls = with_ca("/nonexistent/ca.pem");
         // TLS applies (the CA is read, and found missing) rather than being refused as settings
         // on a plaintext address.
         let err = endpoint("HTTPS://turnstile.example:443", &tls).unwrap_err();
