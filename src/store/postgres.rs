@@ -138,6 +138,20 @@ macro_rules! tombstones_of_few {
         "SELECT 2::int2, v.k, NULL, t.version, NULL FROM (VALUES (($1::text[])[1]), (($1::text[])[2]), (($1::text[])[3])) AS v(k) \
            JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(v.k)"
     };
+    // The same with the keys' hashes given ([`key_hashes`]).
+    ($hashes:literal) => {
+        concat!(
+            "SELECT 2::int2, v.k, NULL, t.version, NULL FROM (VALUES \
+               (($1::text[])[1], (",
+            $hashes,
+            "::bytea[])[1]), (($1::text[])[2], (",
+            $hashes,
+            "::bytea[])[2]), (($1::text[])[3], (",
+            $hashes,
+            "::bytea[])[3])) AS v(k, h) \
+             JOIN turnstile_tombstone t ON t.key_hash = v.h"
+        )
+    };
 }
 
 /// The same for any number of keys.
@@ -150,6 +164,13 @@ macro_rules! tombstones_of_any {
     () => {
         "SELECT 2::int2, k, NULL, t.version, NULL FROM unnest($1::text[]) AS k \
            JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k)"
+    };
+    ($hashes:literal) => {
+        concat!(
+            "SELECT 2::int2, v.k, NULL, t.version, NULL FROM unnest($1::text[], ",
+            $hashes,
+            "::bytea[]) AS v(k, h) JOIN turnstile_tombstone t ON t.key_hash = v.h"
+        )
     };
 }
 
@@ -200,17 +221,18 @@ macro_rules! load_holding_text {
     };
 }
 
-/// The load (`load_text!`) of up to [`FEW_KEYS`] keys; [`load_of`] chooses.
+/// The load (`load_text!`) of up to [`FEW_KEYS`] keys; [`load_of`] chooses. `$3` holds the keys'
+/// hashes ([`key_hashes`]), by which their tombstones are found.
 const LOAD: Sql = Sql {
-    text: load_text!(few_keys!(), tombstones_of_few!()),
-    types: &[Type::TEXT_ARRAY, Type::TEXT],
+    text: load_text!(few_keys!(), tombstones_of_few!("$3")),
+    types: &[Type::TEXT_ARRAY, Type::TEXT, Type::BYTEA_ARRAY],
     // On Citus a load goes shard by shard (`citus::load_by_shard`), not through this.
     on_citus: None,
 };
 /// [`LOAD`] for any number of keys.
 const LOAD_ANY: Sql = Sql {
-    text: load_text!(any_keys!(), tombstones_of_any!()),
-    types: &[Type::TEXT_ARRAY, Type::TEXT],
+    text: load_text!(any_keys!(), tombstones_of_any!("$3")),
+    types: &[Type::TEXT_ARRAY, Type::TEXT, Type::BYTEA_ARRAY],
     on_citus: None,
 };
 /// The load of a turn holding its conversation lock (`load_holding_text!`), up to [`FEW_KEYS`].
@@ -235,6 +257,16 @@ fn load_of(keys: usize, holding: bool) -> &'static Sql {
         (true, true) => &LOAD_HOLDING,
         (false, true) => &LOAD_HOLDING_ANY,
     }
+}
+/// The hashes of `keys` by which their tombstones are stored: `turnstile_key_hash`
+/// (`migrations/V4__erasure.sql`), the SHA-256 of the key's UTF-8 text, computed here. In
+/// PostgreSQL the function is planned again at every load that calls it (it cannot be inlined,
+/// as `convert_to` is not immutable): with three keys, a third of what a load of a conversation
+/// not in the state cache cost the database (`bench/RESULTS.md`).
+fn key_hashes(keys: &[&str]) -> Vec<ring::digest::Digest> {
+    keys.iter()
+        .map(|key| ring::digest::digest(&ring::digest::SHA256, key.as_bytes()))
+        .collect()
 }
 /// What a row of [`LOAD`] is: a state row.
 const ROW: i16 = 0;
@@ -1334,8 +1366,10 @@ impl PostgresStore {
         let rows = match held {
             None if via.citus => citus::load_by_shard(client, via, &names, receipt_key).await,
             None => {
+                let hashes = key_hashes(&names);
+                let hashes: Vec<&[u8]> = hashes.iter().map(AsRef::as_ref).collect();
                 load_of(names.len(), false)
-                    .query(client, via, &[&names, &receipt_key])
+                    .query(client, via, &[&names, &receipt_key, &hashes])
                     .await
             }
             Some(held) => {
@@ -1735,6 +1769,24 @@ mod tests {
     use std::str::FromStr as _;
 
     use super::*;
+
+    /// The hash a load looks a tombstone up by is the one `turnstile_key_hash` stored it under,
+    /// for a key beyond ASCII too (the expected value is PostgreSQL's own, `SELECT
+    /// encode(turnstile_key_hash('…'), 'hex')`; the store's erasure conformance tests check the
+    /// two meet in the database).
+    #[test]
+    fn key_hashes_are_turnstile_key_hash() {
+        let hashes = key_hashes(&["bot/msteams/users/29:Zoë-日本"]);
+        let hex: String = hashes[0]
+            .as_ref()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(
+            hex,
+            "18daf3fb083d695890d8d2059d6523859f454518b0001b1f15b24b1aa3e8dd3e"
+        );
+    }
 
     #[test]
     fn connection_states_are_unavailability_and_others_are_not() {
