@@ -83,9 +83,11 @@ macro_rules! sweep_answer {
     };
 }
 
+mod batch_failure;
 mod citus;
 mod diagnose;
 mod group_commit;
+mod group_load;
 pub mod hold;
 mod jsonb;
 mod layout;
@@ -101,6 +103,8 @@ pub use citus::{Citus, CitusError, CitusLayout};
 pub use diagnose::ConnectError;
 pub use group_commit::GroupCommitStats;
 use group_commit::{GroupCommit, SingleWrite};
+use group_load::GroupLoad;
+pub use group_load::{GroupLoadStats, LOADS_IN_FLIGHT};
 pub use lock::lock_table;
 pub use schema::{SchemaBehind, SchemaStatus};
 use timeouts::{CALL_TIMEOUT, STATEMENT_TIMEOUT, within_call_timeout};
@@ -233,6 +237,34 @@ const LOAD: Sql = Sql {
 const LOAD_ANY: Sql = Sql {
     text: load_text!(any_keys!(), tombstones_of_any!("$3")),
     types: &[Type::TEXT_ARRAY, Type::TEXT, Type::BYTEA_ARRAY],
+    on_citus: None,
+};
+/// The loads of many turns together ([`group_load`]): the rows of every key `$1` (each once), their
+/// tombstones by their hashes `$3` (in the same order), and the receipts `$2` — one statement, so
+/// one snapshot. Rows are told apart by key, as the plain load's are.
+///
+/// The arrays are read through `jsonb_array_elements_text`, whose row estimate is fixed, never
+/// with `= ANY` or `unnest`, whose estimates follow the arrays' lengths: then a plan made for the
+/// values of a small batch is cheaper than the generic plan, and PostgreSQL plans the statement
+/// again at every execution, which cost more than the batch saved (`bench/RESULTS.md`). With a
+/// fixed estimate the generic plan is as cheap, and is kept.
+const LOAD_MANY: Sql = Sql {
+    text: "WITH v AS (SELECT * FROM ROWS FROM (jsonb_array_elements_text(to_jsonb($1::text[])), \
+                                             unnest($3::bytea[])) AS v(k, h)) \
+           SELECT 0::int2, s.key, s.state, s.version, \
+                  extract(epoch FROM now() - s.updated_at)::float8 \
+             FROM v JOIN turnstile_state s ON s.key = v.k \
+           UNION ALL \
+           SELECT 2::int2, v.k, NULL, t.version, NULL \
+             FROM v JOIN turnstile_tombstone t ON t.key_hash = v.h \
+           UNION ALL \
+           SELECT 1::int2, x.key, x.payload, 0, NULL \
+             FROM jsonb_array_elements_text(to_jsonb($2::text[])) AS r(key) \
+             JOIN LATERAL (SELECT key, payload FROM turnstile_receipt WHERE key = r.key \
+                           UNION ALL \
+                           SELECT key, payload FROM turnstile_receipt_legacy WHERE key = r.key) x \
+               ON true",
+    types: &[Type::TEXT_ARRAY, Type::TEXT_ARRAY, Type::BYTEA_ARRAY],
     on_citus: None,
 };
 /// The load of a turn holding its conversation lock (`load_holding_text!`), up to [`FEW_KEYS`].
@@ -876,6 +908,8 @@ pub struct PostgresStore {
     pool: Pool,
     statements: Statements,
     group: Arc<GroupCommit>,
+    /// The loads of turns whose state is not cached, read together while others run.
+    loads: Arc<GroupLoad>,
     /// Connections kept out of the pool by conversation leases (held or asked for).
     leases: lock::LeaseSlots,
     /// Closed while the schema is behind this binary's, when the server asked for checks.
@@ -948,6 +982,7 @@ impl PostgresStore {
                 Arc::clone(&engine),
                 DEFAULT_COMMITS_IN_FLIGHT,
             )),
+            loads: Arc::new(GroupLoad::new(pool.clone(), LOADS_IN_FLIGHT)),
             leases: lock::LeaseSlots::new(lease_slots(pool_size)),
             pool,
             statements,
@@ -1029,6 +1064,11 @@ impl PostgresStore {
         self.group.stats()
     }
 
+    /// What the group load has done so far.
+    pub fn group_load_stats(&self) -> GroupLoadStats {
+        self.loads.stats()
+    }
+
     /// A pooled connection, once the store knows whether Citus distributes its tables.
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
         self.engine.learn(&self.pool).await?;
@@ -1061,6 +1101,68 @@ pub const DEFAULT_COMMITS_IN_FLIGHT: usize = 1;
 /// leased conversations' turns, which load and commit on other connections, always find one.
 fn lease_slots(pool_size: usize) -> usize {
     (pool_size / 2).max(1)
+}
+
+/// The snapshot a load's `rows` make (a state row, a tombstone or the receipt each, as [`LOAD`]
+/// returns them), each row older than its scope's time to live in `ttls` read as absent.
+fn snapshot_of<'r>(
+    rows: impl IntoIterator<Item = &'r Row>,
+    ttls: &super::Ttls,
+) -> Result<Snapshot, StoreError> {
+    let rows = rows.into_iter();
+    let mut states = KeyMap::with_capacity_and_hasher(rows.size_hint().0, KeyHasher::default());
+    let mut found_receipt = None;
+    let mut gone = Vec::new();
+    let mut expiries = Vec::new();
+    for row in rows {
+        match row.try_get::<_, i16>(0).map_err(unexpected)? {
+            RECEIPT => {
+                let jsonb::JsonbText(payload) = row.try_get(2).map_err(unexpected)?;
+                let payload = Receipt::from_text(payload)
+                    .map_err(|e| StoreError::Unexpected(anyhow::Error::new(e)))?;
+                found_receipt = Some(payload);
+            }
+            GONE => {
+                let key: String = row.try_get(1).map_err(unexpected)?;
+                let version: i64 = row.try_get(3).map_err(unexpected)?;
+                let version =
+                    u64::try_from(version).map_err(|e| StoreError::Unexpected(e.into()))?;
+                gone.push((StateKey::from_stored(key), Version::new(version)));
+            }
+            ROW => {
+                let (key, mut versioned) = read_row(row).map_err(StoreError::Unexpected)?;
+                if let Some(ttl) = ttls.of(&key) {
+                    let age: Option<f64> = row.try_get(4).map_err(unexpected)?;
+                    let age = Duration::try_from_secs_f64(age.unwrap_or(0.0).max(0.0))
+                        .unwrap_or(Duration::MAX);
+                    let remaining = ttl.checked_sub(age).filter(|r| !r.is_zero());
+                    if remaining.is_none() {
+                        // Expired: absent to the turn, its version kept, so that the turn's
+                        // commit writes over the row in place (or conflicts with the sweep).
+                        versioned.state = Arc::default();
+                    }
+                    expiries.push((key.clone(), remaining));
+                }
+                states.insert(key, versioned);
+            }
+            other => {
+                return Err(StoreError::Unexpected(anyhow!(
+                    "a load row of kind {other}"
+                )));
+            }
+        }
+    }
+    // A key is gone only while it has no row: a tombstone stays after the key is created
+    // again (above it), and is then ignored.
+    let snapshot = gone.into_iter().fold(
+        Snapshot::new(states, found_receipt),
+        |snapshot, (key, version)| snapshot.with_gone(key, version),
+    );
+    Ok(expiries
+        .into_iter()
+        .fold(snapshot, |snapshot, (key, remaining)| {
+            snapshot.with_expiry(key, remaining)
+        }))
 }
 
 /// A connection from `pool`, or why there is none.
@@ -1342,8 +1444,14 @@ impl PostgresStore {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
     ) -> Result<Snapshot, StoreError> {
-        let client = self.client().await?;
-        Self::load_on(&client, self.via(), keys, receipt, None, &self.ttls).await
+        self.engine.learn(&self.pool).await?;
+        let via = self.via();
+        if via.citus {
+            let client = client_of(&self.pool).await?;
+            return Self::load_on(&client, via, keys, receipt, None, &self.ttls).await;
+        }
+        let loaded = self.loads.load(via, keys, receipt).await?;
+        snapshot_of(loaded.rows(), &self.ttls)
     }
 
     async fn commit_now(&self, commit: &Commit) -> Result<CommitOutcome, StoreError> {
@@ -1378,59 +1486,7 @@ impl PostgresStore {
             }
         }
         .map_err(classify)?;
-        let mut states = KeyMap::with_capacity_and_hasher(rows.len(), KeyHasher::default());
-        let mut found_receipt = None;
-        let mut gone = Vec::new();
-        let mut expiries = Vec::new();
-        for row in &rows {
-            match row.try_get::<_, i16>(0).map_err(unexpected)? {
-                RECEIPT => {
-                    let jsonb::JsonbText(payload) = row.try_get(2).map_err(unexpected)?;
-                    let payload = Receipt::from_text(payload)
-                        .map_err(|e| StoreError::Unexpected(anyhow::Error::new(e)))?;
-                    found_receipt = Some(payload);
-                }
-                GONE => {
-                    let key: String = row.try_get(1).map_err(unexpected)?;
-                    let version: i64 = row.try_get(3).map_err(unexpected)?;
-                    let version =
-                        u64::try_from(version).map_err(|e| StoreError::Unexpected(e.into()))?;
-                    gone.push((StateKey::from_stored(key), Version::new(version)));
-                }
-                ROW => {
-                    let (key, mut versioned) = read_row(row).map_err(StoreError::Unexpected)?;
-                    if let Some(ttl) = ttls.of(&key) {
-                        let age: Option<f64> = row.try_get(4).map_err(unexpected)?;
-                        let age = Duration::try_from_secs_f64(age.unwrap_or(0.0).max(0.0))
-                            .unwrap_or(Duration::MAX);
-                        let remaining = ttl.checked_sub(age).filter(|r| !r.is_zero());
-                        if remaining.is_none() {
-                            // Expired: absent to the turn, its version kept, so that the turn's
-                            // commit writes over the row in place (or conflicts with the sweep).
-                            versioned.state = Arc::default();
-                        }
-                        expiries.push((key.clone(), remaining));
-                    }
-                    states.insert(key, versioned);
-                }
-                other => {
-                    return Err(StoreError::Unexpected(anyhow!(
-                        "a load row of kind {other}"
-                    )));
-                }
-            }
-        }
-        // A key is gone only while it has no row: a tombstone stays after the key is created
-        // again (above it), and is then ignored.
-        let snapshot = gone.into_iter().fold(
-            Snapshot::new(states, found_receipt),
-            |snapshot, (key, version)| snapshot.with_gone(key, version),
-        );
-        Ok(expiries
-            .into_iter()
-            .fold(snapshot, |snapshot, (key, remaining)| {
-                snapshot.with_expiry(key, remaining)
-            }))
+        snapshot_of(&rows, ttls)
     }
 
     /// [`Store::commit`] by `turnstile_commit` on `client`.

@@ -38,6 +38,8 @@ pub const TURN_DURATION: &str = "turnstile_turn_duration_seconds";
 pub const STORE_DURATION: &str = "turnstile_store_duration_seconds";
 /// Single-scope commits per statement of the PostgreSQL store's group commit.
 pub const COMMIT_BATCH_SIZE: &str = "turnstile_commit_batch_size";
+/// Loads of uncached state per statement of the PostgreSQL store's group load.
+pub const LOAD_BATCH_SIZE: &str = "turnstile_load_batch_size";
 /// Database connections by `state` (`in_use` | `idle` | `waiting`).
 pub const POOL_CONNECTIONS: &str = "turnstile_pool_connections";
 /// The size of each scope's state a turn wrote (or was refused for writing), as JSON text, by
@@ -111,6 +113,12 @@ pub fn recorder() -> Result<PrometheusHandle, MetricsError> {
                     )
                 })
                 .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(LOAD_BATCH_SIZE.into()),
+                        BATCH_SIZE_BUCKETS,
+                    )
+                })
+                .and_then(|b| {
                     b.set_buckets_for_metric(Matcher::Full(STATE_BYTES.into()), BYTES_BUCKETS)
                 })
                 .and_then(PrometheusBuilder::install_recorder)
@@ -134,6 +142,10 @@ fn describe() {
     describe_histogram!(
         COMMIT_BATCH_SIZE,
         "Single-scope commits applied by one statement of the group commit"
+    );
+    describe_histogram!(
+        LOAD_BATCH_SIZE,
+        "Loads of state not in the cache read by one statement of the group load"
     );
     describe_gauge!(POOL_CONNECTIONS, "Database connections by state");
     describe_histogram!(

@@ -158,7 +158,7 @@ async fn scrapes_show_turns_replays_and_conflicts() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pool_gauges_and_commit_batches_come_from_postgres() {
+async fn pool_gauges_and_commit_and_load_batches_come_from_postgres() {
     let url = support::pg::fresh_database().await;
     let config = support::postgres_config(&url);
     let store = turnstile::server::open_store(&config).await.unwrap();
@@ -177,6 +177,11 @@ async fn pool_gauges_and_commit_batches_come_from_postgres() {
     // The counter bot's commit writes one scope: it went through the group commit, alone.
     assert!(
         value(&body, r#"turnstile_commit_batch_size_bucket{le="1"}"#) >= 1.0,
+        "{body}"
+    );
+    // Its first turn loaded the conversation it had not cached: by the group load, alone.
+    assert!(
+        value(&body, r#"turnstile_load_batch_size_bucket{le="1"}"#) >= 1.0,
         "{body}"
     );
 }

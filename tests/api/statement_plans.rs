@@ -11,8 +11,9 @@ use turnstile::bots::CounterBot;
 
 use crate::support::{self, TestApp, say};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_load_is_planned_once_per_connection_not_once_per_turn() {
+/// A server with the counter bot over a fresh database of a cluster that counts plans, its state
+/// table grown to a deployment's size, the counts reset; and a session to read them.
+async fn counted_app() -> (TestApp, tokio_postgres::Client, support::pg::Cluster) {
     let cluster = tokio::task::spawn_blocking(|| {
         support::pg::Cluster::start_with(
             &[
@@ -48,6 +49,40 @@ async fn a_load_is_planned_once_per_connection_not_once_per_turn() {
         )
         .await
         .unwrap();
+    (app, admin, cluster)
+}
+
+/// How many times the statements whose text has every one of `parts` ran, and were planned.
+async fn calls_and_plans(admin: &tokio_postgres::Client, parts: &[&str]) -> (i64, i64) {
+    let filter: String = parts
+        .iter()
+        .map(|part| format!(" AND query LIKE '%{part}%'"))
+        .collect();
+    let row = admin
+        .query_one(
+            &format!(
+                "SELECT coalesce(sum(calls), 0)::int8, coalesce(sum(plans), 0)::int8 \
+                   FROM pg_stat_statements WHERE true{filter}"
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// PostgreSQL plans a prepared statement for its first five executions on a connection, then
+/// keeps a generic plan if it costs no more: at most six plans per pooled connection (8).
+fn planned_once_per_connection(what: &str, calls: i64, plans: i64) {
+    assert!(
+        plans <= 6 * 8 && plans * 2 < calls,
+        "{plans} plans for {calls} {what}: the statement is planned again at every execution"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_is_planned_once_per_connection_not_once_per_turn() {
+    let (mut app, admin, _cluster) = counted_app().await;
     // Every turn a conversation's first: none is in the server's state cache, so each loads.
     const TURNS: i64 = 120;
     for n in 0..TURNS {
@@ -56,22 +91,46 @@ async fn a_load_is_planned_once_per_connection_not_once_per_turn() {
     }
 
     // The loads: the statements that read the state rows and the receipt together.
-    let row = admin
-        .query_one(
-            "SELECT coalesce(sum(calls), 0)::int8, coalesce(sum(plans), 0)::int8 \
-               FROM pg_stat_statements \
-              WHERE query LIKE '%FROM turnstile_state%' AND query LIKE '%turnstile_receipt_legacy%'",
-            &[],
-        )
-        .await
-        .unwrap();
-    let (calls, plans): (i64, i64) = (row.get(0), row.get(1));
+    let (calls, plans) = calls_and_plans(
+        &admin,
+        &["FROM turnstile_state", "turnstile_receipt_legacy"],
+    )
+    .await;
     assert!(calls >= TURNS, "{calls} loads for {TURNS} first turns");
-    // PostgreSQL plans a prepared statement for its first five executions on a connection, then
-    // keeps a generic plan if it costs no more: at most six plans per pooled connection (8).
+    planned_once_per_connection("loads", calls, plans);
+    app.stop().await.unwrap();
+}
+
+/// The same for the loads of turns that arrive together, read by one statement whatever their
+/// number (`group_load`): batches of every size share one plan. Four callers make small batches,
+/// the ones for which a statement whose estimates follow its arrays' lengths was planned again
+/// at every execution (checked: 53 plans for 50 batches).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loads_read_together_are_planned_once_per_connection() {
+    let (app, admin, _cluster) = counted_app().await;
+    const CALLERS: usize = 4;
+    const TURNS: usize = 250;
+    let callers: Vec<_> = (0..CALLERS)
+        .map(|caller| {
+            let mut client = app.client.clone();
+            tokio::spawn(async move {
+                for n in 0..TURNS {
+                    let reply = say(&mut client, &format!("together-{caller}-{n}"), "one").await;
+                    assert_eq!(support::texts(&reply), ["count: 1"]);
+                }
+            })
+        })
+        .collect();
+    for caller in callers {
+        caller.await.unwrap();
+    }
+
+    let (together, together_plans) = calls_and_plans(&admin, &["jsonb_array_elements_text"]).await;
     assert!(
-        plans <= 6 * 8 && plans * 2 < calls,
-        "{plans} plans for {calls} loads: the load is planned again at every execution"
+        together >= 100,
+        "{together} statements read loads together for {} first turns from {CALLERS} callers",
+        CALLERS * TURNS
     );
+    planned_once_per_connection("statements of loads together", together, together_plans);
     app.stop().await.unwrap();
 }

@@ -1145,6 +1145,121 @@ async fn group_commit_store(on: Engine) -> PostgresStore {
     PostgresStore::connect(&url, 4).unwrap()
 }
 
+/// PostgreSQL's group load: loads that arrive while others run are read by one statement, and
+/// each still gets its own snapshot — its keys' rows (a key two loads share given to both), its
+/// tombstones, its receipt and no other's — as a load alone would.
+#[tokio::test]
+async fn group_load_gives_each_load_its_own_snapshot() {
+    let store = group_commit_store(Engine::Single).await;
+    let convs: Vec<StateKey> = (0..10).map(|i| conversation(&format!("l{i}"))).collect();
+    for (i, key) in convs.iter().enumerate() {
+        committed(commit(&store, vec![write(key, Expected::Absent, json!({"n": i}))]).await);
+    }
+    let shared = user("shared");
+    committed(
+        commit(
+            &store,
+            vec![write(&shared, Expected::Absent, json!({"u": 1}))],
+        )
+        .await,
+    );
+    // l1's last turn answered activity `done`: version 2, with its receipt.
+    let done = receipt_in("l1", "done");
+    store
+        .commit(
+            Commit::new(vec![write(
+                &convs[1],
+                Expected::Version(Version::FIRST),
+                json!({"n": 1, "again": true}),
+            )])
+            .with_receipt(
+                done.clone(),
+                Receipt::from(json!({"activities": [], "n": 1})),
+            ),
+        )
+        .await
+        .unwrap();
+    // An erased user: a tombstone at version 1.
+    let erased = user("erased");
+    committed(commit(&store, vec![write(&erased, Expected::Absent, json!({}))]).await);
+    store
+        .erase(&Erasure::User("test/erased".into()))
+        .await
+        .unwrap();
+    let before = store.group_load_stats();
+
+    let mut loads: Vec<(Vec<StateKey>, Option<StateKey>)> = convs
+        .iter()
+        .enumerate()
+        .map(|(i, key)| {
+            let receipt = match i {
+                1 => done.clone(),
+                _ => receipt_in(&format!("l{i}"), "new"),
+            };
+            (
+                vec![
+                    key.clone(),
+                    shared.clone(),
+                    private(&format!("l{i}"), "shared"),
+                ],
+                Some(receipt),
+            )
+        })
+        .collect();
+    loads.push((vec![conversation("nowhere"), erased.clone()], None));
+    loads.push((vec![], Some(done.clone())));
+    let snapshots = futures::future::join_all(
+        loads
+            .iter()
+            .map(|(keys, receipt)| store.load(keys, receipt.as_ref())),
+    )
+    .await;
+    let snapshots: Vec<_> = snapshots.into_iter().map(Result::unwrap).collect();
+
+    let after = store.group_load_stats();
+    assert_eq!(after.loads - before.loads, 12, "{before:?} -> {after:?}");
+    assert!(
+        after.largest >= 8,
+        "the queued loads went together: {before:?} -> {after:?}"
+    );
+    for (i, snapshot) in snapshots.iter().take(10).enumerate() {
+        let own = snapshot.get(&convs[i]).expect("its conversation's row");
+        let (n, version) = match i {
+            1 => (json!({"n": 1, "again": true}), Version::new(2)),
+            _ => (json!({"n": i}), Version::FIRST),
+        };
+        assert_eq!(
+            serde_json::Value::Object((*own.state).clone()),
+            n,
+            "load {i}"
+        );
+        assert_eq!(own.version, version, "load {i}");
+        let user = snapshot.get(&shared).expect("the user both share");
+        assert_eq!(*user.state, state(json!({"u": 1})));
+        for (j, other) in convs.iter().enumerate() {
+            assert_eq!(snapshot.get(other).is_some(), i == j, "load {i} has l{j}");
+        }
+        assert!(snapshot.get(&private(&format!("l{i}"), "shared")).is_none());
+        assert!(
+            snapshot.gone().is_empty(),
+            "load {i}: {:?}",
+            snapshot.gone()
+        );
+        let receipt = snapshot.receipt().map(|r| r.to_value().unwrap());
+        match i {
+            1 => assert_eq!(receipt, Some(json!({"activities": [], "n": 1}))),
+            _ => assert_eq!(receipt, None, "load {i} has another's receipt"),
+        }
+    }
+    let lost = &snapshots[10];
+    assert!(lost.get(&conversation("nowhere")).is_none() && lost.get(&erased).is_none());
+    assert_eq!(lost.gone(), [(erased.clone(), Version::FIRST)]);
+    assert!(lost.receipt().is_none() && lost.get(&shared).is_none());
+    let receipt_only = &snapshots[11];
+    assert!(receipt_only.receipt().is_some() && receipt_only.gone().is_empty());
+    assert!(receipt_only.get(&convs[1]).is_none());
+}
+
 /// Where a test's store keeps its tables.
 #[derive(Clone, Copy)]
 enum Engine {

@@ -48,6 +48,7 @@ use tokio::time::{Instant, timeout_at};
 use tokio_postgres::Row;
 use tokio_postgres::types::{ToSql, Type};
 
+use super::batch_failure::BatchFailure;
 use super::citus::{self, Engine};
 use super::jsonb::Jsonb;
 use super::timeouts::{CALL_TIMEOUT, no_answer, within_call_timeout, within_deadline};
@@ -775,52 +776,6 @@ type PartRan = (usize, Result<Together, StoreError>);
 /// A commit and its answer.
 type Answer = (Queued, Result<CommitOutcome, StoreError>);
 
-/// A batch's failure, which every commit of the batch gets: each its own [`StoreError`] of the
-/// same kind, whose cause is the one failure, its whole chain kept (PostgreSQL's message, the
-/// connection's error), not a copy of its text.
-struct BatchFailure {
-    unavailable: bool,
-    cause: Arc<anyhow::Error>,
-}
-
-impl BatchFailure {
-    fn new(e: StoreError) -> Self {
-        let (unavailable, cause) = match e {
-            StoreError::Unavailable(cause) => (true, cause),
-            StoreError::Unexpected(cause) => (false, cause),
-        };
-        Self {
-            unavailable,
-            cause: Arc::new(cause),
-        }
-    }
-
-    /// The failure, as one commit's error.
-    fn error(&self) -> StoreError {
-        let cause = anyhow::Error::new(SharedCause(Arc::clone(&self.cause)));
-        match self.unavailable {
-            true => StoreError::Unavailable(cause),
-            false => StoreError::Unexpected(cause),
-        }
-    }
-}
-
-/// One error, shared: its message, and its sources as the error's own.
-#[derive(Debug)]
-struct SharedCause(Arc<anyhow::Error>);
-
-impl std::fmt::Display for SharedCause {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Display::fmt(&*self.0, f)
-    }
-}
-
-impl std::error::Error for SharedCause {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.0.source()
-    }
-}
-
 /// What one statement for a whole batch came to.
 enum Together {
     /// Each commit's own outcome, in the batch's order.
@@ -1019,26 +974,4 @@ fn stored_version(version: i64) -> Result<Version, StoreError> {
 /// The version a write expects, as the statements take it ([`super::expected_param`]).
 fn expected_version(expected: Expected) -> Result<i64, StoreError> {
     super::expected_param(expected)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_commit_of_a_failed_batch_gets_the_failure_with_its_whole_chain() {
-        let cause = anyhow!("connection reset by peer").context("sending the batch failed");
-        let failure = BatchFailure::new(StoreError::Unavailable(cause));
-        for _ in 0..2 {
-            let StoreError::Unavailable(e) = failure.error() else {
-                panic!("the failure changed its kind");
-            };
-            assert_eq!(
-                e.chain().map(ToString::to_string).collect::<Vec<_>>(),
-                ["sending the batch failed", "connection reset by peer"]
-            );
-        }
-        let failure = BatchFailure::new(StoreError::Unexpected(anyhow!("a broken schema")));
-        assert!(matches!(failure.error(), StoreError::Unexpected(_)));
-    }
 }
