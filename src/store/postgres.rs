@@ -1,7 +1,8 @@
 //! The PostgreSQL store: the one every replica shares, and the only place in the service with SQL.
 //!
-//! One row per key, its `version` column the ETag. A load is one `SELECT … WHERE key = ANY($1)`,
-//! a single statement and so a single consistent snapshot. A commit is one call of the
+//! One row per key, its `version` column the ETag. A load is one `SELECT` of the turn's keys, a
+//! single statement and so a single consistent snapshot; the loads of turns that arrive while
+//! others run share one ([`group_load`]). A commit is one call of the
 //! `turnstile_commit` function (see `migrations/V1__turn_state.sql`), which checks every key's
 //! version, locks in key order and writes all scopes or none — one round trip, whatever the number
 //! of scopes. The common commit, one scope written plus the receipt, skips the function for a

@@ -37,7 +37,7 @@ use super::batch_failure::BatchFailure;
 use super::timeouts::{CALL_TIMEOUT, within_deadline};
 use super::{LOAD_MANY, RECEIPT, Via, classify, client_of, key_hashes, load_of, unexpected};
 use crate::state::StateKey;
-use crate::store::StoreError;
+use crate::store::{KeyHasher, StoreError};
 use crate::telemetry::metrics::LOAD_BATCH_SIZE;
 
 /// How many load statements one replica keeps in flight at once: two, so that a batch forms while
@@ -327,8 +327,9 @@ fn share(batch: Vec<Queued>, rows: Vec<Row>) {
 /// (in the receipt table and in the one from before it) is given once, as the plain load's
 /// `LIMIT 1` does.
 fn shares(batch: &[Queued], rows: &[Row]) -> Result<Vec<Vec<usize>>, tokio_postgres::Error> {
-    let mut of_key: HashMap<&str, Vec<usize>> = HashMap::with_capacity(rows.len());
-    let mut receipts: HashMap<&str, usize> = HashMap::new();
+    let mut of_key: HashMap<&str, Vec<usize>, KeyHasher> =
+        HashMap::with_capacity_and_hasher(rows.len(), KeyHasher::default());
+    let mut receipts: HashMap<&str, usize, KeyHasher> = HashMap::default();
     for (i, row) in rows.iter().enumerate() {
         let key: &str = row.try_get(1)?;
         if row.try_get::<_, i16>(0)? == RECEIPT {
