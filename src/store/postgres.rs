@@ -248,16 +248,22 @@ const LOAD_ANY: Sql = Sql {
 /// with `= ANY` or `unnest`, whose estimates follow the arrays' lengths: then a plan made for the
 /// values of a small batch is cheaper than the generic plan, and PostgreSQL plans the statement
 /// again at every execution, which cost more than the batch saved (`bench/RESULTS.md`). With a
-/// fixed estimate the generic plan is as cheap, and is kept.
+/// fixed estimate the generic plan is as cheap, and is kept. Each key's row and tombstone are
+/// read by a subquery of its own (`LATERAL … OFFSET 0`, which PostgreSQL cannot merge into a
+/// join): an index lookup per key, whatever the estimate. As a join, a small state table (or a
+/// large tombstone table) was read whole by every batch, its hundred estimated keys hashed
+/// against it (`bench/RESULTS.md`).
 const LOAD_MANY: Sql = Sql {
     text: "WITH v AS (SELECT * FROM ROWS FROM (jsonb_array_elements_text(to_jsonb($1::text[])), \
                                              unnest($3::bytea[])) AS v(k, h)) \
            SELECT 0::int2, s.key, s.state, s.version, \
                   extract(epoch FROM now() - s.updated_at)::float8 \
-             FROM v JOIN turnstile_state s ON s.key = v.k \
+             FROM v JOIN LATERAL (SELECT key, state, version, updated_at FROM turnstile_state \
+                                   WHERE key = v.k OFFSET 0) s ON true \
            UNION ALL \
            SELECT 2::int2, v.k, NULL, t.version, NULL \
-             FROM v JOIN turnstile_tombstone t ON t.key_hash = v.h \
+             FROM v JOIN LATERAL (SELECT version FROM turnstile_tombstone \
+                                   WHERE key_hash = v.h OFFSET 0) t ON true \
            UNION ALL \
            SELECT 1::int2, x.key, x.payload, 0, NULL \
              FROM jsonb_array_elements_text(to_jsonb($2::text[])) AS r(key) \
