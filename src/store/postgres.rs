@@ -307,6 +307,20 @@ fn key_hashes(keys: &[&str]) -> Vec<ring::digest::Digest> {
         .map(|key| ring::digest::digest(&ring::digest::SHA256, key.as_bytes()))
         .collect()
 }
+
+/// Runs a load statement that takes `keys` (`$1`), `receipts` (`$2`: one receipt key or an array
+/// of them) and the keys' hashes (`$3`): [`LOAD`], [`LOAD_ANY`] or [`LOAD_MANY`].
+async fn load_by_keys(
+    sql: &Sql,
+    client: &deadpool_postgres::ClientWrapper,
+    via: Via,
+    keys: &[&str],
+    receipts: &(dyn ToSql + Sync),
+) -> Result<Vec<Row>, tokio_postgres::Error> {
+    let hashes = key_hashes(keys);
+    let hashes: Vec<&[u8]> = hashes.iter().map(AsRef::as_ref).collect();
+    sql.query(client, via, &[&keys, receipts, &hashes]).await
+}
 /// What a row of [`LOAD`] is: a state row.
 const ROW: i16 = 0;
 /// ... the receipt.
@@ -1481,11 +1495,14 @@ impl PostgresStore {
         let rows = match held {
             None if via.citus => citus::load_by_shard(client, via, &names, receipt_key).await,
             None => {
-                let hashes = key_hashes(&names);
-                let hashes: Vec<&[u8]> = hashes.iter().map(AsRef::as_ref).collect();
-                load_of(names.len(), false)
-                    .query(client, via, &[&names, &receipt_key, &hashes])
-                    .await
+                load_by_keys(
+                    load_of(names.len(), false),
+                    client,
+                    via,
+                    &names,
+                    &receipt_key,
+                )
+                .await
             }
             Some(held) => {
                 let params: [&(dyn ToSql + Sync); 3] = [&names, &receipt_key, &held.as_str()];

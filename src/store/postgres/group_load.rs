@@ -35,7 +35,7 @@ use tokio_postgres::Row;
 
 use super::batch_failure::BatchFailure;
 use super::timeouts::{CALL_TIMEOUT, within_deadline};
-use super::{LOAD_MANY, RECEIPT, Via, classify, client_of, key_hashes, load_of, unexpected};
+use super::{LOAD_MANY, RECEIPT, Via, classify, client_of, load_by_keys, load_of, unexpected};
 use crate::state::StateKey;
 use crate::store::{KeyHasher, StoreError};
 use crate::telemetry::metrics::LOAD_BATCH_SIZE;
@@ -169,11 +169,8 @@ impl GroupLoad {
             shared.counts.record(1);
             let client = client_of(&shared.pool).await?;
             let names: Vec<&str> = keys.iter().map(StateKey::as_str).collect();
-            let hashes = key_hashes(&names);
-            let hashes: Vec<&[u8]> = hashes.iter().map(AsRef::as_ref).collect();
             let receipt = receipt.map(StateKey::as_str);
-            let rows = load_of(names.len(), false)
-                .query(&client, via, &[&names, &receipt, &hashes])
+            let rows = load_by_keys(load_of(names.len(), false), &client, via, &names, &receipt)
                 .await
                 .map_err(classify)?;
             return Ok(Loaded::alone(rows));
@@ -288,15 +285,12 @@ async fn load_together(pool: &Pool, via: Via, batch: &[Queued]) -> Result<Vec<Ro
         .collect();
     names.sort_unstable();
     names.dedup();
-    let hashes = key_hashes(&names);
-    let hashes: Vec<&[u8]> = hashes.iter().map(AsRef::as_ref).collect();
     let receipts: Vec<&str> = batch
         .iter()
         .filter_map(|queued| queued.receipt.as_ref().map(StateKey::as_str))
         .collect();
     let client = client_of(pool).await?;
-    LOAD_MANY
-        .query(&client, via, &[&names, &receipts, &hashes])
+    load_by_keys(&LOAD_MANY, &client, via, &names, &receipts)
         .await
         .map_err(classify)
 }
