@@ -148,6 +148,12 @@ async fn three_replicas_race(url: &str) {
         TestApp::on(url).spawn(),
     );
     let clients = [a.client.clone(), b.client.clone(), c.client.clone()];
+    // Each replica serves a turn first, so that all three meet the race with their connections
+    // open: a replica still connecting would start its turns after the others had finished theirs
+    // (seen on Citus), and the race would not happen.
+    for (i, client) in clients.iter().enumerate() {
+        say(&mut client.clone(), &format!("warm-up-{i}"), "show").await;
+    }
     let added = race(&clients, "pizza-race").await;
     let mut client = clients[0].clone();
     assert_no_lost_update(&added, &mut client, "pizza-race").await;
