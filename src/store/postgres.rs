@@ -95,6 +95,7 @@ mod layout;
 mod lock;
 mod receipts;
 pub mod schema;
+mod task_queue;
 mod timeouts;
 pub mod tls;
 mod url;

@@ -39,7 +39,7 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Weak};
 
 use anyhow::anyhow;
 use deadpool_postgres::{ClientWrapper, Object, Pool};
@@ -51,6 +51,7 @@ use tokio_postgres::types::{ToSql, Type};
 use super::batch_failure::BatchFailure;
 use super::citus::{self, Engine};
 use super::jsonb::Jsonb;
+use super::task_queue::TaskQueue;
 use super::timeouts::{CALL_TIMEOUT, no_answer, within_call_timeout, within_deadline};
 use super::unexpected;
 use super::{Sql, Statements, Via, classify_commit, client_of, is_conflict, taken_receipt};
@@ -204,7 +205,7 @@ struct Queued {
 /// needed, on the runtime of that use; it ends when the store is dropped).
 pub(super) struct GroupCommit {
     shared: Arc<Shared>,
-    queue: Mutex<Option<Queue>>,
+    queue: TaskQueue<Queued>,
 }
 
 /// Where the commits go: the pool, how statements are sent on its connections, and whether the
@@ -281,7 +282,7 @@ impl GroupCommit {
                 answered: Notify::new(),
                 counts: Counts::default(),
             }),
-            queue: Mutex::new(None),
+            queue: TaskQueue::new(),
         }
     }
 
@@ -309,8 +310,10 @@ impl GroupCommit {
     /// (`bench/RESULTS.md`).
     pub async fn commit(&self, write: SingleWrite) -> Result<CommitOutcome, StoreError> {
         let shared = &self.shared;
-        let queue = self.queue();
-        if queue.waiting.load(Ordering::Acquire) == 0
+        let queue = self
+            .queue
+            .get(|receiver, waiting| committer(Arc::clone(shared), receiver, waiting));
+        if queue.is_empty()
             && let Ok(_slot) = shared.slots.try_acquire()
         {
             shared.counts.record(1);
@@ -323,9 +326,7 @@ impl GroupCommit {
         }
         let (outcome, answer) = oneshot::channel();
         let deadline = Instant::now() + CALL_TIMEOUT;
-        queue.waiting.fetch_add(1, Ordering::AcqRel);
         if queue
-            .sender
             .send(Queued {
                 write,
                 outcome,
@@ -345,37 +346,6 @@ impl GroupCommit {
             )))
         })
     }
-
-    /// The committer task's queue, starting the task if it is not running (first use, or its
-    /// runtime has shut down since).
-    fn queue(&self) -> Queue {
-        let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
-        match &*queue {
-            Some(running) if !running.sender.is_closed() => running.clone(),
-            _ => {
-                let (sender, receiver) = mpsc::unbounded_channel();
-                let started = Queue {
-                    sender,
-                    waiting: Arc::default(),
-                };
-                tokio::spawn(committer(
-                    Arc::clone(&self.shared),
-                    receiver,
-                    Arc::clone(&started.waiting),
-                ));
-                *queue = Some(started.clone());
-                started
-            }
-        }
-    }
-}
-
-/// The way to one committer task.
-#[derive(Clone)]
-struct Queue {
-    sender: mpsc::UnboundedSender<Queued>,
-    /// Commits sent to the task and not yet in a batch.
-    waiting: Arc<AtomicUsize>,
 }
 
 /// Forms batches from the queue and sends each on a lane, until the store is dropped and the

@@ -24,8 +24,8 @@
 //! loads on Citus, which go shard by shard.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
 
 use anyhow::anyhow;
 use deadpool_postgres::Pool;
@@ -34,6 +34,7 @@ use tokio::time::Instant;
 use tokio_postgres::Row;
 
 use super::batch_failure::BatchFailure;
+use super::task_queue::TaskQueue;
 use super::timeouts::{CALL_TIMEOUT, within_deadline};
 use super::{LOAD_MANY, RECEIPT, Via, classify, client_of, load_by_keys, load_of, unexpected};
 use crate::state::StateKey;
@@ -82,7 +83,7 @@ struct Queued {
 /// use; it ends when the store is dropped).
 pub(super) struct GroupLoad {
     shared: Arc<Shared>,
-    queue: Mutex<Option<Queue>>,
+    queue: TaskQueue<Queued>,
 }
 
 /// What the callers and the loader task share.
@@ -121,14 +122,6 @@ impl Counts {
     }
 }
 
-/// The way to one loader task.
-#[derive(Clone)]
-struct Queue {
-    sender: mpsc::UnboundedSender<Queued>,
-    /// Loads sent to the task and not yet in a batch.
-    waiting: Arc<AtomicUsize>,
-}
-
 impl GroupLoad {
     /// A group load over `pool` with at most `slots` statements in flight at once.
     pub fn new(pool: Pool, slots: usize) -> Self {
@@ -138,7 +131,7 @@ impl GroupLoad {
                 slots: Arc::new(Semaphore::new(slots.max(1))),
                 counts: Counts::default(),
             }),
-            queue: Mutex::new(None),
+            queue: TaskQueue::new(),
         }
     }
 
@@ -162,8 +155,10 @@ impl GroupLoad {
         receipt: Option<&StateKey>,
     ) -> Result<Loaded, StoreError> {
         let shared = &self.shared;
-        let queue = self.queue(via);
-        if queue.waiting.load(Ordering::Acquire) == 0
+        let queue = self
+            .queue
+            .get(|receiver, waiting| loader(Arc::clone(shared), via, receiver, waiting));
+        if queue.is_empty()
             && let Ok(_slot) = shared.slots.try_acquire()
         {
             shared.counts.record(1);
@@ -176,14 +171,13 @@ impl GroupLoad {
             return Ok(Loaded::alone(rows));
         }
         let (loaded, answer) = oneshot::channel();
-        queue.waiting.fetch_add(1, Ordering::AcqRel);
         let queued = Queued {
             keys: keys.to_vec(),
             receipt: receipt.cloned(),
             loaded,
             deadline: Instant::now() + CALL_TIMEOUT,
         };
-        if queue.sender.send(queued).is_err() {
+        if queue.send(queued).is_err() {
             return Err(StoreError::Unavailable(anyhow!(
                 "the store's loader task has stopped"
             )));
@@ -193,30 +187,6 @@ impl GroupLoad {
                 "the store's loader task stopped during the load"
             )))
         })
-    }
-
-    /// The loader task's queue, starting the task if it is not running (first use, or its
-    /// runtime has shut down since).
-    fn queue(&self, via: Via) -> Queue {
-        let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
-        match &*queue {
-            Some(running) if !running.sender.is_closed() => running.clone(),
-            _ => {
-                let (sender, receiver) = mpsc::unbounded_channel();
-                let started = Queue {
-                    sender,
-                    waiting: Arc::default(),
-                };
-                tokio::spawn(loader(
-                    Arc::clone(&self.shared),
-                    via,
-                    receiver,
-                    Arc::clone(&started.waiting),
-                ));
-                *queue = Some(started.clone());
-                started
-            }
-        }
     }
 }
 
