@@ -18,6 +18,8 @@
 #                                             k6 on the other (the client's CPU then cannot delay
 #                                             the service's answers, but the service has half the
 #                                             machine)
+#   CARD_OPEN_VUS=32                          k6's callers made before an open-loop run starts (its
+#                                             preAllocatedVUs; up to 1,024 in all)
 #   CARD_OUT=DIR                              writes DIR/CARD.md and DIR/card/ instead of bench/'s
 #                                             (a trial that should not replace the card)
 #
@@ -101,20 +103,49 @@ anchor_state "$PAD"
 # The maximum is k6's own closed loop (32 callers) on the same server, so that the client's CPU,
 # which competes with the server on this machine, is in both.
 k6_run() {  # MODE RATE SECONDS -> records one run
-    local mode=$1 rate=$2 secs=$3 s0 s1 p0 p1 w0 w1
+    local mode=$1 rate=$2 secs=$3 s0 s1 p0 p1 w0 w1 vus=32
+    if [ "$mode" = open ]; then vus=${CARD_OPEN_VUS:-32}; fi
     s0=$(tree_ticks "$SERVER_PID"); p0=$(tree_ticks "$PGPID")
     w0=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
-    TARGET=$TARGETS PROTO_DIR=$PWD/proto MODE=$mode RATE=$rate DURATION=${secs}s VUS=32 MAX_VUS=1024 \
+    # The server's own view of the same turns: its turn-duration histogram, before and after.
+    curl -s "${METRICS_URLS[0]}" >"$WORK/metrics.before"
+    TARGET=$TARGETS PROTO_DIR=$PWD/proto MODE=$mode RATE=$rate DURATION=${secs}s VUS=$vus MAX_VUS=1024 \
         CONVERSATIONS=$KEYS PAD=$PAD RUN=$OPEN_RUN SUMMARY="$WORK/k6.json" \
         "${CLIENT[@]}" "$K6" run -q --no-usage-report bench/drivers/turns.k6.js >/dev/null 2>"$WORK/k6.log" \
         || { cat "$WORK/k6.log" >&2; exit 1; }
     s1=$(tree_ticks "$SERVER_PID"); p1=$(tree_ticks "$PGPID")
     w1=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
-    K6_LINE=$(python3 - "$WORK/k6.json" "$mode" "$CARD_OPEN_LAYOUT" "$((s1 - s0))" "$((p1 - p0))" "$((w1 - w0))" "$NCPU" <<'PY'
-import json, sys
+    curl -s "${METRICS_URLS[0]}" >"$WORK/metrics.after"
+    K6_LINE=$(python3 - "$WORK/k6.json" "$mode" "$CARD_OPEN_LAYOUT" "$((s1 - s0))" "$((p1 - p0))" "$((w1 - w0))" "$NCPU" \
+        "$WORK/metrics.before" "$WORK/metrics.after" <<'PY'
+import json, re, sys
 d = json.load(open(sys.argv[1]))
+def buckets(path):
+    """Turns by upper bound (seconds) of the turn-duration histogram, summed over its series."""
+    counts = {}
+    for line in open(path):
+        m = re.match(r'turnstile_turn_duration_seconds_bucket\{.*le="([^"]+)".*\} (\S+)', line)
+        if m:
+            le = float("inf") if m[1] == "+Inf" else float(m[1])
+            counts[le] = counts.get(le, 0) + float(m[2])
+    return counts
+before, after = buckets(sys.argv[8]), buckets(sys.argv[9])
+run = sorted((le, after[le] - before.get(le, 0)) for le in after)
+def quantile(q):
+    """As Prometheus's histogram_quantile: linear within the bucket the rank falls in."""
+    total = run[-1][1] if run else 0
+    rank, lower, below = q * total, 0.0, 0
+    for le, cumulative in run:
+        if cumulative >= rank and cumulative > below:
+            if le == float("inf"):
+                return lower * 1000
+            return (lower + (le - lower) * (rank - below) / (cumulative - below)) * 1000
+        lower, below = le, cumulative
+    return None
+d["server_latency_ms"] = {"p50": quantile(0.5), "p99": quantile(0.99), "p99.9": quantile(0.999)}
+d["server_turns"] = run[-1][1] if run else 0
 d["layout"] = sys.argv[3]
-server, postgres, wal, cores = (int(a) for a in sys.argv[4:])
+server, postgres, wal, cores = (int(a) for a in sys.argv[4:8])
 ok = d["by_code"].get("0", 0)
 d.update(kind="open" if sys.argv[2] == "open" else "closed", ok=ok, ok_per_second=ok / d["seconds"],
          server_cpu_us_per_turn=server / 100 * 1e6 / max(ok, 1), postgres_cpu_us_per_turn=postgres / 100 * 1e6 / max(ok, 1),
@@ -131,7 +162,8 @@ d = json.loads(sys.argv[1]); l = d["latency_ms"]
 print(f"k6 {d['mode']} {d['rate'] or ''}: {d['ok_per_second']:.0f} OK/s, p50 {l['p50']:.2f} p99 {l['p99']:.2f}"
       f" p99.9 {l['p99.9']:.2f} ms, by status {d['by_code']}, dropped {d['dropped_iterations']},"
       f" CPU µs/turn server {d['server_cpu_us_per_turn']:.0f} postgres {d['postgres_cpu_us_per_turn']:.0f},"
-      f" WAL {d['wal_bytes_per_turn']:.0f} B/turn")
+      f" WAL {d['wal_bytes_per_turn']:.0f} B/turn; the server's own p50 {d['server_latency_ms']['p50']}"
+      f" p99 {d['server_latency_ms']['p99']} p99.9 {d['server_latency_ms']['p99.9']} ms")
 PY
 }
 open_loop() {
@@ -142,11 +174,11 @@ open_loop() {
         layout split
         local clients=("${CLIENT[@]}")
         CLIENT=(taskset -c "0-$((NCPU / 2 - 1))")
-        start_servers 1
+        start_servers 1 metrics
         CLIENT=("${clients[@]}")
     else
         layout shared
-        start_servers 1
+        start_servers 1 metrics
     fi
     OPEN_RUN=$(printf '%08x' $((RANDOM * 32768 + RANDOM)))
     "$BIN/turnstile-bench" --target "$TARGETS" --conversations "$KEYS" --state-bytes "$PAD" \
