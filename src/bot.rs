@@ -12,7 +12,7 @@
 //! (no calls that change another system, unless they are idempotent and keyed by the activity id),
 //! no dependence on wall-clock time or randomness that the state does not record.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::sync::Arc;
 
@@ -425,7 +425,9 @@ fn address_reply(reply: &mut Activity, to: &Activity) {
 /// The bots a server hosts, by name, with one of them the default.
 #[derive(Clone)]
 pub struct BotRegistry {
-    bots: BTreeMap<String, Arc<dyn Bot>>,
+    /// By name, hashed: every turn looks its bot up, and a search of the sorted names compared
+    /// one string after another (`bench/RESULTS.md`).
+    bots: HashMap<String, Arc<dyn Bot>, foldhash::fast::RandomState>,
     default: String,
     /// The bots whose turns hold the conversation from their first attempt.
     serialized: BTreeSet<String>,
@@ -515,8 +517,8 @@ impl BotRegistry {
     /// A registry whose default bot is `bot`, named `name`.
     pub fn new(name: impl Into<String>, bot: impl Bot) -> Self {
         let name = name.into();
-        let mut bots: BTreeMap<String, Arc<dyn Bot>> = BTreeMap::new();
-        bots.insert(name.clone(), Arc::new(bot));
+        let mut bots = HashMap::default();
+        bots.insert(name.clone(), Arc::new(bot) as Arc<dyn Bot>);
         Self {
             bots,
             default: name,
@@ -614,9 +616,11 @@ impl BotRegistry {
             })
     }
 
-    /// The names of the hosted bots.
+    /// The names of the hosted bots, in order.
     pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.bots.keys().map(String::as_str)
+        let mut names: Vec<&str> = self.bots.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names.into_iter()
     }
 
     /// The default bot's name.
@@ -628,7 +632,7 @@ impl BotRegistry {
 impl fmt::Debug for BotRegistry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BotRegistry")
-            .field("bots", &self.bots.keys().collect::<Vec<_>>())
+            .field("bots", &self.names().collect::<Vec<_>>())
             .field("default", &self.default)
             .field("serialized", &self.serialized)
             .field("double_text", &self.double_text)

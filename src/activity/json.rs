@@ -190,16 +190,35 @@ fn object_list<T>(slot: &mut Vec<T>, value: Value, convert: fn(JsonMap) -> T) ->
     }
 }
 
+/// A typed field's name, and its text as a member that follows another: `,"name":`. Made by
+/// [`key!`] when compiled, so that [`Text`] writes a member's start with one copy rather than
+/// three (a reply's twenty members are written into every turn's receipt).
+#[derive(Debug, Clone, Copy)]
+struct Key {
+    name: &'static str,
+    member: &'static str,
+}
+
+/// The [`Key`] of the field named `$name`.
+macro_rules! key {
+    ($name:literal) => {
+        Key {
+            name: $name,
+            member: concat!(",\"", $name, "\":"),
+        }
+    };
+}
+
 /// Where a type's typed fields go: a JSON object being built ([`Writer`], for `to_json`) or a
 /// serializer writing JSON text ([`Stream`], for `Serialize`). Each type lists its fields once,
 /// in `fields`, so the two cannot disagree on names or on which fields are written.
 trait Fields {
-    fn string(&mut self, key: &'static str, value: &Option<String>);
-    fn bool(&mut self, key: &'static str, value: Option<bool>);
-    fn number(&mut self, key: &'static str, value: Option<f64>);
-    fn value(&mut self, key: &'static str, value: &Option<Value>);
-    fn object<T: JsonObject>(&mut self, key: &'static str, value: &Option<T>);
-    fn list<T: JsonItem>(&mut self, key: &'static str, items: &[T]);
+    fn string(&mut self, key: Key, value: &Option<String>);
+    fn bool(&mut self, key: Key, value: Option<bool>);
+    fn number(&mut self, key: Key, value: Option<f64>);
+    fn value(&mut self, key: Key, value: &Option<Value>);
+    fn object<T: JsonObject>(&mut self, key: Key, value: &Option<T>);
+    fn list<T: JsonItem>(&mut self, key: Key, items: &[T]);
 }
 
 /// A type written as a JSON object: its typed fields merged over its `properties`.
@@ -295,40 +314,41 @@ impl Writer {
 }
 
 impl Fields for Writer {
-    fn string(&mut self, key: &'static str, value: &Option<String>) {
+    fn string(&mut self, key: Key, value: &Option<String>) {
         if let Some(s) = value {
-            self.0.insert(key.to_owned(), Value::String(s.clone()));
+            self.0.insert(key.name.to_owned(), Value::String(s.clone()));
         }
     }
 
-    fn bool(&mut self, key: &'static str, value: Option<bool>) {
+    fn bool(&mut self, key: Key, value: Option<bool>) {
         if let Some(b) = value {
-            self.0.insert(key.to_owned(), Value::Bool(b));
+            self.0.insert(key.name.to_owned(), Value::Bool(b));
         }
     }
 
-    fn number(&mut self, key: &'static str, value: Option<f64>) {
+    fn number(&mut self, key: Key, value: Option<f64>) {
         if let Some(x) = value {
-            self.0.insert(key.to_owned(), number_to_json(x));
+            self.0.insert(key.name.to_owned(), number_to_json(x));
         }
     }
 
-    fn value(&mut self, key: &'static str, value: &Option<Value>) {
+    fn value(&mut self, key: Key, value: &Option<Value>) {
         if let Some(v) = value {
-            self.0.insert(key.to_owned(), v.clone());
+            self.0.insert(key.name.to_owned(), v.clone());
         }
     }
 
-    fn object<T: JsonObject>(&mut self, key: &'static str, value: &Option<T>) {
+    fn object<T: JsonObject>(&mut self, key: Key, value: &Option<T>) {
         if let Some(v) = value {
-            self.0.insert(key.to_owned(), Value::Object(v.to_map()));
+            self.0
+                .insert(key.name.to_owned(), Value::Object(v.to_map()));
         }
     }
 
-    fn list<T: JsonItem>(&mut self, key: &'static str, items: &[T]) {
+    fn list<T: JsonItem>(&mut self, key: Key, items: &[T]) {
         if !items.is_empty() {
             self.0.insert(
-                key.to_owned(),
+                key.name.to_owned(),
                 items.iter().map(JsonItem::to_item).collect(),
             );
         }
@@ -391,39 +411,39 @@ fn write_object<T: JsonObject + ?Sized, S: Serializer>(
 }
 
 impl<M: SerializeMap> Fields for Stream<M> {
-    fn string(&mut self, key: &'static str, value: &Option<String>) {
+    fn string(&mut self, key: Key, value: &Option<String>) {
         if let Some(s) = value {
-            self.entry(key, s.as_str());
+            self.entry(key.name, s.as_str());
         }
     }
 
-    fn bool(&mut self, key: &'static str, value: Option<bool>) {
+    fn bool(&mut self, key: Key, value: Option<bool>) {
         if let Some(b) = value {
-            self.entry(key, &b);
+            self.entry(key.name, &b);
         }
     }
 
-    fn number(&mut self, key: &'static str, value: Option<f64>) {
+    fn number(&mut self, key: Key, value: Option<f64>) {
         if let Some(x) = value {
-            self.entry(key, &number_to_json(x));
+            self.entry(key.name, &number_to_json(x));
         }
     }
 
-    fn value(&mut self, key: &'static str, value: &Option<Value>) {
+    fn value(&mut self, key: Key, value: &Option<Value>) {
         if let Some(v) = value {
-            self.entry(key, v);
+            self.entry(key.name, v);
         }
     }
 
-    fn object<T: JsonObject>(&mut self, key: &'static str, value: &Option<T>) {
+    fn object<T: JsonObject>(&mut self, key: Key, value: &Option<T>) {
         if let Some(v) = value {
-            self.entry(key, v);
+            self.entry(key.name, v);
         }
     }
 
-    fn list<T: JsonItem>(&mut self, key: &'static str, items: &[T]) {
+    fn list<T: JsonItem>(&mut self, key: Key, items: &[T]) {
         if !items.is_empty() {
-            self.entry(key, items);
+            self.entry(key.name, items);
         }
     }
 }
@@ -443,56 +463,59 @@ struct Text<'a> {
 
 impl Text<'_> {
     /// Starts member `key`; its value follows. A typed field's name is a camelCase word, which
-    /// JSON writes as it is: it is copied without a check.
-    fn key(&mut self, key: &'static str) {
-        debug_assert!(!scan::needs_escape(key.as_bytes()), "{key}");
-        self.out.push_str(if self.any { ",\"" } else { "\"" });
+    /// JSON writes as it is: its member text is copied whole, comma and quotes included.
+    fn key(&mut self, key: Key) {
+        debug_assert!(!scan::needs_escape(key.name.as_bytes()), "{}", key.name);
+        let member = if self.any {
+            key.member
+        } else {
+            key.member.get(1..).unwrap_or_default()
+        };
+        self.out.push_str(member);
         self.any = true;
-        self.out.push_str(key);
-        self.out.push_str("\":");
         if let Some(written) = &mut self.written {
-            written.push(key);
+            written.push(key.name);
         }
     }
 }
 
 impl Fields for Text<'_> {
-    fn string(&mut self, key: &'static str, value: &Option<String>) {
+    fn string(&mut self, key: Key, value: &Option<String>) {
         if let Some(s) = value {
             self.key(key);
             write_str(s, self.out);
         }
     }
 
-    fn bool(&mut self, key: &'static str, value: Option<bool>) {
+    fn bool(&mut self, key: Key, value: Option<bool>) {
         if let Some(b) = value {
             self.key(key);
             self.out.push_str(if b { "true" } else { "false" });
         }
     }
 
-    fn number(&mut self, key: &'static str, value: Option<f64>) {
+    fn number(&mut self, key: Key, value: Option<f64>) {
         if let Some(x) = value {
             self.key(key);
             write_value(&number_to_json(x), self.out);
         }
     }
 
-    fn value(&mut self, key: &'static str, value: &Option<Value>) {
+    fn value(&mut self, key: Key, value: &Option<Value>) {
         if let Some(v) = value {
             self.key(key);
             write_value(v, self.out);
         }
     }
 
-    fn object<T: JsonObject>(&mut self, key: &'static str, value: &Option<T>) {
+    fn object<T: JsonObject>(&mut self, key: Key, value: &Option<T>) {
         if let Some(v) = value {
             self.key(key);
             v.write_text(self.out);
         }
     }
 
-    fn list<T: JsonItem>(&mut self, key: &'static str, items: &[T]) {
+    fn list<T: JsonItem>(&mut self, key: Key, items: &[T]) {
         if !items.is_empty() {
             self.key(key);
             self.out.push('[');
@@ -513,11 +536,16 @@ fn write_value(value: &Value, out: &mut String) {
         Value::Null => out.push_str("null"),
         Value::Bool(true) => out.push_str("true"),
         Value::Bool(false) => out.push_str("false"),
-        // A number's `Display` is serde_json's own text for it (itoa, ryu); writing to a
-        // `String` cannot fail.
-        Value::Number(n) => {
-            let _ = write!(out, "{n}");
-        }
+        // serde_json's own text for a number: an integer by itoa (as it serializes one, without
+        // the formatting machinery: a counter in a state is written every turn), any other by
+        // its `Display` (ryu); writing to a `String` cannot fail.
+        Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+            (Some(u), _) => out.push_str(itoa::Buffer::new().format(u)),
+            (None, Some(i)) => out.push_str(itoa::Buffer::new().format(i)),
+            (None, None) => {
+                let _ = write!(out, "{n}");
+            }
+        },
         Value::String(s) => write_str(s, out),
         Value::Array(items) => {
             out.push('[');
@@ -531,6 +559,12 @@ fn write_value(value: &Value, out: &mut String) {
         }
         Value::Object(map) => JsonObject::write_text(map, out),
     }
+}
+
+/// Appends `map` as a JSON object, the text serde_json writes for it (a state's text,
+/// [`crate::state::json_text`]).
+pub(crate) fn write_map(map: &JsonMap, out: &mut String) {
+    JsonObject::write_text(map, out);
 }
 
 /// Appends `s` as a JSON string, with serde_json's escapes: a string with nothing to escape,
@@ -713,48 +747,48 @@ impl JsonObject for Activity {
     }
 
     fn fields<W: Fields>(&self, w: &mut W) {
-        w.string("type", &self.activity_type);
-        w.string("id", &self.id);
-        w.string("timestamp", &self.timestamp);
-        w.string("localTimestamp", &self.local_timestamp);
-        w.string("localTimezone", &self.local_timezone);
-        w.string("serviceUrl", &self.service_url);
-        w.string("channelId", &self.channel_id);
-        w.object("from", &self.from);
-        w.object("conversation", &self.conversation);
-        w.object("recipient", &self.recipient);
-        w.string("textFormat", &self.text_format);
-        w.string("attachmentLayout", &self.attachment_layout);
-        w.list("membersAdded", &self.members_added);
-        w.list("membersRemoved", &self.members_removed);
-        w.list("reactionsAdded", &self.reactions_added);
-        w.list("reactionsRemoved", &self.reactions_removed);
-        w.string("topicName", &self.topic_name);
-        w.bool("historyDisclosed", self.history_disclosed);
-        w.string("locale", &self.locale);
-        w.string("text", &self.text);
-        w.string("speak", &self.speak);
-        w.string("inputHint", &self.input_hint);
-        w.string("summary", &self.summary);
-        w.object("suggestedActions", &self.suggested_actions);
-        w.list("attachments", &self.attachments);
-        w.list("entities", &self.entities);
-        w.value("channelData", &self.channel_data);
-        w.string("action", &self.action);
-        w.string("replyToId", &self.reply_to_id);
-        w.string("label", &self.label);
-        w.string("valueType", &self.value_type);
-        w.value("value", &self.value);
-        w.string("name", &self.name);
-        w.object("relatesTo", &self.relates_to);
-        w.string("code", &self.code);
-        w.string("expiration", &self.expiration);
-        w.string("importance", &self.importance);
-        w.string("deliveryMode", &self.delivery_mode);
-        w.list("listenFor", &self.listen_for);
-        w.list("textHighlights", &self.text_highlights);
-        w.object("semanticAction", &self.semantic_action);
-        w.string("callerId", &self.caller_id);
+        w.string(key!("type"), &self.activity_type);
+        w.string(key!("id"), &self.id);
+        w.string(key!("timestamp"), &self.timestamp);
+        w.string(key!("localTimestamp"), &self.local_timestamp);
+        w.string(key!("localTimezone"), &self.local_timezone);
+        w.string(key!("serviceUrl"), &self.service_url);
+        w.string(key!("channelId"), &self.channel_id);
+        w.object(key!("from"), &self.from);
+        w.object(key!("conversation"), &self.conversation);
+        w.object(key!("recipient"), &self.recipient);
+        w.string(key!("textFormat"), &self.text_format);
+        w.string(key!("attachmentLayout"), &self.attachment_layout);
+        w.list(key!("membersAdded"), &self.members_added);
+        w.list(key!("membersRemoved"), &self.members_removed);
+        w.list(key!("reactionsAdded"), &self.reactions_added);
+        w.list(key!("reactionsRemoved"), &self.reactions_removed);
+        w.string(key!("topicName"), &self.topic_name);
+        w.bool(key!("historyDisclosed"), self.history_disclosed);
+        w.string(key!("locale"), &self.locale);
+        w.string(key!("text"), &self.text);
+        w.string(key!("speak"), &self.speak);
+        w.string(key!("inputHint"), &self.input_hint);
+        w.string(key!("summary"), &self.summary);
+        w.object(key!("suggestedActions"), &self.suggested_actions);
+        w.list(key!("attachments"), &self.attachments);
+        w.list(key!("entities"), &self.entities);
+        w.value(key!("channelData"), &self.channel_data);
+        w.string(key!("action"), &self.action);
+        w.string(key!("replyToId"), &self.reply_to_id);
+        w.string(key!("label"), &self.label);
+        w.string(key!("valueType"), &self.value_type);
+        w.value(key!("value"), &self.value);
+        w.string(key!("name"), &self.name);
+        w.object(key!("relatesTo"), &self.relates_to);
+        w.string(key!("code"), &self.code);
+        w.string(key!("expiration"), &self.expiration);
+        w.string(key!("importance"), &self.importance);
+        w.string(key!("deliveryMode"), &self.delivery_mode);
+        w.list(key!("listenFor"), &self.listen_for);
+        w.list(key!("textHighlights"), &self.text_highlights);
+        w.object(key!("semanticAction"), &self.semantic_action);
+        w.string(key!("callerId"), &self.caller_id);
     }
 }
 
@@ -783,10 +817,10 @@ impl JsonObject for ChannelAccount {
     }
 
     fn fields<W: Fields>(&self, w: &mut W) {
-        w.string("id", &self.id);
-        w.string("name", &self.name);
-        w.string("aadObjectId", &self.aad_object_id);
-        w.string("role", &self.role);
+        w.string(key!("id"), &self.id);
+        w.string(key!("name"), &self.name);
+        w.string(key!("aadObjectId"), &self.aad_object_id);
+        w.string(key!("role"), &self.role);
     }
 }
 
@@ -818,13 +852,13 @@ impl JsonObject for ConversationAccount {
     }
 
     fn fields<W: Fields>(&self, w: &mut W) {
-        w.string("id", &self.id);
-        w.string("name", &self.name);
-        w.bool("isGroup", self.is_group);
-        w.string("conversationType", &self.conversation_type);
-        w.string("tenantId", &self.tenant_id);
-        w.string("role", &self.role);
-        w.string("aadObjectId", &self.aad_object_id);
+        w.string(key!("id"), &self.id);
+        w.string(key!("name"), &self.name);
+        w.bool(key!("isGroup"), self.is_group);
+        w.string(key!("conversationType"), &self.conversation_type);
+        w.string(key!("tenantId"), &self.tenant_id);
+        w.string(key!("role"), &self.role);
+        w.string(key!("aadObjectId"), &self.aad_object_id);
     }
 }
 
@@ -850,7 +884,7 @@ impl JsonObject for MessageReaction {
     }
 
     fn fields<W: Fields>(&self, w: &mut W) {
-        w.string("type", &self.kind);
+        w.string(key!("type"), &self.kind);
     }
 }
 
@@ -880,11 +914,11 @@ impl JsonObject for Attachment {
     }
 
     fn fields<W: Fields>(&self, w: &mut W) {
-        w.string("contentType", &self.content_type);
-        w.string("contentUrl", &self.content_url);
-        w.value("content", &self.content);
-        w.string("name", &self.name);
-        w.string("thumbnailUrl", &self.thumbnail_url);
+        w.string(key!("contentType"), &self.content_type);
+        w.string(key!("contentUrl"), &self.content_url);
+        w.value(key!("content"), &self.content);
+        w.string(key!("name"), &self.name);
+        w.string(key!("thumbnailUrl"), &self.thumbnail_url);
     }
 }
 
@@ -911,8 +945,8 @@ impl JsonObject for SuggestedActions {
     }
 
     fn fields<W: Fields>(&self, w: &mut W) {
-        w.list("to", &self.to);
-        w.list("actions", &self.actions);
+        w.list(key!("to"), &self.to);
+        w.list(key!("actions"), &self.actions);
     }
 }
 
@@ -945,14 +979,14 @@ impl JsonObject for CardAction {
     }
 
     fn fields<W: Fields>(&self, w: &mut W) {
-        w.string("type", &self.kind);
-        w.string("title", &self.title);
-        w.string("image", &self.image);
-        w.string("text", &self.text);
-        w.string("displayText", &self.display_text);
-        w.value("value", &self.value);
-        w.value("channelData", &self.channel_data);
-        w.string("imageAltText", &self.image_alt_text);
+        w.string(key!("type"), &self.kind);
+        w.string(key!("title"), &self.title);
+        w.string(key!("image"), &self.image);
+        w.string(key!("text"), &self.text);
+        w.string(key!("displayText"), &self.display_text);
+        w.value(key!("value"), &self.value);
+        w.value(key!("channelData"), &self.channel_data);
+        w.string(key!("imageAltText"), &self.image_alt_text);
     }
 }
 
@@ -986,13 +1020,13 @@ impl JsonObject for ConversationReference {
     }
 
     fn fields<W: Fields>(&self, w: &mut W) {
-        w.string("activityId", &self.activity_id);
-        w.object("user", &self.user);
-        w.object("bot", &self.bot);
-        w.object("conversation", &self.conversation);
-        w.string("channelId", &self.channel_id);
-        w.string("serviceUrl", &self.service_url);
-        w.string("locale", &self.locale);
+        w.string(key!("activityId"), &self.activity_id);
+        w.object(key!("user"), &self.user);
+        w.object(key!("bot"), &self.bot);
+        w.object(key!("conversation"), &self.conversation);
+        w.string(key!("channelId"), &self.channel_id);
+        w.string(key!("serviceUrl"), &self.service_url);
+        w.string(key!("locale"), &self.locale);
     }
 }
 
@@ -1019,8 +1053,8 @@ impl JsonObject for TextHighlight {
     }
 
     fn fields<W: Fields>(&self, w: &mut W) {
-        w.string("text", &self.text);
-        w.number("occurrence", self.occurrence);
+        w.string(key!("text"), &self.text);
+        w.number(key!("occurrence"), self.occurrence);
     }
 }
 
@@ -1048,9 +1082,9 @@ impl JsonObject for SemanticAction {
     }
 
     fn fields<W: Fields>(&self, w: &mut W) {
-        w.string("id", &self.id);
-        w.string("state", &self.state);
-        w.object("entities", &self.entities);
+        w.string(key!("id"), &self.id);
+        w.string(key!("state"), &self.state);
+        w.object(key!("entities"), &self.entities);
     }
 }
 

@@ -16,7 +16,7 @@ use crate::activity::{Activity, JsonMap};
 use crate::bot::{Bot, BotError, DoubleText, TurnContext, TurnScopes};
 use crate::drafts::Drafts;
 use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
-use crate::store::{Commit, Handed, KeyChange, Pending, Snapshot, Version};
+use crate::store::{Commit, Handed, KeyChange, Pending, Snapshot, StateWrite, Version};
 use crate::telemetry::metrics::STATE_BYTES;
 
 /// What one turn needs on every attempt, worked out once before the first.
@@ -128,10 +128,7 @@ impl<'a> TurnPlan<'a> {
             key_list: keys.all().map(|(_, k)| k.clone()).collect(),
             receipt: incoming.id().map(|id| keys.receipt(id)),
             // Only a turn with a receipt needs it.
-            subject: incoming
-                .id()
-                .and(keys.user.as_ref())
-                .and_then(StateKey::user_subject),
+            subject: incoming.id().and_then(|_| keys.user_subject()),
             keys,
             deadline,
             drafts,
@@ -418,7 +415,7 @@ fn commit_of(
             _ => false,
         };
         let write = match state.is_changed() || refresh {
-            true => Some(Arc::new(sizes.check(scope, state.into_properties())?)),
+            true => Some(sizes.check(scope, state.into_properties())?),
             false => None,
         };
         changes.push(KeyChange {
@@ -447,9 +444,11 @@ impl ScopeSizes {
         }
     }
 
-    /// `state`, to be written to `scope`, when it is within the limit; counted either way.
-    pub(super) fn check(&self, scope: Scope, state: JsonMap) -> Result<JsonMap, TurnError> {
-        let bytes = crate::state::json_len(&state);
+    /// `state`, to be written to `scope`, with its JSON text, when that is within the limit;
+    /// counted either way.
+    pub(super) fn check(&self, scope: Scope, state: JsonMap) -> Result<StateWrite, TurnError> {
+        let state = StateWrite::new(state);
+        let bytes = state.json_len();
         let at = match scope {
             Scope::Conversation => 0,
             Scope::User => 1,

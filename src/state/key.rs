@@ -254,6 +254,10 @@ pub struct TurnKeys {
     pub user: Option<StateKey>,
     /// The private conversation scope's key, when the activity has a `from.id`.
     pub private_conversation: Option<StateKey>,
+    /// Where the user key's escaped channel id starts and its `users/` part: its subject is cut
+    /// at these ([`TurnKeys::user_subject`]).
+    channel_at: usize,
+    users_at: usize,
 }
 
 impl TurnKeys {
@@ -278,6 +282,7 @@ impl TurnKeys {
             String::with_capacity(bot.len() + channel.len() + conversation.len() + user_len + 24);
         escape_into(bot, &mut text);
         text.push('/');
+        let channel_at = text.len();
         escape_into(channel, &mut text);
         text.push('/');
         let shared = text.len();
@@ -289,6 +294,8 @@ impl TurnKeys {
                 conversation: StateKey::from_text(text.into()),
                 user: None,
                 private_conversation: None,
+                channel_at,
+                users_at: shared,
             };
         };
         text.push_str("/users/");
@@ -303,7 +310,26 @@ impl TurnKeys {
             conversation: StateKey::from_text(text[..conversation_end].into()),
             user: Some(StateKey::from_text(user_key.into())),
             private_conversation: Some(StateKey::from_text(text.into())),
+            channel_at,
+            users_at: shared,
         }
+    }
+
+    /// The user scope's subject, `{channelId}/{userId}` escaped, as [`StateKey::user_subject`]
+    /// finds it in the user key; `None` without a user. Every turn with a user and an id asks
+    /// (its receipt names the user): cut from the key where [`TurnKeys::new`] put the parts,
+    /// rather than searched for.
+    pub fn user_subject(&self) -> Option<String> {
+        let user = self.user.as_ref()?.as_str();
+        // `{channelId}/`, then what follows `users/`.
+        let (channel, id) = (
+            user.get(self.channel_at..self.users_at)?,
+            user.get(self.users_at + "users/".len()..)?,
+        );
+        let mut subject = String::with_capacity(channel.len() + id.len());
+        subject.push_str(channel);
+        subject.push_str(id);
+        Some(subject)
     }
 
     /// The key of the receipt of the turn for activity `activity` in this conversation: the same
@@ -525,6 +551,12 @@ mod tests {
             prop_assert_eq!(
                 keys.receipt(&activity),
                 StateKey::receipt(&bot, &ch, &conv, &activity)
+            );
+            let subject = keys.user.as_ref().and_then(StateKey::user_subject);
+            prop_assert_eq!(keys.user_subject(), subject.clone());
+            prop_assert_eq!(
+                subject,
+                (!anonymous).then(|| super::subject(ch.as_str(), user.as_str()))
             );
         }
 

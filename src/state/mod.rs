@@ -12,11 +12,10 @@ pub use key::{Scope, StateKey, TurnKeys, subject};
 use std::cell::Cell;
 use std::sync::Arc;
 
-use serde::{Serialize, de::DeserializeOwned};
 use serde_json::Value;
 
 use crate::activity::JsonMap;
-use crate::activity::scan::needs_escape;
+use serde::{Serialize, de::DeserializeOwned};
 
 /// A property could not be converted between its stored JSON and the type the bot asked for.
 #[derive(Debug, thiserror::Error)]
@@ -204,65 +203,45 @@ impl ScopeState {
     }
 }
 
-/// The length of `state` as JSON text (what the store keeps), counted without writing the text:
-/// the scope size limit, the state-size histogram and the admin service's sizes.
+/// `state` as JSON text, the same text serde_json writes: what the store keeps, and by its
+/// length what the scope size limit and the state-size histogram measure
+/// ([`crate::store::StateWrite`]).
 ///
-/// Counted the way `store::postgres`'s writer writes (`jsonb`): a string with nothing to escape
-/// — almost every string a bot stores — is its length plus its quotes, found a block at a time
-/// ([`needs_escape`]); any other string and every number are counted as serde_json writes them.
-/// Serializing the whole state into a counter instead looked at every byte of every string on its
-/// own and cost as much as a tenth of a warm turn (`bench/RESULTS.md`).
-pub fn json_len(state: &JsonMap) -> usize {
-    object_len(state)
+/// Written by hand ([`crate::activity::json`]'s writer): a string with nothing to escape — almost
+/// every string a bot stores — is found so a block at a time and copied whole, where serde_json
+/// looks at every byte on its own (`bench/RESULTS.md`).
+pub fn json_text(state: &JsonMap) -> String {
+    // Sized first, so that the text is written without growing: growing a 1 KB state's text from
+    // a guess cost as much as the walk it saved (`bench/RESULTS.md`).
+    let mut text = String::with_capacity(object_room(state));
+    crate::activity::json::write_map(state, &mut text);
+    text
 }
 
-fn object_len(map: &JsonMap) -> usize {
-    let commas = map.len().saturating_sub(1);
-    map.iter().fold(2 + commas, |len, (key, value)| {
-        len + str_len(key) + 1 + value_len(value)
+/// Room for `map`'s JSON text, counted without looking inside a string: its length and quotes,
+/// exact unless it has something to escape (then the text grows); 24 for a number, at least
+/// what any but the longest floats take.
+fn object_room(map: &JsonMap) -> usize {
+    map.iter().fold(2, |room, (key, value)| {
+        room + key.len() + 4 + value_room(value)
     })
 }
 
-fn value_len(value: &Value) -> usize {
+fn value_room(value: &Value) -> usize {
     match value {
-        Value::Null | Value::Bool(true) => 4,
-        Value::Bool(false) => 5,
-        Value::Number(n) => serialized_len(n),
-        Value::String(s) => str_len(s),
-        Value::Array(items) => {
-            let commas = items.len().saturating_sub(1);
-            items
-                .iter()
-                .fold(2 + commas, |len, item| len + value_len(item))
-        }
-        Value::Object(map) => object_len(map),
+        Value::Null | Value::Bool(_) => 5,
+        Value::Number(_) => 24,
+        Value::String(s) => s.len() + 2,
+        Value::Array(items) => items
+            .iter()
+            .fold(2, |room, item| room + 1 + value_room(item)),
+        Value::Object(map) => object_room(map),
     }
 }
 
-fn str_len(s: &str) -> usize {
-    if needs_escape(s.as_bytes()) {
-        serialized_len(s)
-    } else {
-        s.len() + 2
-    }
-}
-
-/// The length of `value` as serde_json writes it.
-fn serialized_len<T: Serialize + ?Sized>(value: &T) -> usize {
-    struct Count(usize);
-    impl std::io::Write for Count {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0 += bytes.len();
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut count = Count(0);
-    // Writing to a counter cannot fail, and a string or a JSON number always serializes.
-    let _ = serde_json::to_writer(&mut count, value);
-    count.0
+/// The length of `state` as JSON text ([`json_text`]): the admin service's sizes.
+pub fn json_len(state: &JsonMap) -> usize {
+    json_text(state).len()
 }
 
 #[cfg(test)]
@@ -292,14 +271,34 @@ mod tests {
 
     proptest! {
         #[test]
-        fn json_len_is_the_length_serde_json_writes(values in proptest::collection::vec(any_json(), 0..6)) {
+        fn json_text_is_the_text_serde_json_writes(values in proptest::collection::vec(any_json(), 0..6)) {
             let state: JsonMap = values
                 .into_iter()
                 .enumerate()
                 .map(|(i, value)| (format!("k{i}\"\u{1}"), value))
                 .collect();
-            prop_assert_eq!(json_len(&state), serde_json::to_vec(&state).expect("json").len());
+            let text = json_text(&state);
+            prop_assert_eq!(&text, &serde_json::to_string(&state).expect("json"));
+            prop_assert_eq!(json_len(&state), text.len());
         }
+    }
+
+    #[test]
+    fn a_state_with_nothing_to_escape_is_written_without_growing() {
+        let state = json!({
+            "pad": ".".repeat(1024),
+            "count": 12345,
+            "order": ["mushroom", "cheese", {"size": "large", "extra": null, "hot": true}],
+            "n": -7,
+        });
+        let state = state.as_object().expect("an object");
+        let text = json_text(state);
+        assert_eq!(text, serde_json::to_string(state).expect("json"));
+        assert_eq!(text.capacity(), object_room(state), "grown while written");
+        assert!(
+            object_room(state) - text.len() <= 24 * 2,
+            "room far beyond the text"
+        );
     }
 
     #[test]

@@ -632,7 +632,13 @@ impl Written {
             rows: commit
                 .changes()
                 .iter()
-                .filter_map(|c| Some((c.key.clone(), c.version_after()?, c.write.clone()?)))
+                .filter_map(|c| {
+                    Some((
+                        c.key.clone(),
+                        c.version_after()?,
+                        c.write.as_ref()?.state().clone(),
+                    ))
+                })
                 .collect(),
             receipt: commit.receipt().map(|(key, _)| key.clone()),
         }

@@ -131,7 +131,7 @@ impl Tables {
                     rows.insert(
                         change.key.clone(),
                         Versioned {
-                            state: state.clone(),
+                            state: state.state().clone(),
                             version,
                         },
                     );

@@ -276,9 +276,54 @@ pub struct KeyChange {
     pub key: StateKey,
     /// What the turn saw of it.
     pub expected: Expected,
-    /// The new state, or `None` when the turn only read the key. Shared, so that the state cache
-    /// can keep what a store consumes without copying it.
-    pub write: Option<Arc<JsonMap>>,
+    /// The new state, or `None` when the turn only read the key.
+    pub write: Option<StateWrite>,
+}
+
+/// A scope's new state and its JSON text, written once, when the turn's commit is built.
+///
+/// Why: the engine measures each written state against the size limit (and for the state-size
+/// histogram), and the PostgreSQL store sends it as JSON text. Measuring it by a walk of its own
+/// and writing it again at the commit looked at every string of the state twice, a thousand
+/// instructions of a warm turn with a 1 KB state (`bench/RESULTS.md`); with the text written
+/// first, its length is the size and the store copies it. The state is shared, so that the
+/// state cache keeps it without copying; the cache keeps the state, not the text.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StateWrite {
+    state: Arc<JsonMap>,
+    /// `state` as serde_json writes it: UTF-8 JSON text.
+    json: bytes::Bytes,
+}
+
+impl StateWrite {
+    /// `state`, with its JSON text written.
+    pub fn new(state: JsonMap) -> Self {
+        Self {
+            json: crate::state::json_text(&state).into_bytes().into(),
+            state: Arc::new(state),
+        }
+    }
+
+    /// The state.
+    pub fn state(&self) -> &Arc<JsonMap> {
+        &self.state
+    }
+
+    /// The state's JSON text, the same as serde_json writes.
+    pub fn json(&self) -> &[u8] {
+        &self.json
+    }
+
+    /// The length of the state's JSON text, in bytes: its size against the limit.
+    pub fn json_len(&self) -> usize {
+        self.json.len()
+    }
+}
+
+impl From<JsonMap> for StateWrite {
+    fn from(state: JsonMap) -> Self {
+        Self::new(state)
+    }
 }
 
 impl KeyChange {

@@ -1528,13 +1528,13 @@ impl PostgresStore {
             .collect::<Result<Vec<i64>, _>>()?;
         let states: Vec<Option<jsonb::Jsonb<'_>>> = changes
             .iter()
-            .map(|c| c.write.as_deref().map(jsonb::Jsonb::Map))
+            .map(|c| c.write.as_ref().map(|w| jsonb::Jsonb(w.json())))
             .collect();
 
         let receipt_key = commit.receipt().map(|(k, _)| k.as_str());
         let receipt = commit
             .receipt()
-            .map(|(_, payload)| jsonb::Jsonb::Text(payload.text()));
+            .map(|(_, payload)| jsonb::Jsonb::text(payload.text()));
 
         let params: [&(dyn ToSql + Sync); 5] = [&keys, &expected, &states, &receipt_key, &receipt];
         let also_keys: Vec<&str> = commit
@@ -1545,7 +1545,7 @@ impl PostgresStore {
         let also: Vec<jsonb::Jsonb<'_>> = commit
             .receipts_also()
             .iter()
-            .map(|(_, payload)| jsonb::Jsonb::Text(payload.text()))
+            .map(|(_, payload)| jsonb::Jsonb::text(payload.text()))
             .collect();
         if let CommitBy::Shard(shard) = CommitBy::of(via, commit) {
             // On Citus, a commit on one shard goes to the worker that holds it, whole.

@@ -271,7 +271,7 @@ mod tests {
         let commit = Commit::new(vec![KeyChange {
             key,
             expected: Expected::Absent,
-            write: Some(Arc::new(JsonMap::new())),
+            write: Some(JsonMap::new().into()),
         }]);
         let committed = turn.commit(commit).await.expect("committed");
         assert!(matches!(committed, CommitOutcome::Committed(_)));

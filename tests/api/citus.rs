@@ -220,10 +220,7 @@ async fn group_commit_batches_by_node_without_two_phase_commit() {
         Commit::new(vec![KeyChange {
             key,
             expected,
-            write: Some(std::sync::Arc::new(serde_json::Map::from_iter([(
-                "round".to_owned(),
-                round.into(),
-            )]))),
+            write: Some(serde_json::Map::from_iter([("round".to_owned(), round.into())]).into()),
         }])
         .with_receipt(receipt, serde_json::json!({ "round": round }))
     };

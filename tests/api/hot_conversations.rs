@@ -386,10 +386,7 @@ async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
         Commit::new(vec![KeyChange {
             key: key.clone(),
             expected,
-            write: Some(Arc::new(serde_json::Map::from_iter([(
-                "n".to_owned(),
-                n.into(),
-            )]))),
+            write: Some(serde_json::Map::from_iter([("n".to_owned(), n.into())]).into()),
         }])
     };
 
@@ -1067,7 +1064,7 @@ async fn holder_commits_first(url: String) {
         Commit::new(vec![KeyChange {
             key: key.clone(),
             expected,
-            write: Some(Arc::new(state)),
+            write: Some(state.into()),
         }])
     };
     let first = other

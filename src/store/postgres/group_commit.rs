@@ -55,10 +55,9 @@ use super::task_queue::TaskQueue;
 use super::timeouts::{CALL_TIMEOUT, no_answer, within_call_timeout, within_deadline};
 use super::unexpected;
 use super::{Sql, Statements, Via, classify_commit, client_of, is_conflict, taken_receipt};
-use crate::activity::JsonMap;
 use crate::state::StateKey;
 use crate::store::{Commit, CommitOutcome, Expected, KeyChange, StoreError, Version};
-use crate::store::{KeyHasher, Receipt};
+use crate::store::{KeyHasher, Receipt, StateWrite};
 use crate::telemetry::metrics::COMMIT_BATCH_SIZE;
 
 /// The most turns in one batch.
@@ -161,7 +160,7 @@ SELECT ord, version FROM written";
 pub(super) struct SingleWrite {
     pub key: StateKey,
     pub expected: Expected,
-    pub state: Arc<JsonMap>,
+    pub state: StateWrite,
     pub receipt: Option<(StateKey, Receipt)>,
 }
 
@@ -764,7 +763,7 @@ async fn commit_together(
     writes: &[&SingleWrite],
 ) -> Result<Together, StoreError> {
     let keys: Vec<&str> = writes.iter().map(|w| w.key.as_str()).collect();
-    let states: Vec<Jsonb<'_>> = writes.iter().map(|w| Jsonb::Map(&w.state)).collect();
+    let states: Vec<Jsonb<'_>> = writes.iter().map(|w| Jsonb(w.state.json())).collect();
     let expected = writes
         .iter()
         .map(|w| expected_version(w.expected))
@@ -778,7 +777,7 @@ async fn commit_together(
         .map(|w| {
             w.receipt
                 .as_ref()
-                .map(|(_, payload)| Jsonb::Text(payload.text()))
+                .map(|(_, payload)| Jsonb::text(payload.text()))
         })
         .collect();
     let params: [&(dyn ToSql + Sync); 5] = [&keys, &states, &expected, &receipt_keys, &receipts];
@@ -869,12 +868,12 @@ async fn commit_alone(
         };
     }
     let key = write.key.as_str();
-    let state = Jsonb::Map(&write.state);
+    let state = Jsonb(write.state.json());
     let receipt_key = write.receipt.as_ref().map(|(key, _)| key.as_str());
     let receipt = write
         .receipt
         .as_ref()
-        .map(|(_, payload)| Jsonb::Text(payload.text()));
+        .map(|(_, payload)| Jsonb::text(payload.text()));
     let expected = expected_version(write.expected)?;
     let rows = match write.expected {
         Expected::Absent | Expected::Gone(_) => {
