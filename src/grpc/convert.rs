@@ -110,7 +110,13 @@ fn value_from_proto(value: Option<prost_types::Value>) -> Option<serde_json::Val
     value.map(proto_value_to_json)
 }
 
+/// Every item converted. Most of an activity's lists are empty, and an empty one is answered
+/// without the iterator and its collection, which cost about 70 instructions each for nothing
+/// (an activity has eight lists each way; `bench/RESULTS.md`).
 fn convert_all<A, B: From<A>>(items: Vec<A>) -> Vec<B> {
+    if items.is_empty() {
+        return Vec::new();
+    }
     items.into_iter().map(B::from).collect()
 }
 

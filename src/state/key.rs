@@ -275,44 +275,44 @@ impl TurnKeys {
         } = address;
         let (channel, conversation) = (channel.as_str(), conversation.as_str());
         let user = user.as_ref().map(UserId::as_str);
-        let user_len = user.map_or(0, str::len);
-        // The conversation and private conversation keys' text in one buffer:
-        // `{bot}/{channelId}/conversations/{conversationId}`, then `/users/{userId}`.
-        let mut text =
-            String::with_capacity(bot.len() + channel.len() + conversation.len() + user_len + 24);
-        escape_into(bot, &mut text);
-        text.push('/');
-        let channel_at = text.len();
-        escape_into(channel, &mut text);
-        text.push('/');
-        let shared = text.len();
-        text.push_str("conversations/");
-        escape_into(conversation, &mut text);
-        let conversation_end = text.len();
-        let Some(user) = user else {
-            return Self {
-                conversation: StateKey::from_text(text.into()),
-                user: None,
-                private_conversation: None,
+        with_scratch(|text, user_key| {
+            // The conversation and private conversation keys' text:
+            // `{bot}/{channelId}/conversations/{conversationId}`, then `/users/{userId}`; the
+            // user key's in the second string, `{bot}/{channelId}/` copied, `users/` and the
+            // escaped user id copied.
+            escape_into(bot, text);
+            text.push('/');
+            let channel_at = text.len();
+            escape_into(channel, text);
+            text.push('/');
+            let shared = text.len();
+            text.push_str("conversations/");
+            escape_into(conversation, text);
+            let conversation_end = text.len();
+            let conversation = StateKey::from_text(text[..conversation_end].into());
+            let Some(user) = user else {
+                return Self {
+                    conversation,
+                    user: None,
+                    private_conversation: None,
+                    channel_at,
+                    users_at: shared,
+                };
+            };
+            text.push_str("/users/");
+            let escaped_user = text.len();
+            escape_into(user, text);
+            user_key.push_str(&text[..shared]);
+            user_key.push_str("users/");
+            user_key.push_str(&text[escaped_user..]);
+            Self {
+                conversation,
+                user: Some(StateKey::from_text(user_key.as_str().into())),
+                private_conversation: Some(StateKey::from_text(text.as_str().into())),
                 channel_at,
                 users_at: shared,
-            };
-        };
-        text.push_str("/users/");
-        let escaped_user = text.len();
-        escape_into(user, &mut text);
-        // The user key: the first two parts and the escaped user id, copied.
-        let mut user_key = String::with_capacity(shared + 6 + text.len() - escaped_user);
-        user_key.push_str(&text[..shared]);
-        user_key.push_str("users/");
-        user_key.push_str(&text[escaped_user..]);
-        Self {
-            conversation: StateKey::from_text(text[..conversation_end].into()),
-            user: Some(StateKey::from_text(user_key.into())),
-            private_conversation: Some(StateKey::from_text(text.into())),
-            channel_at,
-            users_at: shared,
-        }
+            }
+        })
     }
 
     /// The user scope's subject, `{channelId}/{userId}` escaped, as [`StateKey::user_subject`]
@@ -335,12 +335,12 @@ impl TurnKeys {
     /// The key of the receipt of the turn for activity `activity` in this conversation: the same
     /// as [`StateKey::receipt`], continuing the conversation key.
     pub fn receipt(&self, activity: &ActivityId) -> StateKey {
-        let conversation = self.conversation.as_str();
-        let mut key = String::with_capacity(conversation.len() + 12 + activity.as_str().len());
-        key.push_str(conversation);
-        key.push_str("/activities/");
-        escape_into(activity.as_str(), &mut key);
-        StateKey::from_text(key.into())
+        with_scratch(|key, _| {
+            key.push_str(self.conversation.as_str());
+            key.push_str("/activities/");
+            escape_into(activity.as_str(), key);
+            StateKey::from_text(key.as_str().into())
+        })
     }
 
     /// Every key with its scope, conversation first.
@@ -363,6 +363,21 @@ pub fn subject(channel: &str, id: &str) -> String {
     text.push('/');
     escape_into(id, &mut text);
     text
+}
+
+/// Runs `build` on this thread's two scratch strings, emptied: a turn's keys are written there
+/// and each copied once into its own shared text, where a `String` of their own cost each turn
+/// three allocations and frees more (`bench/RESULTS.md`). `build` must not build keys itself.
+fn with_scratch<R>(build: impl FnOnce(&mut String, &mut String) -> R) -> R {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<(String, String)> =
+            const { std::cell::RefCell::new((String::new(), String::new())) };
+    }
+    SCRATCH.with_borrow_mut(|(first, second)| {
+        first.clear();
+        second.clear();
+        build(first, second)
+    })
 }
 
 fn join(parts: &[&str]) -> String {

@@ -93,6 +93,7 @@ pub mod hold;
 mod jsonb;
 mod layout;
 mod lock;
+mod prepared;
 mod receipts;
 pub mod schema;
 mod task_queue;
@@ -570,7 +571,7 @@ impl Sql {
         via: Via,
     ) -> Result<(), tokio_postgres::Error> {
         if let Statements::Prepared = via.statements {
-            client.prepare_cached(self.on(via).text).await?;
+            prepared::statement(client, self.on(via).text).await?;
         }
         Ok(())
     }
@@ -586,7 +587,7 @@ impl Sql {
         debug_assert_eq!(params.len(), sql.types.len(), "{}", sql.text);
         match via.statements {
             Statements::Prepared => {
-                let statement = client.prepare_cached(sql.text).await?;
+                let statement = prepared::statement(client, sql.text).await?;
                 client.query(&statement, params).await
             }
             Statements::Unprepared => client.query_typed(sql.text, &sql.typed(params)).await,
@@ -604,7 +605,7 @@ impl Sql {
         debug_assert_eq!(params.len(), sql.types.len(), "{}", sql.text);
         match via.statements {
             Statements::Prepared => {
-                let statement = client.prepare_cached(sql.text).await?;
+                let statement = prepared::statement(client, sql.text).await?;
                 client.execute(&statement, params).await
             }
             Statements::Unprepared => client.execute_typed(sql.text, &sql.typed(params)).await,
