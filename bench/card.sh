@@ -109,17 +109,39 @@ k6_run() {  # MODE RATE SECONDS -> records one run
     w0=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
     # The server's own view of the same turns: its turn-duration histogram, before and after.
     curl -s "${METRICS_URLS[0]}" >"$WORK/metrics.before"
+    # The disk's flushes meanwhile: 8 KiB written and fdatasync'd 20 times a second beside
+    # PostgreSQL's data, timed. A turn is answered once its commit's WAL is flushed, so a flush
+    # that stalls shows in every turn in flight; this says whether the disk stalled in this run.
+    python3 - "$WORK/flush.probe" "$secs" >"$WORK/flush.json" <<'PY' &
+import json, os, sys, time
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT, 0o600)
+block, times = os.urandom(8192), []
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    started = time.perf_counter()
+    os.pwrite(fd, block, 0)
+    os.fdatasync(fd)
+    times.append((time.perf_counter() - started) * 1000)
+    time.sleep(0.05)
+times.sort()
+at = lambda q: times[min(len(times) - 1, int(len(times) * q))]
+print(json.dumps({"flushes": len(times), "p50": at(0.5), "p99": at(0.99), "max": times[-1],
+                  "over_20ms": sum(t > 20 for t in times)}))
+PY
+    local probe=$!
     TARGET=$TARGETS PROTO_DIR=$PWD/proto MODE=$mode RATE=$rate DURATION=${secs}s VUS=$vus MAX_VUS=1024 \
         CONVERSATIONS=$KEYS PAD=$PAD RUN=$OPEN_RUN SUMMARY="$WORK/k6.json" \
         "${CLIENT[@]}" "$K6" run -q --no-usage-report bench/drivers/turns.k6.js >/dev/null 2>"$WORK/k6.log" \
         || { cat "$WORK/k6.log" >&2; exit 1; }
+    wait "$probe"
     s1=$(tree_ticks "$SERVER_PID"); p1=$(tree_ticks "$PGPID")
     w1=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
     curl -s "${METRICS_URLS[0]}" >"$WORK/metrics.after"
     K6_LINE=$(python3 - "$WORK/k6.json" "$mode" "$CARD_OPEN_LAYOUT" "$((s1 - s0))" "$((p1 - p0))" "$((w1 - w0))" "$NCPU" \
-        "$WORK/metrics.before" "$WORK/metrics.after" <<'PY'
+        "$WORK/metrics.before" "$WORK/metrics.after" "$WORK/flush.json" <<'PY'
 import json, re, sys
 d = json.load(open(sys.argv[1]))
+d["disk_flush_ms"] = json.load(open(sys.argv[10]))
 def buckets(path):
     """Turns by upper bound (seconds) of the turn-duration histogram, summed over its series."""
     counts = {}
@@ -163,7 +185,8 @@ print(f"k6 {d['mode']} {d['rate'] or ''}: {d['ok_per_second']:.0f} OK/s, p50 {l[
       f" p99.9 {l['p99.9']:.2f} ms, by status {d['by_code']}, dropped {d['dropped_iterations']},"
       f" CPU µs/turn server {d['server_cpu_us_per_turn']:.0f} postgres {d['postgres_cpu_us_per_turn']:.0f},"
       f" WAL {d['wal_bytes_per_turn']:.0f} B/turn; the server's own p50 {d['server_latency_ms']['p50']}"
-      f" p99 {d['server_latency_ms']['p99']} p99.9 {d['server_latency_ms']['p99.9']} ms")
+      f" p99 {d['server_latency_ms']['p99']} p99.9 {d['server_latency_ms']['p99.9']} ms;"
+      f" disk flushes p50 {d['disk_flush_ms']['p50']:.2f} p99 {d['disk_flush_ms']['p99']:.2f} max {d['disk_flush_ms']['max']:.1f} ms")
 PY
 }
 open_loop() {
