@@ -202,13 +202,15 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let bots = with_policies(config.remote_bots.register(bots)?, &config)?;
     let (store, unmigrated) = open(&config).await?;
-    let turn_store = for_turns(&store, &config);
     let Listeners {
         grpc: listener,
         metrics,
     } = listeners.into();
     let local_addr = listener.local_addr().ok();
+    // First, as it installs the metrics recorder: a histogram taken before (the timed store's)
+    // records into nothing, and `turnstile_store_duration_seconds` stayed empty.
     let metrics = MetricsEndpoint::start(metrics, &store)?;
+    let turn_store = for_turns(&store, &config);
     let upkeep = Upkeep::start(
         &store,
         config.receipt_retention,

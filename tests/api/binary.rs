@@ -72,6 +72,48 @@ async fn serves_the_pizza_bot_from_memory_and_stops_on_sigterm() {
     assert!(log.contains("stopped"), "{log}");
 }
 
+/// A fresh process, as deployed: every metric the README lists for turns is recorded, the
+/// store's call durations included (they were taken before the recorder was installed, and
+/// stayed empty, while the tests in one process, where a recorder already ran, saw them).
+#[tokio::test]
+async fn the_binarys_metrics_record_turns_and_store_calls() {
+    let (port, metrics) = (free_port(), free_port());
+    let child = turnstile()
+        .env("TURNSTILE_LISTEN", format!("127.0.0.1:{port}"))
+        .env("TURNSTILE_METRICS_LISTEN", format!("127.0.0.1:{metrics}"))
+        .spawn()
+        .unwrap();
+    let mut client = connect(port).await;
+    say(&mut client, "metrics-1", "add mushroom").await;
+    say(&mut client, "metrics-2", "add cheese").await;
+    let scrape = reqwest::get(format!("http://127.0.0.1:{metrics}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let count = |series: &str| {
+        scrape
+            .lines()
+            .find_map(|line| line.strip_prefix(series)?.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    drop(client);
+    let _ = tokio::task::spawn_blocking(move || terminate(child)).await;
+    assert!(
+        count("turnstile_turn_duration_seconds_count") >= 2.0,
+        "{scrape}"
+    );
+    for op in ["load", "commit"] {
+        assert!(
+            count(&format!(
+                "turnstile_store_duration_seconds_count{{op=\"{op}\"}}"
+            )) >= 2.0,
+            "no {op} timed: {scrape}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn migrate_then_serve_without_migrating_on_start() {
     let url = support::pg::fresh_database().await;
