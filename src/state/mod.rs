@@ -12,10 +12,10 @@ pub use key::{Scope, StateKey, TurnKeys, subject};
 use std::cell::Cell;
 use std::sync::Arc;
 
+use serde::{Serialize, de::DeserializeOwned};
 use serde_json::Value;
 
 use crate::activity::JsonMap;
-use serde::{Serialize, de::DeserializeOwned};
 
 /// A property could not be converted between its stored JSON and the type the bot asked for.
 #[derive(Debug, thiserror::Error)]
@@ -219,8 +219,8 @@ pub fn json_text(state: &JsonMap) -> String {
 }
 
 /// Room for `map`'s JSON text, counted without looking inside a string: its length and quotes,
-/// exact unless it has something to escape (then the text grows); 24 for a number, at least
-/// what any but the longest floats take.
+/// exact unless it has something to escape (then the text grows); 24 for a number, the longest
+/// text serde_json writes for one (`-1.7976931348623157e308` is 23).
 fn object_room(map: &JsonMap) -> usize {
     map.iter().fold(2, |room, (key, value)| {
         room + key.len() + 4 + value_room(value)
