@@ -11,8 +11,13 @@ use serde::Serialize;
 use serde_json::value::RawValue;
 
 /// A turn's receipt: one JSON value as text, known to be well-formed.
+///
+/// A `String`, not a `Box<str>`: the engine writes a receipt into a string with room to spare, and
+/// boxing it gave the spare room back by moving the text (a reallocation per turn,
+/// `bench/RESULTS.md`). PostgreSQL's store drops a receipt once sent; the in-memory store keeps
+/// it with its room, a few hundred bytes.
 #[derive(Clone)]
-pub struct Receipt(Box<str>);
+pub struct Receipt(String);
 
 impl Receipt {
     /// The receipt whose JSON is `value` serialized.
@@ -20,7 +25,7 @@ impl Receipt {
     /// # Errors
     /// When `value` cannot be written as JSON (a map whose keys are not strings, say).
     pub fn write<T: Serialize + ?Sized>(value: &T) -> Result<Self, serde_json::Error> {
-        serde_json::to_string(value).map(|text| Self(text.into_boxed_str()))
+        serde_json::to_string(value).map(Self)
     }
 
     /// The receipt stored as `text`, as read back from a store.
@@ -28,7 +33,7 @@ impl Receipt {
     /// # Errors
     /// When `text` is not one JSON value.
     pub fn from_text(text: String) -> Result<Self, serde_json::Error> {
-        RawValue::from_string(text).map(|raw| Self(raw.into()))
+        RawValue::from_string(text).map(|raw| Self(Box::<str>::from(raw).into()))
     }
 
     /// The receipt whose JSON text the engine wrote by hand (`Activity::write_json`, numbers,
@@ -38,7 +43,7 @@ impl Receipt {
             RawValue::from_string(text.clone()).is_ok(),
             "a written receipt is one JSON value: {text}"
         );
-        Self(text.into_boxed_str())
+        Self(text)
     }
 
     /// The JSON text.
@@ -58,7 +63,7 @@ impl Receipt {
 impl From<&serde_json::Value> for Receipt {
     fn from(value: &serde_json::Value) -> Self {
         // A `Value`'s own text is always one JSON value.
-        Self(value.to_string().into_boxed_str())
+        Self(value.to_string())
     }
 }
 
