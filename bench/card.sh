@@ -10,7 +10,8 @@
 #                                             pgbench's naive SQL at 32 calls, both layouts
 #   CARD_CONVERSATIONS="10000 1000000 10000000"  conversations (256-byte states, created in the
 #                                             database), the service against pgbench at each
-#   CARD_LOADS="50 80 100"                    open-loop offered loads, % of the closed-loop maximum
+#   CARD_LOADS="50 80 100"                    open-loop offered loads, % of the open loop's own maximum
+#                                             (k6 against the service, then pgbench alone)
 #   CARD_RECEIPTS="50000000"                  receipt backlogs to add, rows, after a run with none
 #   CARD_INSTRUCTIONS=0                       skips the instruction counts (bench/instructions.sh)
 #   CARD_OPEN_LAYOUT=shared                   the open loop's cores: "shared", everything on every
@@ -99,21 +100,12 @@ done
 PAD=1024
 anchor_state "$PAD"
 
-# --- open loop: k6 at fixed arrival rates, shared layout -------------------------------------------
-# The maximum is the open loop's own: the highest fixed rate k6 gets answered in full, found from
-# k6's closed loop (32 callers) on the same server, so that the client's CPU, which competes with
-# the server on this machine, is in every run.
-k6_run() {  # MODE RATE SECONDS [KIND] -> records one run (KIND "probe": a search's, not on the card)
-    local mode=$1 rate=$2 secs=$3 kind=${4:-$1} s0 s1 p0 p1 w0 w1 vus=32
-    if [ "$mode" = open ]; then vus=${CARD_OPEN_VUS:-32}; fi
-    s0=$(tree_ticks "$SERVER_PID"); p0=$(tree_ticks "$PGPID")
-    w0=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
-    # The server's own view of the same turns: its turn-duration histogram, before and after.
-    curl -s "${METRICS_URLS[0]}" >"$WORK/metrics.before"
-    # The disk's flushes meanwhile: 8 KiB written and fdatasync'd 20 times a second beside
-    # PostgreSQL's data, timed. A turn is answered once its commit's WAL is flushed, so a flush
-    # that stalls shows in every turn in flight; this says whether the disk stalled in this run.
-    python3 - "$WORK/flush.probe" "$secs" >"$WORK/flush.json" <<'PY' &
+# The disk's flushes during a run of SECS seconds, in the background (FLUSH_PROBE is its pid; wait
+# for it, then $WORK/flush.json has them): 8 KiB written and fdatasync'd 20 times a second beside
+# PostgreSQL's data, timed. A turn is answered once its commit's WAL is flushed, so a flush that
+# stalls shows in every turn in flight; this says whether the disk stalled in this run.
+flush_probe() {  # SECS
+    python3 - "$WORK/flush.probe" "$1" >"$WORK/flush.json" <<'PY' &
 import json, os, sys, time
 fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT, 0o600)
 block, times = os.urandom(8192), []
@@ -129,16 +121,30 @@ at = lambda q: times[min(len(times) - 1, int(len(times) * q))]
 print(json.dumps({"flushes": len(times), "p50": at(0.5), "p99": at(0.99), "max": times[-1],
                   "over_20ms": sum(t > 20 for t in times)}))
 PY
-    local probe=$!
+    FLUSH_PROBE=$!
+}
+
+# --- open loop: k6 at fixed arrival rates, shared layout -------------------------------------------
+# The maximum is the open loop's own: the highest fixed rate k6 gets answered in full, found from
+# k6's closed loop (32 callers) on the same server, so that the client's CPU, which competes with
+# the server on this machine, is in every run.
+k6_run() {  # MODE RATE SECONDS [KIND] -> records one run (KIND "probe": a search's, not on the card)
+    local mode=$1 rate=$2 secs=$3 kind=${4:-$1} s0 s1 p0 p1 w0 w1 vus=32
+    if [ "$mode" = open ]; then vus=${CARD_OPEN_VUS:-32}; fi
+    s0=$(tree_ticks "$SERVER_PID"); p0=$(tree_ticks "$PGPID")
+    w0=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
+    # The server's own view of the same turns: its turn-duration histogram, before and after.
+    curl -s "${METRICS_URLS[0]}" >"$WORK/metrics.before"
+    flush_probe "$secs"
     TARGET=$TARGETS PROTO_DIR=$PWD/proto MODE=$mode RATE=$rate DURATION=${secs}s VUS=$vus MAX_VUS=1024 \
         CONVERSATIONS=$KEYS PAD=$PAD RUN=$OPEN_RUN SUMMARY="$WORK/k6.json" \
         "${CLIENT[@]}" "$K6" run -q --no-usage-report bench/drivers/turns.k6.js >/dev/null 2>"$WORK/k6.log" \
         || { cat "$WORK/k6.log" >&2; exit 1; }
-    wait "$probe"
+    wait "$FLUSH_PROBE"
     s1=$(tree_ticks "$SERVER_PID"); p1=$(tree_ticks "$PGPID")
     w1=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
     curl -s "${METRICS_URLS[0]}" >"$WORK/metrics.after"
-    K6_LINE=$(python3 - "$WORK/k6.json" "$mode" "$CARD_OPEN_LAYOUT" "$((s1 - s0))" "$((p1 - p0))" "$((w1 - w0))" "$NCPU" \
+    LINE=$(python3 - "$WORK/k6.json" "$mode" "$CARD_OPEN_LAYOUT" "$((s1 - s0))" "$((p1 - p0))" "$((w1 - w0))" "$NCPU" \
         "$WORK/metrics.before" "$WORK/metrics.after" "$WORK/flush.json" "$kind" <<'PY'
 import json, re, sys
 d = json.load(open(sys.argv[1]))
@@ -181,8 +187,8 @@ d["turns_per_postgres_core_second"] = 1e6 / max(d["postgres_cpu_us_per_turn"], 1
 print(json.dumps(d))
 PY
 )
-    record "$K6_LINE"
-    python3 - "$K6_LINE" <<'PY'
+    record "$LINE"
+    python3 - "$LINE" <<'PY'
 import json, sys
 d = json.loads(sys.argv[1]); l = d["latency_ms"]
 print(f"k6 {d['mode']} {d['rate'] or ''}: {d['ok_per_second']:.0f} OK/s, p50 {l['p50']:.2f} p99 {l['p99']:.2f}"
@@ -194,6 +200,81 @@ print(f"k6 {d['mode']} {d['rate'] or ''}: {d['ok_per_second']:.0f} OK/s, p50 {l[
       f" disk flushes p50 {d['disk_flush_ms']['p50']:.2f} p99 {d['disk_flush_ms']['p99']:.2f} max {d['disk_flush_ms']['max']:.1f} ms")
 PY
 }
+# The highest fixed rate RUNNER answers in full (MAX_RATE), searched for from half of CLOSED_MAX in
+# steps of a tenth of it, 10 s at each rate: up while 98 % of the offered turns are answered and
+# under 1 % of the sends cannot start on time, down from half while not. RUNNER RATE SECS KIND
+# records a run and leaves its JSON in LINE.
+fixed_rate_max() {  # RUNNER CLOSED_MAX
+    local runner=$1 closed_max=$2 step rate
+    step=$((closed_max / 10)); rate=$((closed_max / 2)); MAX_RATE=0
+    while [ "$rate" -ge "$step" ] && [ "$rate" -le "$closed_max" ]; do
+        "$runner" open "$rate" 10 probe
+        if [ "$(echo "$LINE" | field "int(d['ok_per_second'] >= 0.98 * $rate and d['dropped_iterations'] <= 0.01 * $rate * 10)")" = 1 ]; then
+            MAX_RATE=$rate; rate=$((rate + step))
+        elif [ "$MAX_RATE" -gt 0 ]; then
+            break
+        else
+            rate=$((rate - step))
+        fi
+    done
+    [ "$MAX_RATE" -gt 0 ] || MAX_RATE=$step
+}
+
+# PostgreSQL alone at fixed rates: pgbench with the naive per-turn SQL (the anchor, 32 clients) at
+# RATE transactions a second (none: as fast as it goes, its closed loop), SECS seconds, records a
+# run of kind "pgbench_KIND". Its latency is pgbench's own under --rate, counted from each
+# transaction's scheduled start, so a stall shows in it as in k6's open loop; beside it the wait
+# to start (the schedule lag: for a free client, or for pgbench's own thread to get a CPU) and the
+# time from the start, PostgreSQL's round trip. A transaction pgbench could not start
+# within a second of its schedule is skipped (--latency-limit), and counted as k6 counts sends it
+# could not start ("dropped").
+pgbench_at() {  # MODE RATE SECS [KIND]
+    local mode=$1 rate=$2 secs=$3 kind=pgbench_${4:-$1} dir p0 p1 w0 w1 limit=()
+    dir=$(mktemp -d "$WORK/pgbench.XXXX")
+    [ "$mode" = open ] && limit=(--rate="$rate" --latency-limit=1000)
+    p0=$(tree_ticks "$PGPID")
+    w0=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
+    flush_probe "$secs"
+    (cd "$dir" && "${CLIENT[@]}" pgbench -h 127.0.0.1 -p "$PORT" -U postgres -n -M prepared -f "$WORK/turn.sql" \
+        -c 32 -j 2 -T "$secs" "${limit[@]}" -l anchor >"$dir/out" 2>"$dir/err") || { cat "$dir/err" >&2; exit 1; }
+    wait "$FLUSH_PROBE"
+    p1=$(tree_ticks "$PGPID")
+    w1=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
+    LINE=$(python3 - "$dir" "$secs" "$rate" "$kind" "$((p1 - p0))" "$((w1 - w0))" "$WORK/flush.json" "$CARD_OPEN_LAYOUT" <<'PY'
+import glob, json, sys
+where, secs, rate, kind, pg, wal, flush, layout = sys.argv[1:]
+done, lag, ran, skipped = [], [], [], 0
+# Each line: client, transaction, time (µs, from its scheduled start under --rate), script, epoch,
+# µs, and under --rate the schedule lag (µs); a skipped transaction's time is "skipped".
+for path in glob.glob(where + "/pgbench_log.*"):
+    for line in open(path):
+        f = line.split()
+        if len(f) < 6:
+            continue
+        if f[2] == "skipped":
+            skipped += 1
+            continue
+        done.append(int(f[2]) / 1000)
+        lag.append(int(f[6]) / 1000 if len(f) > 6 else 0.0)
+        ran.append(done[-1] - lag[-1])
+done.sort(); lag.sort(); ran.sort()
+at = lambda xs, q: xs[min(len(xs) - 1, int(len(xs) * q))] if xs else None
+n = max(len(done), 1)
+print(json.dumps({
+    "kind": kind, "mode": "closed" if not rate else "open", "rate": int(rate) if rate else None, "layout": layout,
+    "seconds": float(secs), "ok": len(done), "ok_per_second": len(done) / float(secs), "dropped_iterations": skipped,
+    "latency_ms": {k: at(done, q) for k, q in (("p50", .5), ("p90", .9), ("p99", .99), ("p99.9", .999))},
+    "schedule_lag_ms": {k: at(lag, q) for k, q in (("p50", .5), ("p99", .99), ("p99.9", .999))},
+    "from_start_ms": {k: at(ran, q) for k, q in (("p50", .5), ("p99", .99), ("p99.9", .999))},
+    "postgres_cpu_us_per_turn": int(pg) / 100 * 1e6 / n, "wal_bytes_per_turn": int(wal) / n,
+    "disk_flush_ms": json.load(open(flush)),
+}))
+PY
+)
+    record "$LINE"
+    echo "$LINE" | field "f\"pgbench {d['mode']} {d['rate'] or ''}: {d['ok_per_second']:.0f}/s, p50 {d['latency_ms']['p50']:.2f} p99 {d['latency_ms']['p99']:.2f} p99.9 {d['latency_ms']['p99.9']:.2f} ms (schedule lag p99.9 {d['schedule_lag_ms']['p99.9']:.2f}), skipped {d['dropped_iterations']}, disk flushes p99 {d['disk_flush_ms']['p99']:.2f} max {d['disk_flush_ms']['max']:.1f} ms\""
+}
+
 open_loop() {
     sql "TRUNCATE turnstile.turnstile_state, turnstile.turnstile_receipt"
     if [ "$CARD_OPEN_LAYOUT" = apart ]; then
@@ -213,31 +294,28 @@ open_loop() {
         --run-id "$OPEN_RUN" --prefill --turns 1000 --no-verify >/dev/null
     SERVER_PID=${PIDS[0]}
     k6_run closed "" 15
-    local closed_max rate step
-    closed_max=$(echo "$K6_LINE" | field 'round(d["ok_per_second"])')
-    # The open loop's maximum. A turn costs more CPU at a fixed rate than with 32 callers always
-    # waiting (the group commit gathers fewer commits into each statement and flush,
+    local closed_max load
+    closed_max=$(echo "$LINE" | field 'round(d["ok_per_second"])')
+    # The open loop's own maximum. A turn costs more CPU at a fixed rate than with 32 callers
+    # always waiting (the group commit gathers fewer commits into each statement and flush,
     # bench/RESULTS.md), so the closed loop's maximum can be past what is answered at a fixed
-    # rate, and a run "at 80 %" of it measured a queue. Rates from half of it, in steps of a
-    # tenth of it, 10 s each, up while 98 % of the offered turns are answered and under 1 % of
-    # the sends cannot start on time (down from half while not).
-    step=$((closed_max / 10)); rate=$((closed_max / 2)); MAX_RATE=0
-    while [ "$rate" -ge "$step" ] && [ "$rate" -le "$closed_max" ]; do
-        k6_run open "$rate" 10 probe
-        if [ "$(echo "$K6_LINE" | field "int(d['ok_per_second'] >= 0.98 * $rate and d['dropped_iterations'] <= 0.01 * $rate * 10)")" = 1 ]; then
-            MAX_RATE=$rate; rate=$((rate + step))
-        elif [ "$MAX_RATE" -gt 0 ]; then
-            break
-        else
-            rate=$((rate - step))
-        fi
-    done
-    [ "$MAX_RATE" -gt 0 ] || MAX_RATE=$step
+    # rate, and a run "at 80 %" of it measured a queue.
+    fixed_rate_max k6_run "$closed_max"
     record "{\"kind\": \"open_max\", \"rate\": $MAX_RATE, \"closed_max\": $closed_max}"
     for load in $CARD_LOADS; do
         k6_run open "$((MAX_RATE * load / 100))" 20
     done
     stop_servers
+    # PostgreSQL alone, the same way: pgbench's closed loop, its own fixed-rate maximum and the
+    # same loads of it. Its p99.9 against its p50 is what this machine's database gives a fixed
+    # rate with no service in front, the anchor of the open-loop target.
+    pgbench_at closed "" 15
+    closed_max=$(echo "$LINE" | field 'round(d["ok_per_second"])')
+    fixed_rate_max pgbench_at "$closed_max"
+    record "{\"kind\": \"pgbench_open_max\", \"rate\": $MAX_RATE, \"closed_max\": $closed_max}"
+    for load in $CARD_LOADS; do
+        pgbench_at open "$((MAX_RATE * load / 100))" 20
+    done
 }
 [ -z "$CARD_LOADS" ] || open_loop
 

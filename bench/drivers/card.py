@@ -4,7 +4,8 @@
 
 RESULTS.jsonl holds one JSON object per line, each with a `kind`: `meta` (commit, machine,
 PostgreSQL), `instructions`, `state`, `closed` and `open` (k6), `probe` (k6's 10 s runs that
-searched for the open loop's maximum) and `open_max` (what they found), `conversations`,
+searched for the open loop's maximum) and `open_max` (what they found), the same four of pgbench
+alone (`pgbench_closed`, `pgbench_open`, `pgbench_probe`, `pgbench_open_max`), `conversations`,
 `receipts`.
 The plots are drawn with matplotlib (Agg, PNG); the card links them by their path relative to
 CARD.md. Each target of the load-card issue is checked against the figures and marked met or not.
@@ -36,6 +37,32 @@ open_max = next(iter(of("open_max")), None)
 top_rate = open_max["rate"] if open_max else (closed[-1]["ok_per_second"] if closed else None)
 for r in opened:
     r["load"] = round(100 * r["rate"] / top_rate) if top_rate else None
+# PostgreSQL alone at fixed rates (pgbench, the naive SQL), as a percentage of its own maximum.
+pg_opened = sorted(of("pgbench_open"), key=lambda r: r["rate"])
+pg_closed = next(iter(of("pgbench_closed")), None)
+pg_probes = sorted(of("pgbench_probe"), key=lambda r: r["rate"])
+pg_open_max = next(iter(of("pgbench_open_max")), None)
+for r in pg_opened:
+    r["load"] = round(100 * r["rate"] / pg_open_max["rate"])
+
+
+def nearest(runs, load):
+    return min(runs, key=lambda r: abs(r["load"] - load)) if runs else None
+
+
+def spread(run, of="latency_ms"):
+    """p99.9 over p50, the open-loop target's measure."""
+    return run[of]["p99.9"] / run[of]["p50"]
+
+
+def pgbench_spread(run):
+    """pgbench's spread both ways: from each transaction's schedule, and from its start."""
+    started = f", {spread(run, 'from_start_ms'):.1f}× from each transaction's start" if run.get("from_start_ms") else ""
+    return f"{spread(run):.1f}× from its schedule{started}"
+
+
+def searched(probes):
+    return ", ".join(f"{p['rate']:,}/s {'answered' if p['ok_per_second'] >= 0.98 * p['rate'] and p['dropped_iterations'] <= 0.01 * p['rate'] * 10 else 'not'}" for p in probes)
 rel = os.path.relpath(plot_dir, os.path.dirname(os.path.abspath(card_path)))
 
 
@@ -129,9 +156,14 @@ if len(conversations) >= 2:
         f"{anchored:.2f}× (against pgbench in each round; {hi['service_tps'] / lo['service_tps']:.2f}× in turns/s) | {met(anchored >= 0.7)} |"
     )
 if opened and closed:
-    eighty = min(opened, key=lambda r: abs(r["load"] - 80))
+    eighty = nearest(opened, 80)
     lat = eighty["latency_ms"]
-    w(f"| open loop at 80 % of the maximum: p99.9 ≤ 5× p50 | {lat['p99.9'] / lat['p50']:.1f}× ({lat['p99.9']:.2f} / {lat['p50']:.2f} ms) | {met(lat['p99.9'] <= 5 * lat['p50'])} |")
+    anchor = nearest(pg_opened, 80)
+    alone = (
+        f"; PostgreSQL alone (pgbench's naive SQL at {anchor['load']} % of its own maximum): {pgbench_spread(anchor)}"
+        if anchor else ""
+    )
+    w(f"| open loop at 80 % of the maximum: p99.9 ≤ 5× p50 | {spread(eighty):.1f}× ({lat['p99.9']:.2f} / {lat['p50']:.2f} ms){alone} | {met(lat['p99.9'] <= 5 * lat['p50'])} |")
 w("")
 w("Two targets are measured by their own scripts rather than here: throughput at the default log filter against `RUST_LOG=warn`, and admitted turns' p99 under 16× overload (`bench/overload.sh`); `bench/RESULTS.md` has their latest figures.")
 w("")
@@ -200,11 +232,10 @@ if opened:
     w("## Latency against offered load (open loop)")
     w("")
     if open_max:
-        searched = ", ".join(f"{p['rate']:,}/s {'answered' if p['ok_per_second'] >= 0.98 * p['rate'] and p['dropped_iterations'] <= 0.01 * p['rate'] * 10 else 'not'}" for p in probes)
         maximum = (
             f"The maximum is the open loop's own, {open_max['rate']:,} turns/s: the highest fixed rate answered in full (98 % of the turns offered "
             f"answered, under 1 % of the sends late), searched for in 10 s runs from half of k6's closed loop (32 callers, each sending when "
-            f"answered: {open_max['closed_max']:,} turns/s) in steps of a tenth of it ({searched}). A turn costs more CPU at a fixed rate than "
+            f"answered: {open_max['closed_max']:,} turns/s) in steps of a tenth of it ({searched(probes)}). A turn costs more CPU at a fixed rate than "
             "with 32 callers always waiting, so the closed loop's maximum can be more than a fixed rate is answered at (`bench/RESULTS.md`)."
         )
     else:
@@ -242,12 +273,41 @@ if opened:
       "once its commit's WAL is on disk, so one flush that stalls delays every turn in flight: a p99.9 far above p50 with a flush maximum "
       "of the same size is the disk's, not the service's.")
     w("")
+    if pg_opened:
+        w("### PostgreSQL alone at fixed rates")
+        w("")
+        w(
+            f"pgbench with the naive per-turn SQL (the anchor: 10,000 keys of 1 KiB, 32 clients, the same cores as k6 above), with no service in front: "
+            f"its closed loop ({pg_closed['ok_per_second']:,.0f} transactions/s), then its own fixed-rate maximum, {pg_open_max['rate']:,}/s, searched for as the service's was "
+            f"({searched(pg_probes)}), and the same loads of it. pgbench counts a transaction's latency from its scheduled start under `--rate`, so a stall shows in it "
+            "as in k6's. That latency is the *schedule lag*, the wait to start (for one of its 32 clients to be free, or for its own thread to get a CPU), "
+            "plus the time *from the start*, PostgreSQL's round trip, which compares with the service's commits above. "
+            "A transaction it could not start within a second of schedule is skipped "
+            "(`--latency-limit`) and counted as dropped. "
+            + (
+                f"At {nearest(pg_opened, 80)['load']} % of its maximum PostgreSQL alone has a p99.9 / p50 of {pgbench_spread(nearest(pg_opened, 80))}: "
+                + ("more than the 5× the open-loop target allows the service in front of it." if min(spread(nearest(pg_opened, 80)), spread(nearest(pg_opened, 80), "from_start_ms")) > 5 else "within the 5× the open-loop target allows the service.")
+            )
+        )
+        w("")
+        w("| offered | transactions/s | p50 | p90 | p99 | p99.9 | p99.9 / p50 | schedule lag p99 / p99.9 | from the start p50 / p99 / p99.9 | disk flush p50 / p99 / max | dropped | PostgreSQL µs per transaction | WAL per transaction |")
+        w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in pg_opened:
+            lat, lag, flush, ran = r["latency_ms"], r["schedule_lag_ms"], r["disk_flush_ms"], r["from_start_ms"]
+            w(
+                f"| {r['rate']:,}/s ({r['load']} %) | {r['ok_per_second']:,.0f} | {lat['p50']:.2f} ms | {lat['p90']:.2f} ms | {lat['p99']:.2f} ms | {lat['p99.9']:.2f} ms "
+                f"| {spread(r):.1f}× | {lag['p99']:.2f} / {lag['p99.9']:.2f} ms | {ran['p50']:.2f} / {ran['p99']:.2f} / {ran['p99.9']:.2f} ms | {flush['p50']:.1f} / {flush['p99']:.1f} / {flush['max']:.1f} ms | {r['dropped_iterations']:,} "
+                f"| {r['postgres_cpu_us_per_turn']:,.0f} | {r['wal_bytes_per_turn']:,.0f} B |"
+            )
+        w("")
     fig, ax = plt.subplots(figsize=(7, 4))
-    xs = [r["rate"] for r in opened]
     for key, style in (("p50", "o-"), ("p90", "s-"), ("p99", "^-"), ("p99.9", "v-")):
-        ax.plot(xs, [r["latency_ms"][key] for r in opened], style, label=key)
+        ax.plot([r["load"] for r in opened], [r["latency_ms"][key] for r in opened], style, label=f"Turnstile {key}")
+    for key, style in (("p50", "o--"), ("p99.9", "v--")):
+        if pg_opened:
+            ax.plot([r["load"] for r in pg_opened], [r["latency_ms"][key] for r in pg_opened], style, color="grey", label=f"pgbench alone {key}")
     ax.set_yscale("log")
-    ax.set_xlabel("offered load, turns/s (k6 constant-arrival-rate)")
+    ax.set_xlabel("offered load, % of each one's own fixed-rate maximum")
     ax.set_ylabel("latency, ms")
     ax.set_title("latency percentiles against offered load")
     ax.grid(True, which="both", alpha=0.3)
