@@ -47,6 +47,7 @@ impl<S: NamedService> NamedService for TooLarge<S> {
 impl<S, B, ResBody> Service<http::Request<B>> for TooLarge<S>
 where
     S: Service<http::Request<B>, Response = http::Response<ResBody>>,
+    ResBody: http_body::Body,
 {
     type Response = http::Response<ResBody>;
     type Error = S::Error;
@@ -79,13 +80,19 @@ pin_project_lite::pin_project! {
 impl<F, ResBody, E> Future for Rewritten<F>
 where
     F: Future<Output = Result<http::Response<ResBody>, E>>,
+    ResBody: http_body::Body,
 {
     type Output = F::Output;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let mut response = std::task::ready!(this.inner.poll(cx))?;
-        rewrite(response.headers_mut(), *this.limit);
+        // Only an answer of headers alone can be the size refusal; one with a body (every turn's)
+        // has its status in its trailers, and is not searched for one: the search by a `&str`
+        // name cost every answer 170 instructions (`bench/RESULTS.md`).
+        if response.body().is_end_stream() {
+            rewrite(response.headers_mut(), *this.limit);
+        }
         Poll::Ready(Ok(response))
     }
 }
