@@ -11,7 +11,7 @@
 #   bench/run.sh --workers the --quick workload on the counter bot in process, then on the same bot
 #                          as a Python bot worker (sdk/python/examples/counter.py) through the same
 #                          server, back to back in each round (about 90 s after the build)
-#   bench/run.sh --card    the load card (bench/card.sh, about 35 minutes after the build): writes
+#   bench/run.sh --card    the load card (bench/card.sh, about 40 minutes after the build): writes
 #                          bench/CARD.md and its plots in bench/card/
 #   bench/run.sh --hot     hot conversations (about 2 minutes after the build): one conversation at
 #                          64 concurrent calls on one replica, then on three; then the `slow` bot
