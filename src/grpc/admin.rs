@@ -290,7 +290,7 @@ fn erased_scope(key: &StateKey) -> &'static str {
         "hold"
     } else if key.is_conversation() {
         "conversation"
-    } else if key.conversation_subject().is_some() {
+    } else if key.is_under_conversation() {
         "private_conversation"
     } else {
         "user"

@@ -187,7 +187,22 @@ impl StateKey {
     /// for a user scope's or a private conversation scope's key; `None` for any other. The same
     /// as the database's `turnstile_key_user` (`migrations/V4__erasure.sql`).
     pub fn user_subject(&self) -> Option<String> {
-        // Every turn with a user asks (its receipt names them): read in place, one allocation.
+        let (channel, user) = self.user_parts()?;
+        let mut subject = String::with_capacity(channel.len() + 1 + user.len());
+        subject.push_str(channel);
+        subject.push('/');
+        subject.push_str(user);
+        Some(subject)
+    }
+
+    /// Whether this key holds a user's data: a user scope's or a private conversation scope's
+    /// ([`StateKey::user_subject`] is `Some`), found without building the subject.
+    pub fn holds_user_data(&self) -> bool {
+        self.user_parts().is_some()
+    }
+
+    /// The channel and the user of [`StateKey::user_subject`], read in place.
+    fn user_parts(&self) -> Option<(&str, &str)> {
         let (_bot, rest) = self.text.split_once('/')?;
         let (channel, rest) = rest.split_once('/')?;
         let user = match rest.strip_prefix("users/") {
@@ -200,21 +215,29 @@ impl StateKey {
         if user.contains('/') {
             return None;
         }
-        let mut subject = String::with_capacity(channel.len() + 1 + user.len());
-        subject.push_str(channel);
-        subject.push('/');
-        subject.push_str(user);
-        Some(subject)
+        Some((channel, user))
     }
 
     /// The conversation whose data this key holds: `{channelId}/{conversationId}`, escaped, for a
     /// key under a conversation (its scope, private scopes, hold and receipts); `None` for a user
     /// scope. The same as the database's `turnstile_key_conversation`.
     pub fn conversation_subject(&self) -> Option<String> {
+        let (channel, conversation) = self.conversation_parts()?;
+        Some(format!("{channel}/{conversation}"))
+    }
+
+    /// Whether this key is under a conversation ([`StateKey::conversation_subject`] is `Some`),
+    /// found without building the subject.
+    pub fn is_under_conversation(&self) -> bool {
+        self.conversation_parts().is_some()
+    }
+
+    /// The channel and the conversation of [`StateKey::conversation_subject`], read in place.
+    fn conversation_parts(&self) -> Option<(&str, &str)> {
         let mut parts = self.text.split('/');
         let (_, channel, kind, conversation) =
             (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-        (kind == "conversations").then(|| format!("{channel}/{conversation}"))
+        (kind == "conversations").then_some((channel, conversation))
     }
 
     /// Whether this is a conversation's hold key ([`StateKey::hold`]).
@@ -593,6 +616,22 @@ mod tests {
                 ],
             };
             prop_assert_eq!(parts, expected);
+        }
+
+        /// The checks that build nothing say what the subjects say, for every kind of key, and
+        /// the subjects name the scopes they should.
+        #[test]
+        fn a_keys_checks_agree_with_its_subjects(b in built()) {
+            let key = build(&b);
+            prop_assert_eq!(key.holds_user_data(), key.user_subject().is_some());
+            prop_assert_eq!(key.is_under_conversation(), key.conversation_subject().is_some());
+            let (user, under_conversation) = match &b {
+                Built::Conversation(..) | Built::Receipt(..) => (false, true),
+                Built::User(..) => (true, false),
+                Built::Private(..) => (true, true),
+            };
+            prop_assert_eq!(key.holds_user_data(), user);
+            prop_assert_eq!(key.is_under_conversation(), under_conversation);
         }
 
         #[test]

@@ -696,9 +696,9 @@ impl Ttls {
             self.conversation
         } else if key.is_hold() {
             None
-        } else if key.conversation_subject().is_some() {
+        } else if key.is_under_conversation() {
             self.private_conversation
-        } else if key.user_subject().is_some() {
+        } else if key.holds_user_data() {
             self.user
         } else {
             None
