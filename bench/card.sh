@@ -3,7 +3,7 @@
 #
 # It measures the product as shipped (the release server with its default settings, RUST_LOG
 # unset) and writes bench/CARD.md with its plots in bench/card/ (bench/drivers/card.py draws them
-# with matplotlib). About 35 minutes after the build with the defaults below; each part can be
+# with matplotlib). About 40 minutes after the build with the defaults below; each part can be
 # narrowed by its variable, and an empty list skips it:
 #
 #   CARD_STATES="256 8192 65536"              state sizes, in bytes: throughput and p99 against
@@ -124,6 +124,35 @@ PY
     FLUSH_PROBE=$!
 }
 
+# What PostgreSQL's client backends did during a run of SECS seconds, in the background
+# (WAITS_PROBE is its pid; wait for it, then $WORK/waits.json has it): pg_stat_activity sampled
+# 50 times a second by one backend (itself not counted), each active backend counted under its
+# wait event, or "CPU" when it waits for none (running, or runnable and waiting for a core). Each
+# count is divided by the samples taken: the mean number of backends in that state. It says
+# whether a run's commits waited for the WAL's flush, for a lock, or for a CPU.
+waits_probe() {  # SECS
+    psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -v ON_ERROR_STOP=1 >"$WORK/waits.json" 2>"$WORK/waits.err" <<SQL &
+CREATE TEMP TABLE samples (event text);
+DO \$\$
+DECLARE
+    stop timestamptz := clock_timestamp() + make_interval(secs => $1);
+BEGIN
+    WHILE clock_timestamp() < stop LOOP
+        PERFORM pg_stat_clear_snapshot();
+        INSERT INTO samples
+        SELECT coalesce(wait_event_type || ':' || wait_event, 'CPU') FROM pg_stat_activity
+         WHERE state = 'active' AND backend_type = 'client backend' AND pid <> pg_backend_pid();
+        INSERT INTO samples VALUES ('%samples');
+        PERFORM pg_sleep(0.02);
+    END LOOP;
+END
+\$\$;
+SELECT coalesce(json_object_agg(event, round(n::numeric / (SELECT count(*) FROM samples WHERE event = '%samples'), 3)), '{}')
+  FROM (SELECT event, count(*) AS n FROM samples WHERE event <> '%samples' GROUP BY event) AS counts;
+SQL
+    WAITS_PROBE=$!
+}
+
 # --- open loop: k6 at fixed arrival rates, shared layout -------------------------------------------
 # The maximum is the open loop's own: the highest fixed rate k6 gets answered in full, found from
 # k6's closed loop (32 callers) on the same server, so that the client's CPU, which competes with
@@ -136,11 +165,13 @@ k6_run() {  # MODE RATE SECONDS [KIND] -> records one run (KIND "probe": a searc
     # The server's own view of the same turns: its turn-duration histogram, before and after.
     curl -s "${METRICS_URLS[0]}" >"$WORK/metrics.before"
     flush_probe "$secs"
+    waits_probe "$secs"
     TARGET=$TARGETS PROTO_DIR=$PWD/proto MODE=$mode RATE=$rate DURATION=${secs}s VUS=$vus MAX_VUS=1024 \
         CONVERSATIONS=$KEYS PAD=$PAD RUN=$OPEN_RUN SUMMARY="$WORK/k6.json" \
         "${CLIENT[@]}" "$K6" run -q --no-usage-report bench/drivers/turns.k6.js >/dev/null 2>"$WORK/k6.log" \
         || { cat "$WORK/k6.log" >&2; exit 1; }
     wait "$FLUSH_PROBE"
+    wait "$WAITS_PROBE" || { cat "$WORK/waits.err" >&2; exit 1; }
     s1=$(tree_ticks "$SERVER_PID"); p1=$(tree_ticks "$PGPID")
     w1=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
     curl -s "${METRICS_URLS[0]}" >"$WORK/metrics.after"
@@ -149,6 +180,7 @@ k6_run() {  # MODE RATE SECONDS [KIND] -> records one run (KIND "probe": a searc
 import json, re, sys
 d = json.load(open(sys.argv[1]))
 d["disk_flush_ms"] = json.load(open(sys.argv[10]))
+d["postgres_waits"] = json.loads(open(sys.argv[10].replace("flush.json", "waits.json")).read().strip() or "{}")
 def buckets(path, metric, labels=""):
     """Counts by upper bound (seconds) of histogram `metric`'s series with `labels`, summed."""
     counts = {}
@@ -235,9 +267,11 @@ pgbench_at() {  # MODE RATE SECS [KIND]
     p0=$(tree_ticks "$PGPID")
     w0=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
     flush_probe "$secs"
+    waits_probe "$secs"
     (cd "$dir" && "${CLIENT[@]}" pgbench -h 127.0.0.1 -p "$PORT" -U postgres -n -M prepared -f "$WORK/turn.sql" \
         -c 32 -j 2 -T "$secs" "${limit[@]}" -l anchor >"$dir/out" 2>"$dir/err") || { cat "$dir/err" >&2; exit 1; }
     wait "$FLUSH_PROBE"
+    wait "$WAITS_PROBE" || { cat "$WORK/waits.err" >&2; exit 1; }
     p1=$(tree_ticks "$PGPID")
     w1=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
     LINE=$(python3 - "$dir" "$secs" "$rate" "$kind" "$((p1 - p0))" "$((w1 - w0))" "$WORK/flush.json" "$CARD_OPEN_LAYOUT" <<'PY'
@@ -268,6 +302,7 @@ print(json.dumps({
     "from_start_ms": {k: at(ran, q) for k, q in (("p50", .5), ("p99", .99), ("p99.9", .999))},
     "postgres_cpu_us_per_turn": int(pg) / 100 * 1e6 / n, "wal_bytes_per_turn": int(wal) / n,
     "disk_flush_ms": json.load(open(flush)),
+    "postgres_waits": json.loads(open(flush.replace("flush.json", "waits.json")).read().strip() or "{}"),
 }))
 PY
 )

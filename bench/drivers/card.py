@@ -61,6 +61,12 @@ def pgbench_spread(run):
     return f"{spread(run):.1f}× from its schedule{started}"
 
 
+def waits(run):
+    """The mean number of PostgreSQL's client backends active in each state, the largest three."""
+    found = sorted((run.get("postgres_waits") or {}).items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{event} {n:.2f}" for event, n in found[:3]) or "–"
+
+
 def searched(probes):
     return ", ".join(f"{p['rate']:,}/s {'answered' if p['ok_per_second'] >= 0.98 * p['rate'] and p['dropped_iterations'] <= 0.01 * p['rate'] * 10 else 'not'}" for p in probes)
 rel = os.path.relpath(plot_dir, os.path.dirname(os.path.abspath(card_path)))
@@ -246,8 +252,14 @@ if opened:
         "(coordinated omission). *Dropped* counts sends k6 could not start on time (all its callers busy)."
     )
     w("")
-    w("| offered | turns/s answered OK | p50 | p90 | p99 | p99.9 | the server's own p50 / p99 / p99.9 | disk flush p50 / p99 / max | statuses | dropped | server turns/s per core | PostgreSQL turns/s per core | WAL per turn |")
-    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    sampled = any(r.get("postgres_waits") is not None for r in opened + pg_opened)
+    backends = " PostgreSQL's backends |" if sampled else ""
+
+    def waits_cell(run):
+        return f" {waits(run)} |" if sampled else ""
+
+    w(f"| offered | turns/s answered OK | p50 | p90 | p99 | p99.9 | the server's own p50 / p99 / p99.9 | disk flush p50 / p99 / max |{backends} statuses | dropped | server turns/s per core | PostgreSQL turns/s per core | WAL per turn |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if sampled else ""))
     for r in ([top] if top else []) + opened:
         lat = r["latency_ms"]
         offered = "closed loop, 32 callers" if r["kind"] == "closed" else f"{r['rate']:,}/s ({r['load']} %)"
@@ -259,7 +271,7 @@ if opened:
             server += " (commits " + triple(r["commit_latency_ms"], ("p50", "p99", "p99.9")) + ")"
         flush = triple(r.get("disk_flush_ms") or {}, ("p50", "p99", "max"))
         w(
-            f"| {offered} | {r['ok_per_second']:,.0f} | {lat['p50']:.2f} ms | {lat['p90']:.2f} ms | {lat['p99']:.2f} ms | {lat['p99.9']:.2f} ms | {server} | {flush} | {codes} | {r['dropped_iterations']:,} "
+            f"| {offered} | {r['ok_per_second']:,.0f} | {lat['p50']:.2f} ms | {lat['p90']:.2f} ms | {lat['p99']:.2f} ms | {lat['p99.9']:.2f} ms | {server} | {flush} |{waits_cell(r)} {codes} | {r['dropped_iterations']:,} "
             f"| {r['turns_per_server_core_second']:,.0f} | {r['turns_per_postgres_core_second']:,.0f} | {r['wal_bytes_per_turn']:,.0f} B |"
         )
     w("")
@@ -271,7 +283,10 @@ if opened:
       "(`turnstile_store_duration_seconds{op=\"commit\"}`: PostgreSQL's round trip, with the group commit's wait for the batch before). "
       "*Disk flush*: 8 KiB written and `fdatasync`'d 20 times a second beside PostgreSQL's data during the run. A turn is answered only "
       "once its commit's WAL is on disk, so one flush that stalls delays every turn in flight: a p99.9 far above p50 with a flush maximum "
-      "of the same size is the disk's, not the service's.")
+      "of the same size is the disk's, not the service's."
+      + (" *PostgreSQL's backends*: `pg_stat_activity` sampled 50 times a second during the run, "
+         "the mean number of client backends active under each wait event, the largest three; *CPU* is a backend waiting for none, running or "
+         "waiting for a core, *IO:WALSync* one flushing the WAL, *LWLock:WALWrite* one waiting for another's flush." if sampled else ""))
     w("")
     if pg_opened:
         w("### PostgreSQL alone at fixed rates")
@@ -290,13 +305,13 @@ if opened:
             )
         )
         w("")
-        w("| offered | transactions/s | p50 | p90 | p99 | p99.9 | p99.9 / p50 | schedule lag p99 / p99.9 | from the start p50 / p99 / p99.9 | disk flush p50 / p99 / max | dropped | PostgreSQL µs per transaction | WAL per transaction |")
-        w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        w(f"| offered | transactions/s | p50 | p90 | p99 | p99.9 | p99.9 / p50 | schedule lag p99 / p99.9 | from the start p50 / p99 / p99.9 | disk flush p50 / p99 / max |{backends} dropped | PostgreSQL µs per transaction | WAL per transaction |")
+        w("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if sampled else ""))
         for r in pg_opened:
             lat, lag, flush, ran = r["latency_ms"], r["schedule_lag_ms"], r["disk_flush_ms"], r["from_start_ms"]
             w(
                 f"| {r['rate']:,}/s ({r['load']} %) | {r['ok_per_second']:,.0f} | {lat['p50']:.2f} ms | {lat['p90']:.2f} ms | {lat['p99']:.2f} ms | {lat['p99.9']:.2f} ms "
-                f"| {spread(r):.1f}× | {lag['p99']:.2f} / {lag['p99.9']:.2f} ms | {ran['p50']:.2f} / {ran['p99']:.2f} / {ran['p99.9']:.2f} ms | {flush['p50']:.1f} / {flush['p99']:.1f} / {flush['max']:.1f} ms | {r['dropped_iterations']:,} "
+                f"| {spread(r):.1f}× | {lag['p99']:.2f} / {lag['p99.9']:.2f} ms | {ran['p50']:.2f} / {ran['p99']:.2f} / {ran['p99.9']:.2f} ms | {flush['p50']:.1f} / {flush['p99']:.1f} / {flush['max']:.1f} ms |{waits_cell(r)} {r['dropped_iterations']:,} "
                 f"| {r['postgres_cpu_us_per_turn']:,.0f} | {r['wal_bytes_per_turn']:,.0f} B |"
             )
         w("")
