@@ -252,6 +252,19 @@ fixed_rate_max() {  # RUNNER CLOSED_MAX
     [ "$MAX_RATE" -gt 0 ] || MAX_RATE=$step
 }
 
+# RUNNER's closed loop (15 s), its own fixed-rate maximum (recorded as kind MAX_KIND) and the
+# CARD_LOADS shares of it (20 s each).
+closed_then_loads() {  # RUNNER MAX_KIND
+    local runner=$1 closed_max load
+    "$runner" closed "" 15
+    closed_max=$(echo "$LINE" | field 'round(d["ok_per_second"])')
+    fixed_rate_max "$runner" "$closed_max"
+    record "{\"kind\": \"$2\", \"rate\": $MAX_RATE, \"closed_max\": $closed_max}"
+    for load in $CARD_LOADS; do
+        "$runner" open "$((MAX_RATE * load / 100))" 20
+    done
+}
+
 # PostgreSQL alone at fixed rates: pgbench with the naive per-turn SQL (the anchor, 32 clients) at
 # RATE transactions a second (none: as fast as it goes, its closed loop), SECS seconds, records a
 # run of kind "pgbench_KIND". Its latency is pgbench's own under --rate, counted from each
@@ -328,29 +341,15 @@ open_loop() {
     "$BIN/turnstile-bench" --target "$TARGETS" --conversations "$KEYS" --state-bytes "$PAD" \
         --run-id "$OPEN_RUN" --prefill --turns 1000 --no-verify >/dev/null
     SERVER_PID=${PIDS[0]}
-    k6_run closed "" 15
-    local closed_max load
-    closed_max=$(echo "$LINE" | field 'round(d["ok_per_second"])')
     # The open loop's own maximum. A turn costs more CPU at a fixed rate than with 32 callers
     # always waiting (the group commit gathers fewer commits into each statement and flush,
     # bench/RESULTS.md), so the closed loop's maximum can be past what is answered at a fixed
     # rate, and a run "at 80 %" of it measured a queue.
-    fixed_rate_max k6_run "$closed_max"
-    record "{\"kind\": \"open_max\", \"rate\": $MAX_RATE, \"closed_max\": $closed_max}"
-    for load in $CARD_LOADS; do
-        k6_run open "$((MAX_RATE * load / 100))" 20
-    done
+    closed_then_loads k6_run open_max
     stop_servers
-    # PostgreSQL alone, the same way: pgbench's closed loop, its own fixed-rate maximum and the
-    # same loads of it. Its p99.9 against its p50 is what this machine's database gives a fixed
-    # rate with no service in front, the anchor of the open-loop target.
-    pgbench_at closed "" 15
-    closed_max=$(echo "$LINE" | field 'round(d["ok_per_second"])')
-    fixed_rate_max pgbench_at "$closed_max"
-    record "{\"kind\": \"pgbench_open_max\", \"rate\": $MAX_RATE, \"closed_max\": $closed_max}"
-    for load in $CARD_LOADS; do
-        pgbench_at open "$((MAX_RATE * load / 100))" 20
-    done
+    # PostgreSQL alone, the same way. Its p99.9 against its p50 is what this machine's database
+    # gives a fixed rate with no service in front, the anchor of the open-loop target.
+    closed_then_loads pgbench_at pgbench_open_max
 }
 [ -z "$CARD_LOADS" ] || open_loop
 
