@@ -258,8 +258,17 @@ if opened:
     def waits_cell(run):
         return f" {waits(run)} |" if sampled else ""
 
-    w(f"| offered | turns/s answered OK | p50 | p90 | p99 | p99.9 | the server's own p50 / p99 / p99.9 | disk flush p50 / p99 / max |{backends} statuses | dropped | server turns/s per core | PostgreSQL turns/s per core | WAL per turn |")
-    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if sampled else ""))
+    counted = any(r.get("server_switches_per_turn") is not None for r in opened)
+    switches_head = " context switches per turn, server / PostgreSQL |" if counted else ""
+
+    def switches_cell(run):
+        if not counted:
+            return ""
+        mine = [run[k] for k in ("server_switches_per_turn", "postgres_switches_per_turn") if k in run]
+        return " " + (" / ".join(f"{n:.1f}" for n in mine) or "–") + " |"
+
+    w(f"| offered | turns/s answered OK | p50 | p90 | p99 | p99.9 | the server's own p50 / p99 / p99.9 | disk flush p50 / p99 / max |{backends} statuses | dropped | server turns/s per core | PostgreSQL turns/s per core | WAL per turn |{switches_head}")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if sampled else "") + ("---|" if counted else ""))
     for r in ([top] if top else []) + opened:
         lat = r["latency_ms"]
         offered = "closed loop, 32 callers" if r["kind"] == "closed" else f"{r['rate']:,}/s ({r['load']} %)"
@@ -272,7 +281,7 @@ if opened:
         flush = triple(r.get("disk_flush_ms") or {}, ("p50", "p99", "max"))
         w(
             f"| {offered} | {r['ok_per_second']:,.0f} | {lat['p50']:.2f} ms | {lat['p90']:.2f} ms | {lat['p99']:.2f} ms | {lat['p99.9']:.2f} ms | {server} | {flush} |{waits_cell(r)} {codes} | {r['dropped_iterations']:,} "
-            f"| {r['turns_per_server_core_second']:,.0f} | {r['turns_per_postgres_core_second']:,.0f} | {r['wal_bytes_per_turn']:,.0f} B |"
+            f"| {r['turns_per_server_core_second']:,.0f} | {r['turns_per_postgres_core_second']:,.0f} | {r['wal_bytes_per_turn']:,.0f} B |{switches_cell(r)}"
         )
     w("")
     w("Turns/s per core: turns answered OK per CPU-second the server (or every PostgreSQL process) used during the run, from /proc. "
@@ -286,7 +295,10 @@ if opened:
       "of the same size is the disk's, not the service's."
       + (" *PostgreSQL's backends*: `pg_stat_activity` sampled 50 times a second during the run, "
          "the mean number of client backends active under each wait event, the largest three; *CPU* is a backend waiting for none, running or "
-         "waiting for a core, *IO:WALSync* one flushing the WAL, *LWLock:WALWrite* one waiting for another's flush." if sampled else ""))
+         "waiting for a core, *IO:WALSync* one flushing the WAL, *LWLock:WALWrite* one waiting for another's flush." if sampled else "")
+      + (" *Context switches*: of every thread of the server, and of every PostgreSQL process, per turn answered: each is a thread "
+         "that went to sleep (for a wake-up, a lock, the disk) or lost its core, the wake-ups a turn costs, which instructions per turn do not count "
+         "(pgbench's are not counted: its backends leave with their counts when it ends)." if counted else ""))
     w("")
     if pg_opened:
         w("### PostgreSQL alone at fixed rates")
