@@ -100,42 +100,6 @@ done
 PAD=1024
 anchor_state "$PAD"
 
-# Context switches so far of process PID's threads and all its live descendants' (voluntary: it
-# waited, for a wake-up, a lock or the disk; involuntary: the scheduler took its core). Per turn,
-# they count the wake-ups a turn costs, which instructions per turn do not see. A process that
-# exits takes its count with it, so this counts the service's pooled backends, but not pgbench's,
-# which connect at its start and leave at its end.
-tree_switches() {
-    python3 - "$1" <<'PY'
-import os, sys
-parent = {}
-for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-        parent[int(pid)] = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        continue
-children = {}
-for pid, up in parent.items():
-    children.setdefault(up, []).append(pid)
-total, stack = 0, [int(sys.argv[1])]
-while stack:
-    pid = stack.pop()
-    stack.extend(children.get(pid, []))
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        continue
-    for tid in threads:
-        try:
-            for line in open(f"/proc/{pid}/task/{tid}/status"):
-                if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-print(total)
-PY
-}
-
 # The disk's flushes during a run of SECS seconds, in the background (FLUSH_PROBE is its pid; wait
 # for it, then $WORK/flush.json has them): 8 KiB written and fdatasync'd 20 times a second beside
 # PostgreSQL's data, timed. A turn is answered once its commit's WAL is flushed, so a flush that
@@ -197,7 +161,7 @@ k6_run() {  # MODE RATE SECONDS [KIND] -> records one run (KIND "probe": a searc
     local mode=$1 rate=$2 secs=$3 kind=${4:-$1} s0 s1 p0 p1 w0 w1 c0 c1 q0 q1 vus=32
     if [ "$mode" = open ]; then vus=${CARD_OPEN_VUS:-32}; fi
     s0=$(tree_ticks "$SERVER_PID"); p0=$(tree_ticks "$PGPID")
-    c0=$(tree_switches "$SERVER_PID"); q0=$(tree_switches "$PGPID")
+    c0=$(tree_sum switches "$SERVER_PID"); q0=$(tree_sum switches "$PGPID")
     w0=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
     # The server's own view of the same turns: its turn-duration histogram, before and after.
     curl -s "${METRICS_URLS[0]}" >"$WORK/metrics.before"
@@ -210,15 +174,15 @@ k6_run() {  # MODE RATE SECONDS [KIND] -> records one run (KIND "probe": a searc
     wait "$FLUSH_PROBE"
     wait "$WAITS_PROBE" || { cat "$WORK/waits.err" >&2; exit 1; }
     s1=$(tree_ticks "$SERVER_PID"); p1=$(tree_ticks "$PGPID")
-    c1=$(tree_switches "$SERVER_PID"); q1=$(tree_switches "$PGPID")
+    c1=$(tree_sum switches "$SERVER_PID"); q1=$(tree_sum switches "$PGPID")
     w1=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
     curl -s "${METRICS_URLS[0]}" >"$WORK/metrics.after"
     LINE=$(python3 - "$WORK/k6.json" "$mode" "$CARD_OPEN_LAYOUT" "$((s1 - s0))" "$((p1 - p0))" "$((w1 - w0))" "$NCPU" \
-        "$WORK/metrics.before" "$WORK/metrics.after" "$WORK/flush.json" "$kind" "$((c1 - c0))" "$((q1 - q0))" <<'PY'
+        "$WORK/metrics.before" "$WORK/metrics.after" "$WORK/flush.json" "$kind" "$((c1 - c0))" "$((q1 - q0))" "$WORK/waits.json" <<'PY'
 import json, re, sys
 d = json.load(open(sys.argv[1]))
 d["disk_flush_ms"] = json.load(open(sys.argv[10]))
-d["postgres_waits"] = json.loads(open(sys.argv[10].replace("flush.json", "waits.json")).read().strip() or "{}")
+d["postgres_waits"] = json.loads(open(sys.argv[14]).read().strip() or "{}")
 def buckets(path, metric, labels=""):
     """Counts by upper bound (seconds) of histogram `metric`'s series with `labels`, summed."""
     counts = {}
@@ -327,9 +291,9 @@ pgbench_at() {  # MODE RATE SECS [KIND]
     wait "$WAITS_PROBE" || { cat "$WORK/waits.err" >&2; exit 1; }
     p1=$(tree_ticks "$PGPID")
     w1=$(psql -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -qAt -c "SELECT pg_current_wal_lsn() - '0/0'")
-    LINE=$(python3 - "$dir" "$secs" "$rate" "$kind" "$((p1 - p0))" "$((w1 - w0))" "$WORK/flush.json" "$CARD_OPEN_LAYOUT" <<'PY'
+    LINE=$(python3 - "$dir" "$secs" "$rate" "$kind" "$((p1 - p0))" "$((w1 - w0))" "$WORK/flush.json" "$CARD_OPEN_LAYOUT" "$WORK/waits.json" <<'PY'
 import glob, json, sys
-where, secs, rate, kind, pg, wal, flush, layout = sys.argv[1:]
+where, secs, rate, kind, pg, wal, flush, layout, waits = sys.argv[1:]
 done, lag, ran, skipped = [], [], [], 0
 # Each line: client, transaction, time (µs, from its scheduled start under --rate), script, epoch,
 # µs, and under --rate the schedule lag (µs); a skipped transaction's time is "skipped".
@@ -355,7 +319,7 @@ print(json.dumps({
     "from_start_ms": {k: at(ran, q) for k, q in (("p50", .5), ("p99", .99), ("p99.9", .999))},
     "postgres_cpu_us_per_turn": int(pg) / 100 * 1e6 / n, "wal_bytes_per_turn": int(wal) / n,
     "disk_flush_ms": json.load(open(flush)),
-    "postgres_waits": json.loads(open(flush.replace("flush.json", "waits.json")).read().strip() or "{}"),
+    "postgres_waits": json.loads(open(waits).read().strip() or "{}"),
 }))
 PY
 )

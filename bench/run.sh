@@ -114,29 +114,50 @@ UPDATE state SET state = jsonb_set(:state::jsonb, '{count}', to_jsonb(:version +
 SQL
 
 PGPID=$(head -n 1 "$WORK/data/postmaster.pid")
-# CPU clock ticks used so far by process PID and all its descendants (a postmaster's count every
-# backend, the exited ones through its reaped-children times).
-tree_ticks() {
-    python3 - "$1" <<'PY'
+# What process PID and all its descendants have used so far, summed: `ticks`, CPU clock ticks (a
+# postmaster's count every backend, the exited ones through its reaped-children times);
+# `switches`, context switches of every thread (voluntary: it waited, for a wake-up, a lock or the
+# disk; involuntary: the scheduler took its core), of the live processes only: one that exits
+# takes its count with it, so a pool's backends are counted and pgbench's, which leave when it
+# ends, are not.
+tree_sum() {  # ticks|switches PID
+    python3 - "$1" "$2" <<'PY'
 import os, sys
-procs = {}
+what, root = sys.argv[1], int(sys.argv[2])
+stats = {}
 for pid in filter(str.isdigit, os.listdir("/proc")):
     try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        stats[int(pid)] = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     except OSError:
         continue
-    procs[int(pid)] = (int(fields[1]), sum(int(f) for f in fields[11:15]))
+def switches(pid):
+    total = 0
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in threads:
+        try:
+            for line in open(f"/proc/{pid}/task/{tid}/status"):
+                if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total
+own = switches if what == "switches" else lambda pid: sum(int(f) for f in stats[pid][11:15])
 children = {}
-for pid, (parent, _) in procs.items():
-    children.setdefault(parent, []).append(pid)
-total, stack = 0, [int(sys.argv[1])]
+for pid, fields in stats.items():
+    children.setdefault(int(fields[1]), []).append(pid)
+total, stack = 0, [root]
 while stack:
     pid = stack.pop()
-    total += procs.get(pid, (0, 0))[1]
+    if pid in stats:
+        total += own(pid)
     stack.extend(children.get(pid, []))
 print(total)
 PY
 }
+tree_ticks() { tree_sum ticks "$1"; }
 
 # The layout: which cores PostgreSQL and the clients run on; CLIENT is the prefix of every client.
 NCPU=$(nproc)
