@@ -34,7 +34,7 @@ use async_trait::async_trait;
 use super::timed::TimedStore;
 use super::{
     Commit, CommitOutcome, ConversationLease, ConversationLock, KeyHasher, KeyMap, Lease,
-    LockedTurn, PoolStatus, Snapshot, Store, StoreError, Ttls, Version, Versioned,
+    LockedTurn, PoolStatus, Snapshot, Store, StoreError, Ttls, Versioned,
 };
 use crate::activity::JsonMap;
 use crate::state::StateKey;
@@ -618,26 +618,29 @@ impl<S> CachedStore<S> {
 }
 
 /// What a commit writes, taken before the store consumes it, to remember once it landed. The
-/// written states are shared with the commit, not copied.
+/// written states are shared with the commit, not copied; each key is copied once (a list of the
+/// keys beside one of the rows copied every written key twice, `bench/RESULTS.md`).
 struct Written {
-    keys: Vec<StateKey>,
-    rows: Vec<(StateKey, Version, Arc<JsonMap>)>,
+    /// Every key the commit changes, with the version and state it writes, if it writes one.
+    changes: Vec<(StateKey, Option<Versioned>)>,
     receipt: Option<StateKey>,
 }
 
 impl Written {
     fn of(commit: &Commit) -> Self {
         Self {
-            keys: commit.changes().iter().map(|c| c.key.clone()).collect(),
-            rows: commit
+            changes: commit
                 .changes()
                 .iter()
-                .filter_map(|c| {
-                    Some((
-                        c.key.clone(),
-                        c.version_after()?,
-                        c.write.as_ref()?.state().clone(),
-                    ))
+                .map(|c| {
+                    let row = c
+                        .version_after()
+                        .zip(c.write.as_ref())
+                        .map(|(version, write)| Versioned {
+                            state: write.state().clone(),
+                            version,
+                        });
+                    (c.key.clone(), row)
                 })
                 .collect(),
             receipt: commit.receipt().map(|(key, _)| key.clone()),
@@ -651,20 +654,22 @@ impl Written {
             // Remembered only when the store wrote the version the commit implied; a store that
             // says otherwise fails the turn (the engine checks), and its rows are not guessed at.
             Ok(CommitOutcome::Committed(versions))
-                if self
-                    .rows
-                    .iter()
-                    .all(|(key, version, _)| versions.get(key) == Some(version)) =>
+                if self.changes.iter().all(|(key, row)| {
+                    row.as_ref()
+                        .is_none_or(|row| versions.get(key) == Some(&row.version))
+                }) =>
             {
-                for (key, version, state) in self.rows {
-                    cache.remember(key, Some(Versioned { state, version }));
+                for (key, row) in self.changes {
+                    if row.is_some() {
+                        cache.remember(key, row);
+                    }
                 }
                 if let Some(receipt) = self.receipt {
                     cache.remember_receipt(receipt);
                 }
             }
             // A conflict proves the guess stale; an error leaves the rows uncertain.
-            _ => cache.forget(&self.keys),
+            _ => cache.forget(self.changes.iter().map(|(key, _)| key)),
         }
     }
 }
@@ -712,6 +717,7 @@ impl LockedTurn for RememberingTurn {
 mod tests {
     use super::*;
     use crate::activity::incoming::{ChannelId, ConversationId};
+    use crate::store::{Expected, KeyChange, Version, Versions};
 
     fn key(n: usize) -> StateKey {
         StateKey::conversation(
@@ -769,6 +775,50 @@ mod tests {
             );
         }
         assert!(cache.len() <= 10, "{} entries", cache.len());
+    }
+
+    /// A commit's written rows are remembered once it lands at the versions it implied; when it
+    /// conflicts, fails or lands otherwise, every key it touched is forgotten, read ones too.
+    #[test]
+    fn a_commit_is_remembered_when_it_lands_and_forgotten_when_it_does_not() {
+        let commit = || {
+            Commit::new(vec![
+                KeyChange {
+                    key: key(1),
+                    expected: Expected::Version(Version::new(3)),
+                    write: Some(JsonMap::new().into()),
+                },
+                KeyChange {
+                    key: key(2),
+                    expected: Expected::Version(Version::new(7)),
+                    write: None,
+                },
+            ])
+        };
+        let versions = |v: u64| -> Versions { [(key(1), Version::new(v))].into_iter().collect() };
+        let cached = |cache: &StateCache| {
+            cache
+                .snapshot(&[key(1), key(2)], &key(99))
+                .map(|s| [key(1), key(2)].map(|k| s.get(&k).map(|r| r.version.get())))
+        };
+        let outcomes = [
+            Ok(CommitOutcome::Committed(versions(4))),
+            Ok(CommitOutcome::Committed(versions(5))),
+            Ok(CommitOutcome::Conflict { key: key(2) }),
+            Err(StoreError::Unavailable(anyhow::anyhow!("gone"))),
+        ];
+        for (n, outcome) in outcomes.iter().enumerate() {
+            let cache = StateCache::new(entries(100));
+            cache.remember(key(1), row(3));
+            cache.remember(key(2), row(7));
+            Written::of(&commit()).settle(&cache, outcome);
+            if n == 0 {
+                assert_eq!(cached(&cache), Some([Some(4), Some(7)]), "landed");
+            } else {
+                assert!(cache.snapshot(&[key(1)], &key(99)).is_none(), "{outcome:?}");
+                assert!(cache.snapshot(&[key(2)], &key(99)).is_none(), "{outcome:?}");
+            }
+        }
     }
 
     #[test]
