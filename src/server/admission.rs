@@ -39,14 +39,10 @@ use crate::telemetry::metrics::REFUSALS_HELD;
 /// The paths of `TurnService`'s turn methods: the calls that run a turn and count against
 /// `max_in_flight` (`StopTurn` only asks a running turn to stop).
 fn is_turn(path: &str) -> bool {
-    let Some(method) = path
-        .strip_prefix('/')
-        .and_then(|path| path.strip_prefix(turn_service_server::SERVICE_NAME))
-        .and_then(|path| path.strip_prefix('/'))
-    else {
-        return false;
-    };
-    matches!(method, "ProcessTurn" | "StreamTurn")
+    matches!(
+        super::routes::method_of(path, turn_service_server::SERVICE_NAME),
+        Some("ProcessTurn" | "StreamTurn")
+    )
 }
 
 /// A turn's place in the drain, taken by [`Admission`] and carried to the handler in the

@@ -95,7 +95,7 @@ where
     }
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
-        if is_of(request.uri().path(), self.name) {
+        if method_of(request.uri().path(), self.name).is_some() {
             return Either::Left(self.turns.call(request));
         }
         let name = service_name(request.uri().path());
@@ -106,13 +106,13 @@ where
     }
 }
 
-/// Whether a gRPC path, `/{package.Service}/{Method}`, is a method of `service`: compared in
-/// place, without the search for the second `/` that [`service_name`] makes (a hundred and
-/// eighty instructions at every turn, `bench/RESULTS.md`).
-fn is_of(path: &str, service: &str) -> bool {
-    path.strip_prefix('/')
-        .and_then(|p| p.strip_prefix(service))
-        .is_some_and(|method| method.starts_with('/'))
+/// The method of a gRPC path, `/{package.Service}/{Method}`, when it is one of `service`'s:
+/// compared in place, without the search for the second `/` that [`service_name`] makes (a
+/// hundred and eighty instructions at every turn, `bench/RESULTS.md`).
+pub(super) fn method_of<'a>(path: &'a str, service: &str) -> Option<&'a str> {
+    path.strip_prefix('/')?
+        .strip_prefix(service)?
+        .strip_prefix('/')
 }
 
 /// The service name in a gRPC path, `/{package.Service}/{Method}`: its first segment.
@@ -131,18 +131,22 @@ fn unimplemented(service: &str) -> http::Response<Body> {
 
 #[cfg(test)]
 mod tests {
-    use super::{is_of, service_name};
+    use super::{method_of, service_name};
 
     #[test]
     fn a_path_is_of_a_service_only_with_its_whole_name_and_a_method() {
         let turns = "turnstile.v1.TurnService";
-        assert!(is_of("/turnstile.v1.TurnService/ProcessTurn", turns));
-        assert!(is_of("/turnstile.v1.TurnService/", turns));
-        assert!(!is_of("/turnstile.v1.TurnServiceX/ProcessTurn", turns));
-        assert!(!is_of("/turnstile.v1.TurnService", turns));
-        assert!(!is_of("turnstile.v1.TurnService/ProcessTurn", turns));
-        assert!(!is_of("/turnstile.v1/TurnService/ProcessTurn", turns));
-        assert!(!is_of("/", turns));
+        let is_of = |path| method_of(path, turns).is_some();
+        assert_eq!(
+            method_of("/turnstile.v1.TurnService/ProcessTurn", turns),
+            Some("ProcessTurn")
+        );
+        assert!(is_of("/turnstile.v1.TurnService/"));
+        assert!(!is_of("/turnstile.v1.TurnServiceX/ProcessTurn"));
+        assert!(!is_of("/turnstile.v1.TurnService"));
+        assert!(!is_of("turnstile.v1.TurnService/ProcessTurn"));
+        assert!(!is_of("/turnstile.v1/TurnService/ProcessTurn"));
+        assert!(!is_of("/"));
     }
 
     #[test]

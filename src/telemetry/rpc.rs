@@ -245,17 +245,10 @@ fn names(path: &str) -> (&'static str, &'static str, &'static str) {
     if let Some(&known) = METHODS.iter().find(|&&(_, _, name)| name == path) {
         return known;
     }
-    let (service, method) = path.split_once('/').unwrap_or(("", ""));
-    let mut known_service = OTHER;
-    for &(s, m, name) in METHODS {
-        if s == service {
-            if m == method {
-                return (s, m, name);
-            }
-            known_service = s;
-        }
-    }
-    (known_service, OTHER, OTHER)
+    // Not a hosted method: a hosted service's name is kept, anything else is `_OTHER`.
+    let service = path.split_once('/').map_or("", |(service, _)| service);
+    let known = METHODS.iter().find(|&&(s, _, _)| s == service);
+    (known.map_or(OTHER, |&(s, _, _)| s), OTHER, OTHER)
 }
 
 /// The name of the header (or trailer) carrying a call's gRPC status. Looked up by a `&str`,
