@@ -45,7 +45,35 @@ impl Limits {
     /// # Errors
     /// [`InvalidActivity`] naming the field over its limit.
     pub fn check(&self, activity: &pb::Activity) -> Result<(), InvalidActivity> {
-        self.check_total(activity)?;
+        self.check_within(activity, None)
+    }
+
+    /// [`Limits::check`] for an activity that arrived encoded in a request of `received` bytes.
+    /// Its encoding, and each field's, is at most that: every size limit `received` is within
+    /// holds without measuring the activity, which walks every field of it (a hundredth of a
+    /// turn's instructions, `bench/RESULTS.md`). Text lengths and nesting are still checked.
+    ///
+    /// # Errors
+    /// As [`Limits::check`].
+    pub fn check_received(
+        &self,
+        activity: &pb::Activity,
+        received: usize,
+    ) -> Result<(), InvalidActivity> {
+        self.check_within(activity, Some(received))
+    }
+
+    /// Every limit, skipping the measures of sizes that `at_most` (a bound on the activity's
+    /// encoded size) already keeps within theirs.
+    fn check_within(
+        &self,
+        activity: &pb::Activity,
+        at_most: Option<usize>,
+    ) -> Result<(), InvalidActivity> {
+        let measure = |limit: usize| at_most.is_none_or(|bound| bound > limit);
+        if measure(self.max_activity_bytes) {
+            self.check_total(activity)?;
+        }
         for (field, text) in [
             ("text", &activity.text),
             ("speak", &activity.speak),
@@ -57,19 +85,23 @@ impl Limits {
                 self.max_text_bytes,
             )?;
         }
-        over(
-            "attachments",
-            activity.attachments.iter().map(|a| a.encoded_len()).sum(),
-            self.max_attachments_bytes,
-        )?;
-        over(
-            "channel_data",
-            activity
-                .channel_data
-                .as_ref()
-                .map_or(0, |v| v.encoded_len()),
-            self.max_channel_data_bytes,
-        )?;
+        if measure(self.max_attachments_bytes) {
+            over(
+                "attachments",
+                activity.attachments.iter().map(|a| a.encoded_len()).sum(),
+                self.max_attachments_bytes,
+            )?;
+        }
+        if measure(self.max_channel_data_bytes) {
+            over(
+                "channel_data",
+                activity
+                    .channel_data
+                    .as_ref()
+                    .map_or(0, |v| v.encoded_len()),
+                self.max_channel_data_bytes,
+            )?;
+        }
         self.check_depth(activity)
     }
 
@@ -235,5 +267,75 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(limits.check(&long).expect_err("too long").field(), "speak");
+    }
+
+    #[test]
+    fn a_received_size_within_a_limit_answers_it_and_one_over_it_is_measured() {
+        let limits = Limits {
+            max_activity_bytes: 1000,
+            max_attachments_bytes: 100,
+            max_channel_data_bytes: 100,
+            max_text_bytes: 10,
+            max_json_depth: 4,
+        };
+        let big = pb::Activity {
+            channel_data: Some(prost_types::Value {
+                kind: Some(Kind::StringValue("x".repeat(200))),
+            }),
+            ..Default::default()
+        };
+        let size = big.encoded_len();
+        assert_eq!(
+            limits
+                .check_received(&big, size)
+                .expect_err("measured")
+                .field(),
+            "channel_data",
+            "a bound over the limit is no answer"
+        );
+        assert_eq!(
+            limits.check(&big).expect_err("measured").field(),
+            "channel_data"
+        );
+        let huge = pb::Activity {
+            attachments: vec![pb::Attachment {
+                content_url: Some("x".repeat(2000)),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        assert_eq!(
+            limits
+                .check_received(&huge, huge.encoded_len() + 5)
+                .expect_err("measured")
+                .field(),
+            "attachments",
+            "the largest field of an activity over its limit"
+        );
+        let small = pb::Activity {
+            channel_data: Some(prost_types::Value {
+                kind: Some(Kind::StringValue("x".repeat(50))),
+            }),
+            ..Default::default()
+        };
+        assert!(limits.check_received(&small, small.encoded_len()).is_ok());
+
+        // Text lengths and nesting are not sizes of the encoding: checked whatever the bound.
+        let long = pb::Activity {
+            text: Some("x".repeat(11)),
+            ..Default::default()
+        };
+        assert_eq!(
+            limits.check_received(&long, 20).expect_err("long").field(),
+            "text"
+        );
+        let deep = pb::Activity {
+            value: Some(nested(5)),
+            ..Default::default()
+        };
+        assert_eq!(
+            limits.check_received(&deep, 20).expect_err("deep").field(),
+            "value"
+        );
     }
 }

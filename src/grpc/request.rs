@@ -91,17 +91,20 @@ impl From<pb::StreamTurnRequest> for pb::ProcessTurnRequest {
 /// [`InvalidActivity`] when there is none, when `activity_json` is not a JSON object, or when
 /// the activity is over a limit; it names the field.
 pub fn read_activity(input: Option<Input>, limits: &Limits) -> Result<Activity, InvalidActivity> {
-    read_boxed_activity(input, limits).map(|activity| *activity)
+    read_boxed_activity(input, limits, None).map(|activity| *activity)
 }
 
 /// [`read_activity`], boxed, as a turn keeps it: a typed activity goes from its box on the wire
-/// into its box in the turn without being moved whole on the way.
+/// into its box in the turn without being moved whole on the way. `received`, when known, is
+/// the size of the request the input was decoded from, which bounds the typed activity's
+/// ([`Limits::check_received`]).
 ///
 /// # Errors
 /// As [`read_activity`].
 pub fn read_boxed_activity(
     input: Option<Input>,
     limits: &Limits,
+    received: Option<usize>,
 ) -> Result<Box<Activity>, InvalidActivity> {
     match input {
         None => Err(InvalidActivity::new(
@@ -109,13 +112,17 @@ pub fn read_boxed_activity(
             "is missing (set `activity` or `activity_json`)",
         )),
         Some(Input::Activity(activity)) => {
-            limits.check(&activity)?;
+            match received {
+                Some(received) => limits.check_received(&activity, received)?,
+                None => limits.check(&activity)?,
+            }
             Ok(super::convert::boxed_activity(activity))
         }
         Some(Input::ActivityJson(text)) => {
             let activity = parse_json(&text, limits)?;
             // The typed form only measures; the turn gets the activity as parsed, so numbers
-            // keep their JSON spelling (`1.0` stays `1.0`), which the typed form cannot.
+            // keep their JSON spelling (`1.0` stays `1.0`), which the typed form cannot. Its
+            // encoding can be larger than the text it came from: measured, whatever `received`.
             limits.check(&pb::Activity::from(activity.clone()))?;
             Ok(Box::new(activity))
         }

@@ -51,8 +51,10 @@ impl TurnApi {
     /// boxed from the wire on (an activity is two kilobytes, and the turn's task, the span
     /// wrapper and `spawn` each moved it whole, `bench/RESULTS.md`); what is parsed around it is
     /// a few words.
-    fn check(&self, input: Option<Input>) -> Result<IncomingActivity, Status> {
-        let activity = request::read_boxed_activity(input, &self.limits)?;
+    /// `received` is how many bytes of the request were received, which bounds the activity's
+    /// size ([`Admitted::received_bytes`]).
+    fn check(&self, input: Option<Input>, received: usize) -> Result<IncomingActivity, Status> {
+        let activity = request::read_boxed_activity(input, &self.limits, Some(received))?;
         Ok(IncomingActivity::parse(activity)?)
     }
 }
@@ -248,7 +250,7 @@ impl TurnApi {
         let deadline = deadline(&request);
         let pb::ProcessTurnRequest { input, bot, .. } = request.into_inner();
         let incoming = self
-            .check(input)
+            .check(input, in_flight.received_bytes())
             .inspect_err(|_| self.engine.refused_invalid())?;
         let engine = Arc::clone(&self.engine);
         Ok(tokio::spawn(

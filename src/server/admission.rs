@@ -9,6 +9,12 @@
 //! read to its end and dropped, [`REFUSED_BODY_READ`]). The place it took goes with the request
 //! to the handler ([`Admitted`]), which keeps it until the turn ends.
 //!
+//! An admitted turn's body is counted on its way to the decoder ([`Received`]): the handler then
+//! knows how many bytes carried the activity, a bound on every size it must check
+//! ([`crate::grpc::limits::Limits::check_received`]). Without it the handler measured each
+//! activity's encoding again, walking every field: about 660 instructions a turn, a
+//! hundredth of the turn (`bench/RESULTS.md`), for an answer the transport already had.
+//!
 //! HTTP/2 bounds the rest: a connection carries at most `--max-concurrent-streams` calls at once
 //! (`Server::max_concurrent_streams`), so one caller cannot queue calls without bound where no
 //! limit sees them.
@@ -22,13 +28,15 @@
 //! have; one that retries at once is slowed to a call per [`HOLD`] per stream. Outside a storm a
 //! refusal goes at once, so that a caller can move on to another replica without waiting.
 
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use bytes::{Buf as _, Bytes};
 use futures::future::{BoxFuture, Either};
-use http_body::Body;
+use http_body::{Body, Frame, SizeHint};
 use tower::{Layer, Service};
 
 use super::drain::{Drain, InFlight};
@@ -47,10 +55,84 @@ fn is_turn(path: &str) -> bool {
 
 /// A turn's place in the drain, taken by [`Admission`] and carried to the handler in the
 /// request's extensions (which need `Clone`: the place is shared, and given back when the last
-/// holder drops it).
+/// holder drops it), with the count of its request's bytes received so far.
 #[derive(Debug, Clone)]
 pub struct Admitted {
-    _place: Arc<InFlight>,
+    place: Arc<Place>,
+}
+
+#[derive(Debug)]
+struct Place {
+    _in_flight: InFlight,
+    /// The bytes of the request's body that have passed [`Received`] so far.
+    received: AtomicUsize,
+}
+
+impl Admitted {
+    fn new(in_flight: InFlight) -> Self {
+        Self {
+            place: Arc::new(Place {
+                _in_flight: in_flight,
+                received: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// How many bytes of the request's body have been received: once its first message is
+    /// decoded, at least that message's encoded size. The server accepts no compressed
+    /// requests (tonic refuses them unless `accept_compressed` is set, and it is not), so the
+    /// bytes received are the encoding itself.
+    pub fn received_bytes(&self) -> usize {
+        self.place.received.load(Ordering::Relaxed)
+    }
+}
+
+/// A request's body as the services behind [`Admission`] get it: an admitted turn's counted
+/// into its [`Admitted`] place as it is read, any other call's as it came.
+#[derive(Debug)]
+pub struct Received {
+    body: tonic::body::Body,
+    counted: Option<Arc<Place>>,
+}
+
+impl Received {
+    /// `body`, not counted.
+    pub fn uncounted(body: tonic::body::Body) -> Self {
+        Self {
+            body,
+            counted: None,
+        }
+    }
+
+    /// The body as it came, for a service that does not count it.
+    pub fn into_inner(self) -> tonic::body::Body {
+        self.body
+    }
+}
+
+impl Body for Received {
+    type Data = Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        let frame = std::task::ready!(Pin::new(&mut self.body).poll_frame(cx));
+        if let (Some(place), Some(Ok(frame))) = (&self.counted, &frame) {
+            let size = frame.data_ref().map_or(0, Bytes::remaining);
+            place.received.fetch_add(size, Ordering::Relaxed);
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
 }
 
 /// Admits the turn methods' calls of the service it wraps, or refuses them unread.
@@ -95,12 +177,10 @@ pub struct Admission<S> {
 /// call in 200 under 16 times the load (`bench/overload.sh`). A larger body is not waited for.
 const REFUSED_BODY_READ: usize = 64 << 10;
 
-impl<S, B> Service<http::Request<B>> for Admission<S>
+impl<S> Service<http::Request<tonic::body::Body>> for Admission<S>
 where
-    S: Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+    S: Service<http::Request<Received>, Response = http::Response<tonic::body::Body>>,
     S::Error: Send + 'static,
-    B: Body + Send + Unpin + 'static,
-    B::Data: Send,
 {
     type Response = S::Response;
     type Error = S::Error;
@@ -110,16 +190,20 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
         if !is_turn(request.uri().path()) {
-            return Either::Right(self.inner.call(request));
+            return Either::Right(self.inner.call(request.map(Received::uncounted)));
         }
         match self.drain.enter() {
             Ok(in_flight) => {
-                request.extensions_mut().insert(Admitted {
-                    _place: Arc::new(in_flight),
-                });
-                Either::Right(self.inner.call(request))
+                let admitted = Admitted::new(in_flight);
+                let (mut parts, body) = request.into_parts();
+                let body = Received {
+                    body,
+                    counted: Some(Arc::clone(&admitted.place)),
+                };
+                parts.extensions.insert(admitted);
+                Either::Right(self.inner.call(http::Request::from_parts(parts, body)))
             }
             Err(refusal) => {
                 let hold = match refusal {

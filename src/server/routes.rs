@@ -22,6 +22,8 @@ use tonic::server::NamedService;
 use tower::Service;
 use tower::util::{BoxCloneSyncService, Oneshot, ServiceExt as _};
 
+use super::admission::Received;
+
 /// A service of the server other than `TurnService`, boxed.
 type Boxed = BoxCloneSyncService<http::Request<Body>, http::Response<Body>, Infallible>;
 
@@ -80,9 +82,11 @@ type Answer<F> = Either<
     Either<Oneshot<Boxed, http::Request<Body>>, Ready<Result<http::Response<Body>, Infallible>>>,
 >;
 
-impl<T> Service<http::Request<Body>> for Services<T>
+/// Calls come counted or not from admission ([`Received`]); `TurnService` takes the count with
+/// the body, the other services the body as it came.
+impl<T> Service<http::Request<Received>> for Services<T>
 where
-    T: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>,
+    T: Service<http::Request<Received>, Response = http::Response<Body>, Error = Infallible>,
 {
     type Response = http::Response<Body>;
     type Error = Infallible;
@@ -94,13 +98,15 @@ where
         self.turns.poll_ready(cx)
     }
 
-    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+    fn call(&mut self, request: http::Request<Received>) -> Self::Future {
         if method_of(request.uri().path(), self.name).is_some() {
             return Either::Left(self.turns.call(request));
         }
         let name = service_name(request.uri().path());
         match self.others.iter().find(|(other, _)| *other == name) {
-            Some((_, service)) => Either::Right(Either::Left(service.clone().oneshot(request))),
+            Some((_, service)) => Either::Right(Either::Left(
+                service.clone().oneshot(request.map(Received::into_inner)),
+            )),
             None => Either::Right(Either::Right(ready(Ok(unimplemented(name))))),
         }
     }
