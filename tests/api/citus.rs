@@ -133,6 +133,28 @@ async fn conversation_only_turns_commit_without_two_phase_commit() {
     let db = support::pg::session(&url).await;
     // The server's first upkeep pass, at its start, writes the reference tables (the receipts'
     // clock, the tombstones), which Citus always commits in two phases: counted once it is over.
+    // Its last writes set the receipts' clock to this retention and leave the legacy table
+    // behind; on a loaded machine the pass can still be going after the first turn, and a pause
+    // in it looked like its end.
+    let width = turnstile::Config::default().receipt_retention.as_secs_f64() / 2.0;
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let clock = db
+            .query_one(
+                "SELECT width_secs = $1 AND NOT legacy FROM turnstile_receipt_clock",
+                &[&width],
+            )
+            .await
+            .unwrap();
+        if clock.get::<_, bool>(0) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "the server's first upkeep pass did not set the receipts' clock in 60 s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
     let mut two_phase = counted(&db).await.2;
     loop {
         tokio::time::sleep(std::time::Duration::from_millis(1000)).await;

@@ -222,9 +222,10 @@ async fn until_pending(url: Option<&str>, id: &str) {
     panic!("{id} never waited at the hold");
 }
 
-/// Until the first message's run holds on the gate.
+/// Until the bot's `n`th run holds on the gate: up to 30 s, since a first turn on Citus can take seconds on a
+/// loaded machine (its connections, its first statements planned on every node).
 async fn until_running(runs: &AtomicU32, n: u32) {
-    for _ in 0..500 {
+    for _ in 0..3000 {
         if runs.load(Ordering::SeqCst) >= n {
             return;
         }
