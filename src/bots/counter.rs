@@ -10,7 +10,7 @@
 use async_trait::async_trait;
 
 use crate::activity::types;
-use crate::bot::{Bot, BotError, TurnContext};
+use crate::bot::{Bot, BotError, Scopes, TurnContext};
 
 const COUNT: &str = "count";
 const PAD: &str = "pad";
@@ -57,5 +57,10 @@ impl Bot for CounterBot {
         }
         turn.send_text(format!("count: {count}"));
         Ok(())
+    }
+
+    /// Its count is the conversation's: no user state is loaded for it.
+    fn scopes(&self) -> Scopes {
+        Scopes::CONVERSATION
     }
 }

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::{TurnError, TurnOutcome, in_flight, receipt};
 use crate::activity::incoming::IncomingActivity;
 use crate::activity::{Activity, JsonMap};
-use crate::bot::{Bot, BotError, DoubleText, TurnContext, TurnScopes};
+use crate::bot::{Bot, BotError, DoubleText, Scopes, TurnContext, TurnScopes};
 use crate::drafts::Drafts;
 use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
 use crate::store::{Commit, Handed, KeyChange, Pending, Snapshot, StateWrite, Version};
@@ -24,7 +24,11 @@ pub(super) struct TurnPlan<'a> {
     pub(super) bot: &'a dyn Bot,
     pub(super) incoming: &'a IncomingActivity,
     pub(super) keys: TurnKeys,
-    /// Every scope's key, for loads and the cache.
+    /// The scopes the bot declared ([`Bot::scopes`]).
+    scopes: Scopes,
+    /// The key of every scope the turn has, for loads and the cache: the conversation's, and
+    /// the user's and the private conversation's when the activity names a user and the bot
+    /// declared them.
     pub(super) key_list: Vec<StateKey>,
     /// The activity's receipt; `None` for an activity without id, which is not deduplicated.
     pub(super) receipt: Option<StateKey>,
@@ -120,12 +124,18 @@ impl<'a> TurnPlan<'a> {
     ) -> Self {
         let address = incoming.address();
         let keys = TurnKeys::new(bot_name, address);
+        let scopes = bot.scopes();
         Self {
             bot_name,
             double_text,
             bot,
             incoming,
-            key_list: keys.all().map(|(_, k)| k.clone()).collect(),
+            key_list: keys
+                .all()
+                .filter(|(scope, _)| scopes.has(*scope))
+                .map(|(_, k)| k.clone())
+                .collect(),
+            scopes,
             receipt: incoming.id().map(|id| keys.receipt(id)),
             // Only a turn with a receipt needs it.
             subject: incoming.id().and_then(|_| keys.user_subject()),
@@ -149,20 +159,24 @@ impl<'a> TurnPlan<'a> {
         self.subject.as_deref()
     }
 
-    /// The context the bot runs in on `snapshot`.
+    /// The context the bot runs in on `snapshot`, with the scopes it declared.
     fn context(&self, attempt: u32, snapshot: &Snapshot) -> TurnContext<'a> {
         let keys = &self.keys;
+        let scopes = self.scopes;
         TurnContext::new(
             self.incoming,
             attempt,
             scope_state(Scope::Conversation, &keys.conversation, snapshot),
             keys.user
                 .as_ref()
+                .filter(|_| scopes.user)
                 .map(|k| scope_state(Scope::User, k, snapshot)),
             keys.private_conversation
                 .as_ref()
+                .filter(|_| scopes.private_conversation)
                 .map(|k| scope_state(Scope::PrivateConversation, k, snapshot)),
         )
+        .with_scopes(scopes)
         .with_deadline(self.deadline)
         .with_drafts(self.drafts)
     }

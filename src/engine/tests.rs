@@ -8,7 +8,8 @@ use async_trait::async_trait;
 
 use super::*;
 use crate::activity::{ChannelAccount, ConversationAccount};
-use crate::bot::{Bot, TurnContext};
+use crate::bot::{Bot, Scopes, TurnContext};
+use crate::state::TurnKeys;
 use crate::store::memory::MemoryStore;
 use crate::store::{CacheSize, ConversationLock, Ttls};
 
@@ -28,12 +29,15 @@ enum Fault {
     MisreportsVersions,
     /// Another party always holds the conversation lock.
     LockAlwaysHeld,
+    /// Nothing goes wrong: the store only records what it was asked to load.
+    None,
 }
 
-/// A memory store with one [`Fault`].
+/// A memory store with one [`Fault`], recording the keys of every load.
 struct Faulty {
     inner: MemoryStore,
     fault: Fault,
+    loaded: std::sync::Mutex<Vec<Vec<String>>>,
 }
 
 impl Faulty {
@@ -41,6 +45,7 @@ impl Faulty {
         Self {
             inner: MemoryStore::new(),
             fault,
+            loaded: std::sync::Mutex::default(),
         }
     }
 
@@ -58,6 +63,10 @@ impl Store for Faulty {
         keys: &[StateKey],
         receipt: Option<&StateKey>,
     ) -> Result<Snapshot, StoreError> {
+        self.loaded
+            .lock()
+            .expect("not poisoned")
+            .push(keys.iter().map(|k| k.as_str().to_owned()).collect());
         self.inner.load(keys, receipt).await
     }
     async fn commit(&self, commit: Commit) -> Result<CommitOutcome, StoreError> {
@@ -80,7 +89,7 @@ impl Store for Faulty {
                 ),
                 conflict => conflict,
             }),
-            Fault::LockAlwaysHeld => self.inner.commit(commit).await,
+            Fault::LockAlwaysHeld | Fault::None => self.inner.commit(commit).await,
         }
     }
     async fn prune_receipts(&self, age: Duration) -> Result<u64, StoreError> {
@@ -453,6 +462,76 @@ async fn replies_are_addressed_back_to_the_sender_and_versions_reported() {
         "nothing written"
     );
     assert_eq!(engine.conversations_in_flight(), 0);
+}
+
+#[tokio::test]
+async fn a_bot_has_only_the_scopes_it_declares_and_its_turns_load_only_those() {
+    /// Keeps a note in every scope it has, and says which it was refused.
+    struct Noting(Scopes);
+    #[async_trait]
+    impl Bot for Noting {
+        async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+            turn.conversation_state().set("seen", &true)?;
+            let mut refused = Vec::new();
+            match turn.user_state() {
+                Ok(user) => user.set("seen", &true)?,
+                Err(e) => refused.push(e.to_string()),
+            }
+            match turn.private_conversation_state() {
+                Ok(private) => private.set("seen", &true)?,
+                Err(e) => refused.push(e.to_string()),
+            }
+            turn.send_text(refused.join("; "));
+            Ok(())
+        }
+        fn scopes(&self) -> Scopes {
+            self.0
+        }
+    }
+    let cases = [
+        (Scopes::ALL, 3, ""),
+        (
+            Scopes::CONVERSATION,
+            1,
+            "user state is not available: the bot does not declare it (`Bot::scopes`); \
+             private conversation state is not available: the bot does not declare it \
+             (`Bot::scopes`)",
+        ),
+        (
+            Scopes {
+                user: true,
+                private_conversation: false,
+            },
+            2,
+            "private conversation state is not available: the bot does not declare it \
+             (`Bot::scopes`)",
+        ),
+    ];
+    for (scopes, keys, refused) in cases {
+        let store = Arc::new(Faulty::new(Fault::None));
+        let engine = Engine::new(
+            uncached(Arc::clone(&store) as Arc<dyn Store>),
+            BotRegistry::new("noting", Noting(scopes)),
+            RetryPolicy::default(),
+        );
+        let outcome = engine
+            .run_turn(None, &incoming("hi"), None)
+            .await
+            .expect("committed");
+        assert_eq!(outcome.activities[0].text.as_deref(), Some(refused));
+        let loaded = store.loaded.lock().expect("not poisoned").clone();
+        assert_eq!(loaded.len(), 1, "{loaded:?}");
+        assert_eq!(loaded[0].len(), keys, "{scopes:?}: {loaded:?}");
+        assert!(loaded[0][0].contains("/conversations/c1"), "{loaded:?}");
+        // What was written is what the bot had, and nothing of the scopes it did not declare.
+        let every: Vec<StateKey> = TurnKeys::new("noting", incoming("hi").address())
+            .all()
+            .map(|(_, k)| k.clone())
+            .collect();
+        let written = store.inner.load(&every, None).await.expect("loaded");
+        let kept = every.iter().filter(|k| written.get(k).is_some()).count();
+        assert_eq!(kept, keys, "{scopes:?}");
+    }
 }
 
 #[tokio::test]
