@@ -29,7 +29,7 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
 use crate::activity::{Activity, types};
-use crate::bot::{Bot, BotError, TurnContext};
+use crate::bot::{Bot, BotError, Scopes, TurnContext};
 
 const TRANSCRIPT: &str = "transcript";
 
@@ -155,6 +155,11 @@ fn asked<'t>(turn: &'t TurnContext<'_>) -> impl Iterator<Item = &'t Activity> {
 
 #[async_trait]
 impl Bot for LlmBot {
+    /// Its transcript is the conversation's: no user state is loaded for it.
+    fn scopes(&self) -> Scopes {
+        Scopes::CONVERSATION
+    }
+
     async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
         if !turn.activity().is_type(types::MESSAGE) {
             return Ok(());

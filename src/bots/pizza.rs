@@ -16,7 +16,7 @@ use std::sync::LazyLock;
 use async_trait::async_trait;
 
 use crate::activity::types;
-use crate::bot::{Bot, BotError, TurnContext};
+use crate::bot::{Bot, BotError, Scopes, TurnContext};
 use crate::dialogs::prompts::{ConfirmRecognizer, recognize_confirm};
 use crate::dialogs::{ConfirmPrompt, DialogSet, DialogTurnStatus, ListStyle, PromptOptions};
 
@@ -43,6 +43,11 @@ enum Outcome {
 
 #[async_trait]
 impl Bot for PizzaBot {
+    /// Its order is the conversation's: no user state is loaded for it.
+    fn scopes(&self) -> Scopes {
+        Scopes::CONVERSATION
+    }
+
     async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
         if turn.activity().activity_type.as_deref() != Some(types::MESSAGE) {
             return Ok(());

@@ -9,7 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use super::CounterBot;
-use crate::bot::{Bot, BotError, TurnContext};
+use crate::bot::{Bot, BotError, Scopes, TurnContext};
 
 /// The slow bot's wait when none is configured.
 pub const DEFAULT_DELAY: Duration = Duration::from_millis(200);
@@ -35,6 +35,11 @@ impl Default for SlowBot {
 
 #[async_trait]
 impl Bot for SlowBot {
+    /// Its count is the conversation's: no user state is loaded for it.
+    fn scopes(&self) -> Scopes {
+        Scopes::CONVERSATION
+    }
+
     async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
         tokio::time::sleep(self.delay).await;
         CounterBot.on_turn(turn).await

@@ -10,7 +10,7 @@
 use async_trait::async_trait;
 
 use crate::activity::types;
-use crate::bot::{Bot, BotError, TurnContext};
+use crate::bot::{Bot, BotError, Scopes, TurnContext};
 use crate::dialogs::{DialogSet, NumberPrompt, PromptOptions, WaterfallDialog};
 
 const ROOT: &str = "subtract";
@@ -62,6 +62,11 @@ impl Default for SubtractBot {
 
 #[async_trait]
 impl Bot for SubtractBot {
+    /// Its question is the conversation's: no user state is loaded for it.
+    fn scopes(&self) -> Scopes {
+        Scopes::CONVERSATION
+    }
+
     async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
         if turn.activity().is_type(types::MESSAGE) {
             self.dialogs.run(turn, ROOT).await?;
