@@ -162,21 +162,18 @@ impl<'a> TurnPlan<'a> {
     /// The context the bot runs in on `snapshot`, with the scopes it declared.
     fn context(&self, attempt: u32, snapshot: &Snapshot) -> TurnContext<'a> {
         let keys = &self.keys;
-        let scopes = self.scopes;
         TurnContext::new(
             self.incoming,
             attempt,
             scope_state(Scope::Conversation, &keys.conversation, snapshot),
             keys.user
                 .as_ref()
-                .filter(|_| scopes.user)
                 .map(|k| scope_state(Scope::User, k, snapshot)),
             keys.private_conversation
                 .as_ref()
-                .filter(|_| scopes.private_conversation)
                 .map(|k| scope_state(Scope::PrivateConversation, k, snapshot)),
         )
-        .with_scopes(scopes)
+        .with_scopes(self.scopes)
         .with_deadline(self.deadline)
         .with_drafts(self.drafts)
     }

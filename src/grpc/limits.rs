@@ -48,24 +48,15 @@ impl Limits {
         self.check_within(activity, None)
     }
 
-    /// [`Limits::check`] for an activity that arrived encoded in a request of `received` bytes.
-    /// Its encoding, and each field's, is at most that: every size limit `received` is within
+    /// [`Limits::check`] for an activity whose encoding is at most `at_most` bytes, when that
+    /// is known (the request that carried it, as received): every size limit the bound is within
     /// holds without measuring the activity, which walks every field of it (a hundredth of a
-    /// turn's instructions, `bench/RESULTS.md`). Text lengths and nesting are still checked.
+    /// turn's instructions, `bench/RESULTS.md`). Text lengths and nesting are checked whatever
+    /// the bound.
     ///
     /// # Errors
     /// As [`Limits::check`].
-    pub fn check_received(
-        &self,
-        activity: &pb::Activity,
-        received: usize,
-    ) -> Result<(), InvalidActivity> {
-        self.check_within(activity, Some(received))
-    }
-
-    /// Every limit, skipping the measures of sizes that `at_most` (a bound on the activity's
-    /// encoded size) already keeps within theirs.
-    fn check_within(
+    pub fn check_within(
         &self,
         activity: &pb::Activity,
         at_most: Option<usize>,
@@ -287,7 +278,7 @@ mod tests {
         let size = big.encoded_len();
         assert_eq!(
             limits
-                .check_received(&big, size)
+                .check_within(&big, Some(size))
                 .expect_err("measured")
                 .field(),
             "channel_data",
@@ -306,7 +297,7 @@ mod tests {
         };
         assert_eq!(
             limits
-                .check_received(&huge, huge.encoded_len() + 5)
+                .check_within(&huge, Some(huge.encoded_len() + 5))
                 .expect_err("measured")
                 .field(),
             "attachments",
@@ -318,7 +309,11 @@ mod tests {
             }),
             ..Default::default()
         };
-        assert!(limits.check_received(&small, small.encoded_len()).is_ok());
+        assert!(
+            limits
+                .check_within(&small, Some(small.encoded_len()))
+                .is_ok()
+        );
 
         // Text lengths and nesting are not sizes of the encoding: checked whatever the bound.
         let long = pb::Activity {
@@ -326,7 +321,10 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            limits.check_received(&long, 20).expect_err("long").field(),
+            limits
+                .check_within(&long, Some(20))
+                .expect_err("long")
+                .field(),
             "text"
         );
         let deep = pb::Activity {
@@ -334,7 +332,10 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            limits.check_received(&deep, 20).expect_err("deep").field(),
+            limits
+                .check_within(&deep, Some(20))
+                .expect_err("deep")
+                .field(),
             "value"
         );
     }

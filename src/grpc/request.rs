@@ -97,7 +97,7 @@ pub fn read_activity(input: Option<Input>, limits: &Limits) -> Result<Activity, 
 /// [`read_activity`], boxed, as a turn keeps it: a typed activity goes from its box on the wire
 /// into its box in the turn without being moved whole on the way. `received`, when known, is
 /// the size of the request the input was decoded from, which bounds the typed activity's
-/// ([`Limits::check_received`]).
+/// ([`Limits::check_within`]).
 ///
 /// # Errors
 /// As [`read_activity`].
@@ -112,10 +112,7 @@ pub fn read_boxed_activity(
             "is missing (set `activity` or `activity_json`)",
         )),
         Some(Input::Activity(activity)) => {
-            match received {
-                Some(received) => limits.check_received(&activity, received)?,
-                None => limits.check(&activity)?,
-            }
+            limits.check_within(&activity, received)?;
             Ok(super::convert::boxed_activity(activity))
         }
         Some(Input::ActivityJson(text)) => {

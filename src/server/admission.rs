@@ -11,7 +11,7 @@
 //!
 //! An admitted turn's body is counted on its way to the decoder ([`Received`]): the handler then
 //! knows how many bytes carried the activity, a bound on every size it must check
-//! ([`crate::grpc::limits::Limits::check_received`]). Without it the handler measured each
+//! ([`crate::grpc::limits::Limits::check_within`]). Without it the handler measured each
 //! activity's encoding again, walking every field: about 660 instructions a turn, a
 //! hundredth of the turn (`bench/RESULTS.md`), for an answer the transport already had.
 //!
