@@ -81,6 +81,56 @@ impl Scopes {
     }
 }
 
+impl std::str::FromStr for Scopes {
+    type Err = String;
+
+    /// Scopes as `--bot-scopes` gives them: `conversation`, alone or joined by `+` with `user`
+    /// and `private-conversation` (`conversation+user`). The conversation's scope must be named:
+    /// every bot has it, and a value without it reads as if it were left out.
+    fn from_str(value: &str) -> Result<Self, String> {
+        let mut scopes = Self::CONVERSATION;
+        let mut conversation = false;
+        for name in value.split('+').map(str::trim) {
+            match name {
+                "conversation" => conversation = true,
+                "user" => scopes.user = true,
+                "private-conversation" => scopes.private_conversation = true,
+                other => {
+                    return Err(format!(
+                        "`{other}` is not a scope: `conversation`, `user` or \
+                         `private-conversation`, joined by `+`"
+                    ));
+                }
+            }
+        }
+        if !conversation {
+            return Err(format!(
+                "`{value}` leaves out `conversation`, which every bot has: write \
+                 `conversation+{value}`"
+            ));
+        }
+        Ok(scopes)
+    }
+}
+
+/// A bot with the scopes it was given in place of those it declares
+/// ([`BotRegistry::with_scopes`]).
+struct Declared {
+    bot: Arc<dyn Bot>,
+    scopes: Scopes,
+}
+
+#[async_trait]
+impl Bot for Declared {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        self.bot.on_turn(turn).await
+    }
+
+    fn scopes(&self) -> Scopes {
+        self.scopes
+    }
+}
+
 /// A bot's failure: any error, with its cause chain kept for the log, and what kind of failure
 /// it is, which decides the status the caller gets.
 pub struct BotError {
@@ -175,14 +225,16 @@ impl fmt::Display for BotError {
 }
 
 /// A state scope the turn does not have: user-scoped state needs a `from.id`, and a bot has only
-/// the scopes it declares ([`Bot::scopes`]).
+/// the scopes it declares ([`Bot::scopes`]) or is given ([`BotRegistry::with_scopes`]).
 #[derive(Debug, thiserror::Error)]
 pub enum NoSuchScope {
     /// The activity names no user.
     #[error("{0} state is not available: the activity has no `from.id`")]
     NoUser(Scope),
-    /// The bot does not declare the scope.
-    #[error("{0} state is not available: the bot does not declare it (`Bot::scopes`)")]
+    /// The bot does not declare the scope, or was not given it.
+    #[error(
+        "{0} state is not available: the bot's scopes leave it out (`Bot::scopes`, `--bot-scopes`)"
+    )]
     Undeclared(Scope),
 }
 
@@ -644,6 +696,20 @@ impl BotRegistry {
         let (name, _) = self.get(Some(name))?;
         let name = name.to_owned();
         self.double_text.insert(name, policy);
+        Ok(self)
+    }
+
+    /// Gives the bot named `name` the state scopes `scopes` in place of those it declares
+    /// ([`Bot::scopes`]): how a bot that cannot declare them itself — a bot worker's — is spared
+    /// loading the scopes it never uses (`--bot-scopes`).
+    ///
+    /// # Errors
+    /// When no bot of that name is registered.
+    pub fn with_scopes(mut self, name: &str, scopes: Scopes) -> Result<Self, UnknownBot> {
+        let (name, bot) = self.get(Some(name))?;
+        let (name, bot) = (name.to_owned(), Arc::clone(bot));
+        self.bots
+            .insert(name, Arc::new(Declared { bot, scopes }) as Arc<dyn Bot>);
         Ok(self)
     }
 

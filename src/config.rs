@@ -104,6 +104,10 @@ pub struct Config {
     /// Each bot's double-text policy, by name ([`crate::bot::DoubleText`]); `serve` applies
     /// these as it does `serialized_bots`, and refuses to start when a name is not hosted.
     pub double_text: Vec<(String, crate::bot::DoubleText)>,
+    /// The state scopes given to bots by name in place of those they declare
+    /// ([`crate::bot::BotRegistry::with_scopes`]); `serve` applies these as it does
+    /// `double_text`.
+    pub bot_scopes: Vec<(String, crate::bot::Scopes)>,
 }
 
 /// How long a client's HTTP/2 connection lives, and how a dead one is noticed.
@@ -223,6 +227,7 @@ impl Default for Config {
             remote_bots: RemoteBots::default(),
             serialized_bots: Vec::new(),
             double_text: Vec::new(),
+            bot_scopes: Vec::new(),
         }
     }
 }
@@ -451,6 +456,20 @@ pub struct ServeArgs {
         value_parser = parse_double_text
     )]
     pub double_text: Vec<(String, crate::bot::DoubleText)>,
+    /// The state scopes of a bot that cannot declare them itself (a bot worker's), per bot:
+    /// `BOT=SCOPES`, comma-separated, the scopes `conversation`, `user` and
+    /// `private-conversation` joined by `+` (`counter-py=conversation`). A scope left out is not
+    /// loaded for the bot's turns, and its worker is sent none. Unnamed bots keep the scopes they
+    /// declare: every scope, for a worker's.
+    #[arg(
+        help_heading = "Bots",
+        long,
+        env = "TURNSTILE_BOT_SCOPES",
+        value_delimiter = ',',
+        value_name = "BOT=SCOPES",
+        value_parser = parse_bot_scopes
+    )]
+    pub bot_scopes: Vec<(String, crate::bot::Scopes)>,
     /// How long every run of the `slow` sample bot takes, in milliseconds.
     #[arg(
         help_heading = "Bots",
@@ -638,6 +657,17 @@ fn parse_double_text(value: &str) -> Result<(String, crate::bot::DoubleText), St
     Ok((bot.to_owned(), policy.parse()?))
 }
 
+fn parse_bot_scopes(value: &str) -> Result<(String, crate::bot::Scopes), String> {
+    let (bot, scopes) = value.split_once('=').ok_or_else(|| {
+        format!("`{value}` is not BOT=SCOPES (for example `counter-py=conversation`)")
+    })?;
+    let bot = bot.trim();
+    if bot.is_empty() {
+        return Err(format!("`{value}` names no bot"));
+    }
+    Ok((bot.to_owned(), scopes.parse()?))
+}
+
 impl ServeArgs {
     /// The configuration these arguments describe.
     pub fn config(&self) -> Config {
@@ -705,6 +735,7 @@ impl ServeArgs {
                 .filter(|n| !n.is_empty())
                 .collect(),
             double_text: self.double_text.clone(),
+            bot_scopes: self.bot_scopes.clone(),
         }
     }
 
@@ -1114,6 +1145,56 @@ mod server_flags {
             .expect_err("an unknown bot is refused")
             .to_string();
         assert!(err.contains("nobody"), "{err}");
+    }
+
+    #[test]
+    fn bot_scopes_are_parsed_named_and_checked() {
+        use crate::bot::Scopes;
+        use crate::state::Scope;
+        let cli = Cli::try_parse_from([
+            "turnstile",
+            "--bot-scopes",
+            "waterfall=conversation, subtract=conversation+user, \
+             llm=private-conversation + conversation",
+        ])
+        .expect("valid arguments");
+        let bots = crate::server::with_policies(cli.serve.bots(), &cli.serve.config())
+            .expect("hosted bots");
+        let scopes = |name: &str| bots.get(Some(name)).expect("hosted").1.scopes();
+        assert_eq!(scopes("waterfall"), Scopes::CONVERSATION);
+        assert_eq!(
+            scopes("subtract"),
+            Scopes {
+                user: true,
+                private_conversation: false
+            }
+        );
+        assert!(scopes("llm").has(Scope::PrivateConversation) && !scopes("llm").has(Scope::User));
+        assert_eq!(
+            scopes("user-state"),
+            Scopes::ALL,
+            "an unnamed bot keeps its own"
+        );
+        for (value, says) in [
+            ("pizza=user", "leaves out `conversation`"),
+            ("pizza=conversation+users", "`users` is not a scope"),
+            ("pizza", "is not BOT=SCOPES"),
+            ("=conversation", "names no bot"),
+        ] {
+            let err = Cli::try_parse_from(["turnstile", "--bot-scopes", value])
+                .expect_err("refused")
+                .to_string();
+            assert!(err.contains(says), "{value}: {err}");
+        }
+        let cli = Cli::try_parse_from(["turnstile", "--bot-scopes", "nobody=conversation"])
+            .expect("valid arguments");
+        let err = crate::server::with_policies(cli.serve.bots(), &cli.serve.config())
+            .expect_err("an unknown bot is refused")
+            .to_string();
+        assert!(
+            err.contains("--bot-scopes") && err.contains("nobody"),
+            "{err}"
+        );
     }
 
     #[tokio::test]

@@ -370,7 +370,8 @@ impl RemoteBot {
             };
             if !present {
                 return Err(malformed(format!(
-                    "answered {scope} state, which this turn does not have (the activity names no user)"
+                    "answered {scope} state, which this turn does not have (the activity names \
+                     no user, or the bot's scopes leave it out: `--bot-scopes`)"
                 )));
             }
             let replaced = match &outcome.replaced_json {

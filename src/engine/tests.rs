@@ -493,9 +493,9 @@ async fn a_bot_has_only_the_scopes_it_declares_and_its_turns_load_only_those() {
         (
             Scopes::CONVERSATION,
             1,
-            "user state is not available: the bot does not declare it (`Bot::scopes`); \
-             private conversation state is not available: the bot does not declare it \
-             (`Bot::scopes`)",
+            "user state is not available: the bot's scopes leave it out (`Bot::scopes`, \
+             `--bot-scopes`); private conversation state is not available: the bot's scopes \
+             leave it out (`Bot::scopes`, `--bot-scopes`)",
         ),
         (
             Scopes {
@@ -503,8 +503,8 @@ async fn a_bot_has_only_the_scopes_it_declares_and_its_turns_load_only_those() {
                 private_conversation: false,
             },
             2,
-            "private conversation state is not available: the bot does not declare it \
-             (`Bot::scopes`)",
+            "private conversation state is not available: the bot's scopes leave it out \
+             (`Bot::scopes`, `--bot-scopes`)",
         ),
     ];
     for (scopes, keys, refused) in cases {

@@ -100,6 +100,9 @@ pub enum ServeError {
     /// A bot given a double-text policy is not hosted.
     #[error("--double-text: {0}")]
     DoubleTextBot(crate::bot::UnknownBot),
+    /// A bot given scopes is not hosted.
+    #[error("--bot-scopes: {0}")]
+    ScopesBot(crate::bot::UnknownBot),
     /// The metrics recorder could not be installed.
     #[error(transparent)]
     Metrics(#[from] crate::telemetry::metrics::MetricsError),
@@ -162,12 +165,13 @@ async fn open(config: &Config) -> Result<(Arc<dyn Store>, Option<PostgresStore>)
     })
 }
 
-/// `bots` with the concurrency policies `config` sets, once every bot (remote ones included) is
-/// registered.
+/// `bots` with the concurrency policies and scopes `config` sets, once every bot (remote ones
+/// included) is registered.
 ///
 /// # Errors
 /// [`ServeError::SerializedBot`] when `config.serialized_bots` names a bot that is not hosted,
-/// [`ServeError::DoubleTextBot`] when `config.double_text` does.
+/// [`ServeError::DoubleTextBot`] when `config.double_text` does, [`ServeError::ScopesBot`] when
+/// `config.bot_scopes` does.
 pub fn with_policies(mut bots: BotRegistry, config: &Config) -> Result<BotRegistry, ServeError> {
     for name in &config.serialized_bots {
         bots = bots
@@ -178,6 +182,11 @@ pub fn with_policies(mut bots: BotRegistry, config: &Config) -> Result<BotRegist
         bots = bots
             .with_double_text(name, *policy)
             .map_err(ServeError::DoubleTextBot)?;
+    }
+    for (name, scopes) in &config.bot_scopes {
+        bots = bots
+            .with_scopes(name, *scopes)
+            .map_err(ServeError::ScopesBot)?;
     }
     Ok(bots)
 }

@@ -757,6 +757,7 @@ fn values_schema_rejects_mistakes() {
             "config.doubleText.llm=interrupt-ish",
             "/config/doubleText/llm",
         ),
+        ("config.botScopes.llm=everything", "/config/botScopes/llm"),
         ("conversationAffinity.istio.enabld=true", "enabld"),
         (
             "metrics.prometheusRule.abortedRatio=2",
@@ -947,6 +948,10 @@ fn conversation_affinity_renders_an_istio_destination_rule_and_serialized_bots_a
         "config.doubleText.slow=reject",
         "--set",
         "config.doubleText.llm=enqueue",
+        "--set",
+        "config.botScopes.pizza=conversation",
+        "--set",
+        "config.botScopes.subtract=conversation+user",
     ]);
     let docs = documents(&rendered);
     assert_valid(&rendered, &docs);
@@ -979,6 +984,15 @@ fn conversation_affinity_renders_an_istio_destination_rule_and_serialized_bots_a
         env_value(server, "TURNSTILE_DOUBLE_TEXT"),
         "llm=enqueue,slow=reject"
     );
+    let scopes = env_value(server, "TURNSTILE_BOT_SCOPES");
+    assert_eq!(scopes, "pizza=conversation,subtract=conversation+user");
+    let cli = <turnstile::config::Cli as clap::Parser>::try_parse_from([
+        "turnstile",
+        "--bot-scopes",
+        scopes.as_str(),
+    ])
+    .expect("the server reads the chart's value");
+    assert_eq!(cli.serve.config().bot_scopes.len(), 2);
     assert_eq!(
         env_value(server, "TURNSTILE_GATEWAY_LISTEN"),
         "off",

@@ -36,6 +36,7 @@ use tokio::time::{Instant, sleep};
 use tonic::{Code, Status};
 use tonic_types::StatusExt as _;
 use turnstile::DoubleText;
+use turnstile::bot::Scopes;
 use turnstile::bots::remote::RemoteBots;
 use turnstile::config::Config;
 use turnstile::grpc::pb;
@@ -909,6 +910,9 @@ TOGETHER = threading.Barrier(4, timeout=20)
 
 @worker.bot("moody")
 async def moody(turn):
+    if turn.text == "scopes":
+        turn.send(f"user: {turn.user is not None}, private: {turn.private_conversation is not None}")
+        return
     if turn.text == "peek":
         seen = turn.conversation.get("count", 0)
         if turn.attempt == 1:
@@ -1123,6 +1127,35 @@ async fn a_python_turn_that_only_read_a_scope_is_replayed_when_it_moved() {
         "the SDK reported the read, so the stale answer was replayed"
     );
     assert_eq!(worker.calls_settled("peek-1", 2).await, [1, 2]);
+}
+
+/// A worker's bot given only its conversation's scope (`--bot-scopes`) is sent no other, and the
+/// SDK shows it none; unnamed, it gets every scope, as before.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_python_bot_given_only_its_conversation_scope_is_sent_no_other() {
+    let worker = WorkerProcess::moody_py();
+    for (given, says) in [
+        (vec![], "user: True, private: True"),
+        (
+            vec![("moody".to_owned(), Scopes::CONVERSATION)],
+            "user: False, private: False",
+        ),
+    ] {
+        let mut app = TestApp::memory()
+            .config(|c| Config {
+                bot_scopes: given.clone(),
+                ..remote(c, "moody", &worker.url())
+            })
+            .spawn()
+            .await;
+        let answer = app
+            .client
+            .process_turn(to_bot("moody", "s", "scopes-1", "scopes"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(texts(&answer), [says], "{given:?}");
+    }
 }
 
 // --- bot errors: the whole story in the worker's log, the place in the status ----------------

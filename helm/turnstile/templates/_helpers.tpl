@@ -254,10 +254,10 @@ Called with a dict: root (the top context), service, probe (the probe's timing v
 {{- end }}
 
 {{/*
-config.doubleText (bot: policy) as TURNSTILE_DOUBLE_TEXT takes it: bot=policy,bot=policy, in
-the bots' order.
+A map of bots (bot: value, as config.doubleText and config.botScopes) as TURNSTILE_DOUBLE_TEXT
+and TURNSTILE_BOT_SCOPES take it: bot=value,bot=value, in the bots' order.
 */}}
-{{- define "turnstile.doubleText" -}}
+{{- define "turnstile.perBot" -}}
 {{- $pairs := list -}}
 {{- range $bot, $policy := . -}}
 {{- $pairs = append $pairs (printf "%s=%s" $bot $policy) -}}

@@ -222,9 +222,10 @@ class Turn:
         self._loaded = {}
         #: Shared by everyone in the conversation.
         self.conversation: Scope = self._scope(request, "conversation")
-        #: This user across conversations; None when the activity names no user.
+        #: This user across conversations; None when the activity names no user, or when the
+        #: server gives the bot only other scopes (``--bot-scopes``).
         self.user: Optional[Scope] = self._scope(request, "user")
-        #: This user within this conversation; None when the activity names no user.
+        #: This user within this conversation; None as ``user`` is.
         self.private_conversation: Optional[Scope] = self._scope(request, "private_conversation")
         self.replies: list = []
 

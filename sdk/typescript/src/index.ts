@@ -204,9 +204,12 @@ export class Turn {
   readonly batch: Activity[];
   /** Shared by everyone in the conversation. */
   readonly conversation: Scope;
-  /** This user across conversations; null when the activity names no user. */
+  /**
+   * This user across conversations; null when the activity names no user, or when the server
+   * gives the bot only other scopes (`--bot-scopes`).
+   */
   readonly user: Scope | null;
-  /** This user within this conversation; null when the activity names no user. */
+  /** This user within this conversation; null as `user` is. */
   readonly privateConversation: Scope | null;
   /** The replies sent so far in this attempt. */
   readonly replies: Activity[] = [];
