@@ -358,6 +358,30 @@ open_loop() {
 [ -z "$CARD_LOADS" ] || open_loop
 
 # --- conversations: 256-byte states created in the database, the service against pgbench ----------
+# PostgreSQL alone over the same rows: pgbench's naive SQL on the service's own N conversations'
+# rows (turnstile_state, its indexes, fillfactor and all), back to back with the 10,000-key anchor
+# in each of ROUNDS rounds; ROWS is the median round's JSON. How far its ratio to the anchor falls
+# from 10,000 conversations to N is the database's own part of the service's fall: a turn whose
+# conversation no replica has cached reads its row first, as the naive SQL always does.
+same_rows() {  # N -> sets ROWS
+    local n=$1 r a b rounds=()
+    cat >"$WORK/rows.sql" <<SQL
+\set k random(0, $((n - 1)))
+SELECT state, version FROM turnstile.turnstile_state WHERE key = 'counter/bench/conversations/card-c' || :k \gset
+UPDATE turnstile.turnstile_state SET state = jsonb_set(:state::jsonb, '{count}', to_jsonb(:version + 1)), version = version + 1 WHERE key = 'counter/bench/conversations/card-c' || :k AND version = :version;
+SQL
+    for r in $(seq 1 "$ROUNDS"); do
+        a=$(pgbench_run turn.sql 32)
+        b=$(pgbench_run rows.sql 32 service)
+        echo "  PostgreSQL alone, round $r: pgbench over these $n rows $b, over the anchor's 10,000 $a (turns/s p99_ms pgbench_cpu_us postgres_cpu_us)"
+        rounds+=("$b $a")
+    done
+    ROWS=$(printf '%s\n' "${rounds[@]}" | python3 -c 'import json, sys
+rounds = sorted((list(map(float, l.split())) for l in sys.stdin if l.strip()), key=lambda r: r[0] / r[4])
+t, p99, _, pg, at, ap99, _, apg = rounds[len(rounds) // 2]
+print(json.dumps({"tps": t, "p99_ms": p99, "postgres_cpu_us": pg, "anchor_tps": at, "anchor_postgres_cpu_us": apg}))')
+    echo "  PostgreSQL alone, median round: $ROWS"
+}
 PAD=256
 anchor_state "$PAD"
 sql "TRUNCATE turnstile.turnstile_state, turnstile.turnstile_receipt"
@@ -369,7 +393,8 @@ for n in $CARD_CONVERSATIONS; do
     seeded=$n
     echo "$n conversations in the database ($(($(date +%s) - started)) s to add them)"
     CONVERSATIONS=$n RUN_ID=card uniform 32
-    record "{\"kind\": \"conversations\", \"conversations\": $n, \"bytes\": $PAD, \"service_tps\": $MED_S, \"pgbench_tps\": $MED_T, \"service_p99_ms\": $MED_SP, \"pgbench_p99_ms\": $MED_P, \"table_bytes\": $(sql "SELECT pg_total_relation_size('turnstile.turnstile_state')")}"
+    same_rows "$n"
+    record "{\"kind\": \"conversations\", \"conversations\": $n, \"bytes\": $PAD, \"service_tps\": $MED_S, \"pgbench_tps\": $MED_T, \"service_p99_ms\": $MED_SP, \"pgbench_p99_ms\": $MED_P, \"table_bytes\": $(sql "SELECT pg_total_relation_size('turnstile.turnstile_state')"), \"rows\": $ROWS}"
 done
 PAD=1024
 anchor_state "$PAD"

@@ -180,9 +180,10 @@ layout() {  # split | shared
     LAYOUT=$1
 }
 
-# pgbench SCRIPT CLIENTS -> "turns/s p99_ms pgbench_cpu_us_per_turn postgres_cpu_us_per_turn"
+# pgbench SCRIPT CLIENTS [DATABASE] -> "turns/s p99_ms pgbench_cpu_us_per_turn postgres_cpu_us_per_turn"
+# (DATABASE: anchor, the anchor's own tables, unless named)
 pgbench_run() {
-    local script=$1 clients=$2 dir pg0 pg1
+    local script=$1 clients=$2 db=${3:-anchor} dir pg0 pg1
     dir=$(mktemp -d "$WORK/pgbench.XXXX")
     pg0=$(tree_ticks "$PGPID")
     (cd "$dir" && "${CLIENT[@]}" python3 -c 'import resource, subprocess, sys
@@ -190,7 +191,7 @@ code = subprocess.call(sys.argv[1:])
 r = resource.getrusage(resource.RUSAGE_CHILDREN)
 open("cpu", "w").write(str(r.ru_utime + r.ru_stime))
 sys.exit(code)' pgbench -h 127.0.0.1 -p "$PORT" -U postgres -n -M prepared -f "$WORK/$script" \
-        -c "$clients" -j 2 -T "$SECS" -l anchor >/dev/null 2>"$dir/err") \
+        -c "$clients" -j 2 -T "$SECS" -l "$db" >/dev/null 2>"$dir/err") \
         || { cat "$dir/err" >&2; exit 1; }
     pg1=$(tree_ticks "$PGPID")
     python3 - "$dir" "$SECS" "$pg0" "$pg1" <<'PY'
