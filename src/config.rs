@@ -647,25 +647,28 @@ fn parse_ttl(value: &str) -> Result<Duration, String> {
 
 /// `BOT=POLICY`, as `--double-text` takes it.
 fn parse_double_text(value: &str) -> Result<(String, crate::bot::DoubleText), String> {
-    let (bot, policy) = value
-        .split_once('=')
-        .ok_or_else(|| format!("`{value}` is not BOT=POLICY (for example `llm=reject`)"))?;
-    let bot = bot.trim();
-    if bot.is_empty() {
-        return Err(format!("`{value}` names no bot"));
-    }
-    Ok((bot.to_owned(), policy.parse()?))
+    per_bot(value, "BOT=POLICY", "llm=reject")
 }
 
+/// `BOT=SCOPES`, as `--bot-scopes` takes it.
 fn parse_bot_scopes(value: &str) -> Result<(String, crate::bot::Scopes), String> {
-    let (bot, scopes) = value.split_once('=').ok_or_else(|| {
-        format!("`{value}` is not BOT=SCOPES (for example `counter-py=conversation`)")
-    })?;
+    per_bot(value, "BOT=SCOPES", "counter-py=conversation")
+}
+
+/// A per-bot setting's `BOT=VALUE` (`form`, as in `example`), its value parsed as a `T`.
+fn per_bot<T: std::str::FromStr<Err = String>>(
+    value: &str,
+    form: &str,
+    example: &str,
+) -> Result<(String, T), String> {
+    let (bot, setting) = value
+        .split_once('=')
+        .ok_or_else(|| format!("`{value}` is not {form} (for example `{example}`)"))?;
     let bot = bot.trim();
     if bot.is_empty() {
         return Err(format!("`{value}` names no bot"));
     }
-    Ok((bot.to_owned(), scopes.parse()?))
+    Ok((bot.to_owned(), setting.parse()?))
 }
 
 impl ServeArgs {
@@ -1134,17 +1137,26 @@ mod server_flags {
                 "one of: enqueue, reject, interrupt, coalesce",
             ),
         ] {
-            let err = Cli::try_parse_from(["turnstile", "--double-text", value])
-                .expect_err("refused")
-                .to_string();
+            let err = refused("--double-text", value);
             assert!(err.contains(says), "{value}: {err}");
         }
-        let cli = Cli::try_parse_from(["turnstile", "--double-text", "nobody=reject"])
-            .expect("valid arguments");
-        let err = crate::server::with_policies(cli.serve.bots(), &cli.serve.config())
-            .expect_err("an unknown bot is refused")
-            .to_string();
+        let err = refused_at_start("--double-text", "nobody=reject");
         assert!(err.contains("nobody"), "{err}");
+    }
+
+    /// Why the arguments `flag value` are refused.
+    fn refused(flag: &str, value: &str) -> String {
+        Cli::try_parse_from(["turnstile", flag, value])
+            .expect_err("refused")
+            .to_string()
+    }
+
+    /// Why a server started with `flag value` (parsed) refuses its bots.
+    fn refused_at_start(flag: &str, value: &str) -> String {
+        let cli = Cli::try_parse_from(["turnstile", flag, value]).expect("valid arguments");
+        crate::server::with_policies(cli.serve.bots(), &cli.serve.config())
+            .expect_err("an unknown bot is refused")
+            .to_string()
     }
 
     #[test]
@@ -1181,16 +1193,10 @@ mod server_flags {
             ("pizza", "is not BOT=SCOPES"),
             ("=conversation", "names no bot"),
         ] {
-            let err = Cli::try_parse_from(["turnstile", "--bot-scopes", value])
-                .expect_err("refused")
-                .to_string();
+            let err = refused("--bot-scopes", value);
             assert!(err.contains(says), "{value}: {err}");
         }
-        let cli = Cli::try_parse_from(["turnstile", "--bot-scopes", "nobody=conversation"])
-            .expect("valid arguments");
-        let err = crate::server::with_policies(cli.serve.bots(), &cli.serve.config())
-            .expect_err("an unknown bot is refused")
-            .to_string();
+        let err = refused_at_start("--bot-scopes", "nobody=conversation");
         assert!(
             err.contains("--bot-scopes") && err.contains("nobody"),
             "{err}"
