@@ -9,7 +9,8 @@
 #   CARD_STATES="256 8192 65536"              state sizes, in bytes: throughput and p99 against
 #                                             pgbench's naive SQL at 32 calls, both layouts
 #   CARD_CONVERSATIONS="10000 1000000 10000000"  conversations (256-byte states, created in the
-#                                             database), the service against pgbench at each
+#                                             database), the service against pgbench at each, and
+#                                             pgbench alone over the same rows
 #   CARD_LOADS="50 80 100"                    open-loop offered loads, % of the open loop's own maximum
 #                                             (k6 against the service, then pgbench alone)
 #   CARD_RECEIPTS="50000000"                  receipt backlogs to add, rows, after a run with none
