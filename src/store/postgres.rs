@@ -127,7 +127,7 @@ macro_rules! load_receipt {
     };
 }
 
-/// The keys [`LOAD`] and [`LOAD_HOLDING`] read, one by one: `$1[1]` to `$1[3]` (the conversation,
+/// The keys [`LOAD_HOLDING`] reads (and [`LOAD`], as a `VALUES` list), one by one: `$1[1]` to `$1[3]` (the conversation,
 /// user and private-conversation scopes of a turn; NULL past the array's end), so that
 /// PostgreSQL's estimate for them is the same with and without the values. Written as
 /// `key = ANY($1)` instead, the estimate of a generic plan assumes ten keys, a plan for the
@@ -145,20 +145,6 @@ macro_rules! tombstones_of_few {
         "SELECT 2::int2, v.k, NULL, t.version, NULL FROM (VALUES (($1::text[])[1]), (($1::text[])[2]), (($1::text[])[3])) AS v(k) \
            JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(v.k)"
     };
-    // The same with the keys' hashes given ([`key_hashes`]).
-    ($hashes:literal) => {
-        concat!(
-            "SELECT 2::int2, v.k, NULL, t.version, NULL FROM (VALUES \
-               (($1::text[])[1], (",
-            $hashes,
-            "::bytea[])[1]), (($1::text[])[2], (",
-            $hashes,
-            "::bytea[])[2]), (($1::text[])[3], (",
-            $hashes,
-            "::bytea[])[3])) AS v(k, h) \
-             JOIN turnstile_tombstone t ON t.key_hash = v.h"
-        )
-    };
 }
 
 /// The same for any number of keys.
@@ -172,13 +158,6 @@ macro_rules! tombstones_of_any {
         "SELECT 2::int2, k, NULL, t.version, NULL FROM unnest($1::text[]) AS k \
            JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k)"
     };
-    ($hashes:literal) => {
-        concat!(
-            "SELECT 2::int2, v.k, NULL, t.version, NULL FROM unnest($1::text[], ",
-            $hashes,
-            "::bytea[]) AS v(k, h) JOIN turnstile_tombstone t ON t.key_hash = v.h"
-        )
-    };
 }
 
 /// The start of a load's state rows, with their ages: the key condition follows.
@@ -189,25 +168,48 @@ macro_rules! state_rows_where_key {
     };
 }
 
-/// State rows with their ages (seconds since written, for expiry), the tombstones of those of
-/// them that are gone (`migrations/V4__erasure.sql`), and, when `$2` is not NULL, the receipt:
-/// one statement, so one snapshot. The first column says which: [`ROW`], [`RECEIPT`] or
-/// [`GONE`]. `$keys` says which keys (`$1`) are read and `$tombstones` how their tombstones are.
-macro_rules! load_text {
-    ($keys:expr, $tombstones:expr) => {
+/// Each key's state row with its age (seconds since written, for expiry), or, when it has none,
+/// its tombstone (`migrations/V4__erasure.sql`), if any: the first column says which, [`ROW`] or
+/// [`GONE`]. `$keys` is a `FROM` item of the keys, one column. Each key is looked up by a subquery
+/// of its own (`LATERAL … OFFSET 0`, which PostgreSQL cannot merge into a join): an index lookup
+/// per key, whatever the estimates, and none for a NULL (past the end of [`LOAD`]'s array).
+///
+/// A key's tombstone is looked for only when it has no row, the lookup gated by that (a one-time
+/// filter): most keys a turn loads exist, and a tombstone under a row is ignored anyway. So the
+/// hash the tombstones are stored by is computed only for keys without a row, here, written out
+/// as `turnstile_key_hash` computes it (`sha256(convert_to(…))`): a call of that SQL function is
+/// planned again at every execution.
+macro_rules! rows_or_tombstones {
+    ($keys:expr) => {
         concat!(
-            state_rows_where_key!(),
+            "SELECT (CASE WHEN s.version IS NULL THEN 2 ELSE 0 END)::int2, v.k, s.state, \
+                    coalesce(s.version, t.version), \
+                    extract(epoch FROM now() - s.updated_at)::float8 \
+               FROM ",
             $keys,
-            " UNION ALL ",
-            $tombstones,
-            " UNION ALL ",
-            load_receipt!()
+            " AS v(k) \
+               LEFT JOIN LATERAL (SELECT state, version, updated_at FROM turnstile_state \
+                                   WHERE key = v.k OFFSET 0) s ON true \
+               LEFT JOIN LATERAL (SELECT version FROM turnstile_tombstone \
+                                   WHERE s.version IS NULL \
+                                     AND key_hash = sha256(convert_to(v.k, 'UTF8')) \
+                                  OFFSET 0) t ON true \
+              WHERE v.k IS NOT NULL AND (s.version IS NOT NULL OR t.version IS NOT NULL)"
         )
     };
 }
 
-/// `load_text!` for a turn holding its conversation lock, which also locks the conversation's
-/// row (`$3`) against writes until the turn's transaction ends: another replica's optimistic
+/// The rows or tombstones of keys `$1` (`rows_or_tombstones!` of `$keys`) and, when `$2` is not
+/// NULL, the receipt: one statement, so one snapshot. The first column says which: [`ROW`],
+/// [`RECEIPT`] or [`GONE`].
+macro_rules! load_text {
+    ($keys:expr) => {
+        concat!(rows_or_tombstones!($keys), " UNION ALL ", load_receipt!())
+    };
+}
+
+/// The load of a turn holding its conversation lock, which also locks the conversation's row
+/// (`$3`) against writes until the turn's transaction ends: another replica's optimistic
 /// commit of that conversation waits, and then finds the version moved. So a turn holding the
 /// lock is not beaten by one that did not take it.
 macro_rules! load_holding_text {
@@ -228,52 +230,42 @@ macro_rules! load_holding_text {
     };
 }
 
-/// The load (`load_text!`) of up to [`FEW_KEYS`] keys; [`load_of`] chooses. `$3` holds the keys'
-/// hashes ([`key_hashes`]), by which their tombstones are found.
+/// The load (`load_text!`) of up to [`FEW_KEYS`] keys; [`load_of`] chooses.
 const LOAD: Sql = Sql {
-    text: load_text!(few_keys!(), tombstones_of_few!("$3")),
-    types: &[Type::TEXT_ARRAY, Type::TEXT, Type::BYTEA_ARRAY],
+    text: load_text!("(VALUES (($1::text[])[1]), (($1::text[])[2]), (($1::text[])[3]))"),
+    types: &[Type::TEXT_ARRAY, Type::TEXT],
     // On Citus a load goes shard by shard (`citus::load_by_shard`), not through this.
     on_citus: None,
 };
 /// [`LOAD`] for any number of keys.
 const LOAD_ANY: Sql = Sql {
-    text: load_text!(any_keys!(), tombstones_of_any!("$3")),
-    types: &[Type::TEXT_ARRAY, Type::TEXT, Type::BYTEA_ARRAY],
+    text: load_text!("unnest($1::text[])"),
+    types: &[Type::TEXT_ARRAY, Type::TEXT],
     on_citus: None,
 };
-/// The loads of many turns together ([`group_load`]): the rows of every key `$1` (each once), their
-/// tombstones by their hashes `$3` (in the same order), and the receipts `$2` — one statement, so
-/// one snapshot. Rows are told apart by key, as the plain load's are.
+/// The loads of many turns together ([`group_load`]): the rows or tombstones of every key `$1`
+/// (each once; `rows_or_tombstones!`), and the receipts `$2` — one statement, so one snapshot.
+/// Rows are told apart by key, as the plain load's are.
 ///
 /// The arrays are read through `jsonb_array_elements_text`, whose row estimate is fixed, never
 /// with `= ANY` or `unnest`, whose estimates follow the arrays' lengths: then a plan made for the
 /// values of a small batch is cheaper than the generic plan, and PostgreSQL plans the statement
 /// again at every execution, which cost more than the batch saved (`bench/RESULTS.md`). With a
-/// fixed estimate the generic plan is as cheap, and is kept. Each key's row and tombstone are
-/// read by a subquery of its own (`LATERAL … OFFSET 0`, which PostgreSQL cannot merge into a
-/// join): an index lookup per key, whatever the estimate. As a join, a small state table (or a
+/// fixed estimate the generic plan is as cheap, and is kept. As a join, a small state table (or a
 /// large tombstone table) was read whole by every batch, its hundred estimated keys hashed
 /// against it (`bench/RESULTS.md`).
 const LOAD_MANY: Sql = Sql {
-    text: "WITH v AS (SELECT * FROM ROWS FROM (jsonb_array_elements_text(to_jsonb($1::text[])), \
-                                             unnest($3::bytea[])) AS v(k, h)) \
-           SELECT 0::int2, s.key, s.state, s.version, \
-                  extract(epoch FROM now() - s.updated_at)::float8 \
-             FROM v JOIN LATERAL (SELECT key, state, version, updated_at FROM turnstile_state \
-                                   WHERE key = v.k OFFSET 0) s ON true \
-           UNION ALL \
-           SELECT 2::int2, v.k, NULL, t.version, NULL \
-             FROM v JOIN LATERAL (SELECT version FROM turnstile_tombstone \
-                                   WHERE key_hash = v.h OFFSET 0) t ON true \
-           UNION ALL \
-           SELECT 1::int2, x.key, x.payload, 0, NULL \
-             FROM jsonb_array_elements_text(to_jsonb($2::text[])) AS r(key) \
-             JOIN LATERAL (SELECT key, payload FROM turnstile_receipt WHERE key = r.key \
-                           UNION ALL \
-                           SELECT key, payload FROM turnstile_receipt_legacy WHERE key = r.key) x \
-               ON true",
-    types: &[Type::TEXT_ARRAY, Type::TEXT_ARRAY, Type::BYTEA_ARRAY],
+    text: concat!(
+        rows_or_tombstones!("jsonb_array_elements_text(to_jsonb($1::text[]))"),
+        " UNION ALL \
+         SELECT 1::int2, x.key, x.payload, 0, NULL \
+           FROM jsonb_array_elements_text(to_jsonb($2::text[])) AS r(key) \
+           JOIN LATERAL (SELECT key, payload FROM turnstile_receipt WHERE key = r.key \
+                         UNION ALL \
+                         SELECT key, payload FROM turnstile_receipt_legacy WHERE key = r.key) x \
+             ON true"
+    ),
+    types: &[Type::TEXT_ARRAY, Type::TEXT_ARRAY],
     on_citus: None,
 };
 /// The load of a turn holding its conversation lock (`load_holding_text!`), up to [`FEW_KEYS`].
@@ -299,19 +291,8 @@ fn load_of(keys: usize, holding: bool) -> &'static Sql {
         (false, true) => &LOAD_HOLDING_ANY,
     }
 }
-/// The hashes of `keys` by which their tombstones are stored: `turnstile_key_hash`
-/// (`migrations/V4__erasure.sql`), the SHA-256 of the key's UTF-8 text, computed here. In
-/// PostgreSQL the function is planned again at every load that calls it (it cannot be inlined,
-/// as `convert_to` is not immutable): with three keys, a third of what a load of a conversation
-/// not in the state cache cost the database (`bench/RESULTS.md`).
-fn key_hashes(keys: &[&str]) -> Vec<ring::digest::Digest> {
-    keys.iter()
-        .map(|key| ring::digest::digest(&ring::digest::SHA256, key.as_bytes()))
-        .collect()
-}
-
-/// Runs a load statement that takes `keys` (`$1`), `receipts` (`$2`: one receipt key or an array
-/// of them) and the keys' hashes (`$3`): [`LOAD`], [`LOAD_ANY`] or [`LOAD_MANY`].
+/// Runs a load statement that takes `keys` (`$1`) and `receipts` (`$2`: one receipt key or an
+/// array of them): [`LOAD`], [`LOAD_ANY`] or [`LOAD_MANY`].
 async fn load_by_keys(
     sql: &Sql,
     client: &deadpool_postgres::ClientWrapper,
@@ -319,9 +300,7 @@ async fn load_by_keys(
     keys: &[&str],
     receipts: &(dyn ToSql + Sync),
 ) -> Result<Vec<Row>, tokio_postgres::Error> {
-    let hashes = key_hashes(keys);
-    let hashes: Vec<&[u8]> = hashes.iter().map(AsRef::as_ref).collect();
-    sql.query(client, via, &[&keys, receipts, &hashes]).await
+    sql.query(client, via, &[&keys, receipts]).await
 }
 /// What a row of [`LOAD`] is: a state row.
 const ROW: i16 = 0;
@@ -1851,24 +1830,6 @@ mod tests {
     use std::str::FromStr as _;
 
     use super::*;
-
-    /// The hash a load looks a tombstone up by is the one `turnstile_key_hash` stored it under,
-    /// for a key beyond ASCII too (the expected value is PostgreSQL's own, `SELECT
-    /// encode(turnstile_key_hash('…'), 'hex')`; the store's erasure conformance tests check the
-    /// two meet in the database).
-    #[test]
-    fn key_hashes_are_turnstile_key_hash() {
-        let hashes = key_hashes(&["bot/msteams/users/29:Zoë-日本"]);
-        let hex: String = hashes[0]
-            .as_ref()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        assert_eq!(
-            hex,
-            "18daf3fb083d695890d8d2059d6523859f454518b0001b1f15b24b1aa3e8dd3e"
-        );
-    }
 
     #[test]
     fn connection_states_are_unavailability_and_others_are_not() {

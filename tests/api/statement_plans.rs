@@ -127,13 +127,19 @@ async fn loads_read_together_are_planned_once_per_connection() {
 /// `callers` callers at once, each sending `turns` first turns of conversations of its own, one
 /// after another: loads of turns that arrive together, read in small batches.
 async fn first_turns_at_once(app: &TestApp, callers: usize, turns: usize) {
+    turns_at_once(app, callers, turns, "count: 1").await;
+}
+
+/// The same, each turn answered `expected`: the conversations' next turns, to a replica that has
+/// not cached them, read the rows the first turns wrote.
+async fn turns_at_once(app: &TestApp, callers: usize, turns: usize, expected: &'static str) {
     let callers: Vec<_> = (0..callers)
         .map(|caller| {
             let mut client = app.client.clone();
             tokio::spawn(async move {
                 for n in 0..turns {
                     let reply = say(&mut client, &format!("together-{caller}-{n}"), "one").await;
-                    assert_eq!(support::texts(&reply), ["count: 1"]);
+                    assert_eq!(support::texts(&reply), [expected]);
                 }
             })
         })
@@ -146,15 +152,87 @@ async fn first_turns_at_once(app: &TestApp, callers: usize, turns: usize) {
 /// Scans of the state table so far, sequential and by index, as PostgreSQL's statistics have
 /// them.
 async fn state_scans(admin: &tokio_postgres::Client) -> (i64, i64) {
+    scans_of(admin, "turnstile_state").await
+}
+
+/// Scans of `table` so far, sequential and by index.
+async fn scans_of(admin: &tokio_postgres::Client, table: &str) -> (i64, i64) {
     let row = admin
         .query_one(
             "SELECT coalesce(seq_scan, 0), coalesce(idx_scan, 0) FROM pg_stat_user_tables \
-              WHERE relname = 'turnstile_state'",
-            &[],
+              WHERE relname = $1",
+            &[&table],
         )
         .await
         .unwrap();
     (row.get(0), row.get(1))
+}
+
+/// The text of the load that goes alone ([`first_turns_at_once`] reads most together): its keys
+/// in a `VALUES` list (`pg_stat_statements` shows the subscripts as parameters).
+const ALONE: &str = "FROM (VALUES (($1::text[])";
+
+/// Index scans of the tombstone table, once PostgreSQL's statistics have settled: backends
+/// report their counts when idle, a second or more later, and when they exit.
+async fn settled_tombstone_lookups(admin: &tokio_postgres::Client) -> i64 {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut last = scans_of(admin, "turnstile_tombstone").await.1;
+    loop {
+        tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+        let now = scans_of(admin, "turnstile_tombstone").await.1;
+        if now == last {
+            return now;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the statistics never settled"
+        );
+        last = now;
+    }
+}
+
+/// A load looks for a key's erasure tombstone only when the key has no row: most keys a turn loads
+/// exist, and a tombstone under a row is ignored. The first turns of conversations look (their
+/// rows do not exist yet); their next turns, to a replica that has not cached them, read the rows
+/// and never look up the tombstone table, alone or read together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_looks_for_tombstones_only_of_keys_without_a_row() {
+    let (app, admin, _cluster) = counted_app(false).await;
+    const CALLERS: usize = 4;
+    const TURNS: usize = 50;
+    // counted_app's rows were inserted past the tombstones' trigger, which looks each one up.
+    let before = settled_tombstone_lookups(&admin).await;
+    first_turns_at_once(&app, CALLERS, TURNS).await;
+    let replica = app.replica(BotRegistry::new("counter", CounterBot)).await;
+    app.stop().await.unwrap();
+    let first = settled_tombstone_lookups(&admin).await;
+    // Counted, and by index: the first turns' keys had no rows.
+    assert!(
+        first > before,
+        "no tombstone lookup counted for the first turns"
+    );
+
+    let (alone_before, _) = calls_and_plans(&admin, &[ALONE]).await;
+    let (together_before, _) = calls_and_plans(&admin, &["jsonb_array_elements_text"]).await;
+    turns_at_once(&replica, CALLERS, TURNS, "count: 2").await;
+    replica.stop().await.unwrap();
+    let next = settled_tombstone_lookups(&admin).await;
+    assert_eq!(
+        next - first,
+        0,
+        "{} tombstone lookups for {} loads of keys with rows",
+        next - first,
+        CALLERS * TURNS
+    );
+    // Both kinds of load ran: alone and read together.
+    let (alone, _) = calls_and_plans(&admin, &[ALONE]).await;
+    let (together, _) = calls_and_plans(&admin, &["jsonb_array_elements_text"]).await;
+    assert!(
+        alone > alone_before && together > together_before,
+        "loads alone {}, together {}",
+        alone - alone_before,
+        together - together_before
+    );
 }
 
 /// Loads read together look each row up by the key's index, however small the table: as a
