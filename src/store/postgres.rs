@@ -140,23 +140,38 @@ macro_rules! few_keys {
         "IN (($1::text[])[1], ($1::text[])[2], ($1::text[])[3])"
     };
 }
-macro_rules! tombstones_of_few {
-    () => {
-        "SELECT 2::int2, v.k, NULL, t.version, NULL FROM (VALUES (($1::text[])[1]), (($1::text[])[2]), (($1::text[])[3])) AS v(k) \
-           JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(v.k)"
-    };
-}
-
 /// The same for any number of keys.
 macro_rules! any_keys {
     () => {
         "= ANY($1)"
     };
 }
-macro_rules! tombstones_of_any {
+/// The tombstones (`migrations/V4__erasure.sql`) of those of the keys in `$keys` (a `FROM` item,
+/// one column) that have no row, each looked up only when its key has none (`key_hash!`): a load
+/// that reads its rows in another part of its statement.
+macro_rules! tombstones_of_absent {
+    ($keys:expr) => {
+        concat!(
+            "SELECT 2::int2, v.k, NULL, t.version, NULL FROM ",
+            $keys,
+            " AS v(k) \
+               JOIN LATERAL (SELECT version FROM turnstile_tombstone \
+                              WHERE NOT EXISTS (SELECT FROM turnstile_state WHERE key = v.k) \
+                                AND key_hash = ",
+            key_hash!(),
+            " OFFSET 0) t ON true \
+              WHERE v.k IS NOT NULL"
+        )
+    };
+}
+
+/// The hash key `v.k`'s tombstone is stored by, written out as `turnstile_key_hash` computes it
+/// (`migrations/V4__erasure.sql`): a call of that SQL function is planned again at every execution.
+/// In a query, the lookup it serves is gated by the key's having no row (a one-time filter), so
+/// that it is computed for those keys alone.
+macro_rules! key_hash {
     () => {
-        "SELECT 2::int2, k, NULL, t.version, NULL FROM unnest($1::text[]) AS k \
-           JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k)"
+        "sha256(convert_to(v.k, 'UTF8'))"
     };
 }
 
@@ -175,10 +190,8 @@ macro_rules! state_rows_where_key {
 /// per key, whatever the estimates, and none for a NULL (past the end of [`LOAD`]'s array).
 ///
 /// A key's tombstone is looked for only when it has no row, the lookup gated by that (a one-time
-/// filter): most keys a turn loads exist, and a tombstone under a row is ignored anyway. So the
-/// hash the tombstones are stored by is computed only for keys without a row, here, written out
-/// as `turnstile_key_hash` computes it (`sha256(convert_to(…))`): a call of that SQL function is
-/// planned again at every execution.
+/// filter, `key_hash!`): most keys a turn loads exist, and a tombstone under a row is ignored
+/// anyway.
 macro_rules! rows_or_tombstones {
     ($keys:expr) => {
         concat!(
@@ -192,8 +205,9 @@ macro_rules! rows_or_tombstones {
                                    WHERE key = v.k OFFSET 0) s ON true \
                LEFT JOIN LATERAL (SELECT version FROM turnstile_tombstone \
                                    WHERE s.version IS NULL \
-                                     AND key_hash = sha256(convert_to(v.k, 'UTF8')) \
-                                  OFFSET 0) t ON true \
+                                     AND key_hash = ",
+            key_hash!(),
+            " OFFSET 0) t ON true \
               WHERE v.k IS NOT NULL AND (s.version IS NOT NULL OR t.version IS NOT NULL)"
         )
     };
@@ -270,13 +284,16 @@ const LOAD_MANY: Sql = Sql {
 };
 /// The load of a turn holding its conversation lock (`load_holding_text!`), up to [`FEW_KEYS`].
 const LOAD_HOLDING: Sql = Sql {
-    text: load_holding_text!(few_keys!(), tombstones_of_few!()),
+    text: load_holding_text!(
+        few_keys!(),
+        tombstones_of_absent!("(VALUES (($1::text[])[1]), (($1::text[])[2]), (($1::text[])[3]))")
+    ),
     types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
     on_citus: Some(&citus::LOAD_HOLDING),
 };
 /// [`LOAD_HOLDING`] for any number of keys.
 const LOAD_HOLDING_ANY: Sql = Sql {
-    text: load_holding_text!(any_keys!(), tombstones_of_any!()),
+    text: load_holding_text!(any_keys!(), tombstones_of_absent!("unnest($1::text[])")),
     types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
     on_citus: Some(&citus::LOAD_HOLDING),
 };

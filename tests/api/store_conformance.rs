@@ -14,7 +14,8 @@ use turnstile::state::StateKey;
 use turnstile::store::memory::MemoryStore;
 use turnstile::store::postgres::{self, DatabaseUrl, PostgresStore, Statements};
 use turnstile::store::{
-    Commit, CommitOutcome, Erasure, Expected, KeyChange, Receipt, Store, Version, Versions,
+    Commit, CommitOutcome, ConversationLock, Erasure, Expected, KeyChange, Receipt, Store, Version,
+    Versions,
 };
 
 fn conversation(id: &str) -> StateKey {
@@ -782,6 +783,22 @@ async fn erasure(store: Arc<dyn Store>) {
     // The replay finds it gone at 3, and creates it at 4: above every version a turn saw.
     let snapshot = store.load(std::slice::from_ref(&ann), None).await.unwrap();
     assert_eq!(snapshot.precondition(&ann), Expected::Gone(Version::new(3)));
+    // So does a turn loading under its conversation's lock (a store serving one replica needs
+    // none), beside a key that has its row.
+    let under_lock = [c1.clone(), ann.clone()];
+    let wait = std::time::Duration::from_secs(5);
+    match store.lock_conversation(&c1, &under_lock, None, wait).await {
+        Ok(ConversationLock::Held { snapshot, turn }) => {
+            assert_eq!(snapshot.precondition(&ann), Expected::Gone(Version::new(3)));
+            assert_eq!(
+                snapshot.precondition(&c1),
+                Expected::Version(Version::FIRST)
+            );
+            turn.release().await;
+        }
+        Ok(ConversationLock::NotNeeded) => {}
+        other => panic!("the conversation's lock: {other:?}"),
+    }
     let versions = committed(
         commit(
             store,
