@@ -84,6 +84,16 @@ macro_rules! sweep_answer {
     };
 }
 
+/// The hash by which the tombstone of the key that SQL expression `$key` gives is stored
+/// (`migrations/V4__erasure.sql`), written out as `turnstile_key_hash` computes it. A call of that
+/// SQL function costs PostgreSQL a plan of its body at every execution of the statement: a lookup
+/// of a tombstone by it took 119 µs a round trip against 82 written out (`bench/RESULTS.md`).
+macro_rules! key_hash {
+    ($key:literal) => {
+        concat!("sha256(convert_to(", $key, ", 'UTF8'))")
+    };
+}
+
 mod batch_failure;
 mod citus;
 mod diagnose;
@@ -140,15 +150,18 @@ macro_rules! few_keys {
         "IN (($1::text[])[1], ($1::text[])[2], ($1::text[])[3])"
     };
 }
+
 /// The same for any number of keys.
 macro_rules! any_keys {
     () => {
         "= ANY($1)"
     };
 }
+
 /// The tombstones (`migrations/V4__erasure.sql`) of those of the keys in `$keys` (a `FROM` item,
-/// one column) that have no row, each looked up only when its key has none (`key_hash!`): a load
-/// that reads its rows in another part of its statement.
+/// one column) that have no row, each looked up (and its key hashed, `key_hash!`) only when an
+/// index-only probe finds no row (a one-time filter): for a load that reads its rows in another
+/// part of its statement.
 macro_rules! tombstones_of_absent {
     ($keys:expr) => {
         concat!(
@@ -158,20 +171,10 @@ macro_rules! tombstones_of_absent {
                JOIN LATERAL (SELECT version FROM turnstile_tombstone \
                               WHERE NOT EXISTS (SELECT FROM turnstile_state WHERE key = v.k) \
                                 AND key_hash = ",
-            key_hash!(),
+            key_hash!("v.k"),
             " OFFSET 0) t ON true \
               WHERE v.k IS NOT NULL"
         )
-    };
-}
-
-/// The hash key `v.k`'s tombstone is stored by, written out as `turnstile_key_hash` computes it
-/// (`migrations/V4__erasure.sql`): a call of that SQL function is planned again at every execution.
-/// In a query, the lookup it serves is gated by the key's having no row (a one-time filter), so
-/// that it is computed for those keys alone.
-macro_rules! key_hash {
-    () => {
-        "sha256(convert_to(v.k, 'UTF8'))"
     };
 }
 
@@ -189,9 +192,9 @@ macro_rules! state_rows_where_key {
 /// of its own (`LATERAL … OFFSET 0`, which PostgreSQL cannot merge into a join): an index lookup
 /// per key, whatever the estimates, and none for a NULL (past the end of [`LOAD`]'s array).
 ///
-/// A key's tombstone is looked for only when it has no row, the lookup gated by that (a one-time
-/// filter, `key_hash!`): most keys a turn loads exist, and a tombstone under a row is ignored
-/// anyway.
+/// A key's tombstone is looked for (and its key hashed, `key_hash!`) only when it has no row, the
+/// lookup gated by that (a one-time filter): most keys a turn loads exist, and a tombstone under a
+/// row is ignored anyway.
 macro_rules! rows_or_tombstones {
     ($keys:expr) => {
         concat!(
@@ -206,7 +209,7 @@ macro_rules! rows_or_tombstones {
                LEFT JOIN LATERAL (SELECT version FROM turnstile_tombstone \
                                    WHERE s.version IS NULL \
                                      AND key_hash = ",
-            key_hash!(),
+            key_hash!("v.k"),
             " OFFSET 0) t ON true \
               WHERE v.k IS NOT NULL AND (s.version IS NOT NULL OR t.version IS NOT NULL)"
         )

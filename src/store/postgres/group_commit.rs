@@ -70,7 +70,7 @@ const MAX_BATCH: usize = 64;
 /// exists already (the same activity committed meanwhile) is a unique violation, which undoes the
 /// write with it (`migrations/V5__receipt_slots.sql`).
 macro_rules! write_one {
-    ($write:literal, $receipt_key:literal, $receipt:literal) => {
+    ($write:expr, $receipt_key:literal, $receipt:literal) => {
         concat!(
             "WITH written AS (",
             $write,
@@ -103,10 +103,14 @@ const UPDATE_ONE: Sql = Sql {
 /// appeared, or was deleted again, meanwhile.
 const CREATE_ONE: Sql = Sql {
     text: write_one!(
-        "INSERT INTO turnstile_state (key, state, version) SELECT $1, $2, -$5::int8 \
-          WHERE coalesce((SELECT t.version FROM turnstile_tombstone t \
-                           WHERE t.key_hash = turnstile_key_hash($1)), 0) = -$5::int8 - 1 \
-         ON CONFLICT (key) DO NOTHING RETURNING version",
+        concat!(
+            "INSERT INTO turnstile_state (key, state, version) SELECT $1, $2, -$5::int8 \
+              WHERE coalesce((SELECT t.version FROM turnstile_tombstone t \
+                               WHERE t.key_hash = ",
+            key_hash!("$1"),
+            "), 0) = -$5::int8 - 1 \
+             ON CONFLICT (key) DO NOTHING RETURNING version"
+        ),
         "$3",
         "$4"
     ),
@@ -128,7 +132,8 @@ const WRITE_MANY: Sql = Sql {
     ],
     on_citus: None,
 };
-const WRITE_MANY_TEXT: &str = "\
+const WRITE_MANY_TEXT: &str = concat!(
+    "\
 WITH input AS ( \
   SELECT * FROM unnest($1::text[], $2::jsonb[], $3::int8[], $4::text[], $5::jsonb[]) \
     WITH ORDINALITY AS i(key, state, expected, receipt_key, receipt, ord) \
@@ -140,7 +145,9 @@ WITH input AS ( \
   INSERT INTO turnstile_state (key, state, version) \
   SELECT key, state, -expected FROM input i WHERE expected < 0 \
      AND coalesce((SELECT t.version FROM turnstile_tombstone t \
-                    WHERE t.key_hash = turnstile_key_hash(i.key)), 0) = -expected - 1 \
+                    WHERE t.key_hash = ",
+    key_hash!("i.key"),
+    "), 0) = -expected - 1 \
    ORDER BY key \
   ON CONFLICT (key) DO NOTHING RETURNING key, version \
 ), written AS ( \
@@ -153,7 +160,8 @@ WITH input AS ( \
     FROM written w JOIN input i USING (ord) \
    WHERE i.receipt_key IS NOT NULL \
 ) \
-SELECT ord, version FROM written";
+SELECT ord, version FROM written"
+);
 
 /// A commit that writes one key, and the turn's receipt if it has one: the common commit.
 #[derive(Debug)]

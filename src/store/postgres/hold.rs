@@ -83,12 +83,15 @@ const MAX_PAUSE: Duration = Duration::from_millis(250);
 /// the key's tombstone if a deletion left one (`migrations/V4__erasure.sql`): a holder of the
 /// deleted row's fence can never match it.
 const TAKE: Sql = Sql {
-    text: "WITH taken AS ( \
+    text: concat!(
+        "WITH taken AS ( \
              INSERT INTO turnstile_state AS s (key, state, version) \
              VALUES ($1, jsonb_build_object('holder', $2::text, 'activity', $4::text, \
                      'until', extract(epoch FROM clock_timestamp()) + $3::float8), \
                      coalesce((SELECT t.version FROM turnstile_tombstone t \
-                                WHERE t.key_hash = turnstile_key_hash($1)), 0) + 1) \
+                                WHERE t.key_hash = ",
+        key_hash!("$1"),
+        "), 0) + 1) \
              ON CONFLICT (key) DO UPDATE \
                 SET state = excluded.state || jsonb_build_object( \
                       'superseded', coalesce(s.state->'superseded', '[]'), \
@@ -120,7 +123,8 @@ const TAKE: Sql = Sql {
              FROM taken \
            UNION ALL \
            SELECT NULL::bigint, state->>'activity', NULL::jsonb, NULL::jsonb FROM turnstile_state \
-            WHERE key = $1 AND NOT EXISTS (SELECT 1 FROM taken)",
+            WHERE key = $1 AND NOT EXISTS (SELECT 1 FROM taken)"
+    ),
     types: &[
         Type::TEXT,
         Type::TEXT,
@@ -224,15 +228,19 @@ const INTERRUPT: Sql = Sql {
 /// Adds `$2` (receipt key `$3`) to the activities of hold `$1` waiting to be answered together,
 /// unless it is there; the hold itself (its holder, time and fence) is left as it is.
 const ADD_PENDING: Sql = Sql {
-    text: "INSERT INTO turnstile_state AS s (key, state, version) \
+    text: concat!(
+        "INSERT INTO turnstile_state AS s (key, state, version) \
            VALUES ($1, jsonb_build_object('until', 0, 'pending', jsonb_build_array($2::jsonb)), \
                    coalesce((SELECT t.version FROM turnstile_tombstone t \
-                              WHERE t.key_hash = turnstile_key_hash($1)), 0) + 1) \
+                              WHERE t.key_hash = ",
+        key_hash!("$1"),
+        "), 0) + 1) \
            ON CONFLICT (key) DO UPDATE \
               SET state = jsonb_set(s.state, '{pending}', \
                   coalesce(s.state->'pending', '[]') || jsonb_build_array($2::jsonb)) \
             WHERE NOT coalesce(s.state->'pending', '[]') \
-                      @> jsonb_build_array(jsonb_build_object('receipt', $3::text))",
+                      @> jsonb_build_array(jsonb_build_object('receipt', $3::text))"
+    ),
     types: &[Type::TEXT, Type::JSONB, Type::TEXT],
     on_citus: Some(&ADD_PENDING_ON_CITUS),
 };
