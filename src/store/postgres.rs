@@ -94,6 +94,18 @@ macro_rules! key_hash {
     };
 }
 
+/// The version of the tombstone of the key SQL expression `$key` gives, 0 when it has none: the
+/// version a key is created above (`migrations/V4__erasure.sql`).
+macro_rules! tombstone_version {
+    ($key:literal) => {
+        concat!(
+            "coalesce((SELECT t.version FROM turnstile_tombstone t WHERE t.key_hash = ",
+            key_hash!($key),
+            "), 0)"
+        )
+    };
+}
+
 mod batch_failure;
 mod citus;
 mod diagnose;
@@ -137,7 +149,7 @@ macro_rules! load_receipt {
     };
 }
 
-/// The keys [`LOAD_HOLDING`] reads (and [`LOAD`], as a `VALUES` list), one by one: `$1[1]` to `$1[3]` (the conversation,
+/// The keys [`LOAD`] and [`LOAD_HOLDING`] read, one by one: `$1[1]` to `$1[3]` (the conversation,
 /// user and private-conversation scopes of a turn; NULL past the array's end), so that
 /// PostgreSQL's estimate for them is the same with and without the values. Written as
 /// `key = ANY($1)` instead, the estimate of a generic plan assumes ten keys, a plan for the
@@ -148,6 +160,12 @@ const FEW_KEYS: usize = 3;
 macro_rules! few_keys {
     () => {
         "IN (($1::text[])[1], ($1::text[])[2], ($1::text[])[3])"
+    };
+}
+/// The same keys as a `FROM` item of one column.
+macro_rules! few_key_rows {
+    () => {
+        "(VALUES (($1::text[])[1]), (($1::text[])[2]), (($1::text[])[3]))"
     };
 }
 
@@ -249,7 +267,7 @@ macro_rules! load_holding_text {
 
 /// The load (`load_text!`) of up to [`FEW_KEYS`] keys; [`load_of`] chooses.
 const LOAD: Sql = Sql {
-    text: load_text!("(VALUES (($1::text[])[1]), (($1::text[])[2]), (($1::text[])[3]))"),
+    text: load_text!(few_key_rows!()),
     types: &[Type::TEXT_ARRAY, Type::TEXT],
     // On Citus a load goes shard by shard (`citus::load_by_shard`), not through this.
     on_citus: None,
@@ -287,10 +305,7 @@ const LOAD_MANY: Sql = Sql {
 };
 /// The load of a turn holding its conversation lock (`load_holding_text!`), up to [`FEW_KEYS`].
 const LOAD_HOLDING: Sql = Sql {
-    text: load_holding_text!(
-        few_keys!(),
-        tombstones_of_absent!("(VALUES (($1::text[])[1]), (($1::text[])[2]), (($1::text[])[3]))")
-    ),
+    text: load_holding_text!(few_keys!(), tombstones_of_absent!(few_key_rows!())),
     types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
     on_citus: Some(&citus::LOAD_HOLDING),
 };

@@ -105,10 +105,9 @@ const CREATE_ONE: Sql = Sql {
     text: write_one!(
         concat!(
             "INSERT INTO turnstile_state (key, state, version) SELECT $1, $2, -$5::int8 \
-              WHERE coalesce((SELECT t.version FROM turnstile_tombstone t \
-                               WHERE t.key_hash = ",
-            key_hash!("$1"),
-            "), 0) = -$5::int8 - 1 \
+              WHERE ",
+            tombstone_version!("$1"),
+            " = -$5::int8 - 1 \
              ON CONFLICT (key) DO NOTHING RETURNING version"
         ),
         "$3",
@@ -144,10 +143,9 @@ WITH input AS ( \
 ), created AS ( \
   INSERT INTO turnstile_state (key, state, version) \
   SELECT key, state, -expected FROM input i WHERE expected < 0 \
-     AND coalesce((SELECT t.version FROM turnstile_tombstone t \
-                    WHERE t.key_hash = ",
-    key_hash!("i.key"),
-    "), 0) = -expected - 1 \
+     AND ",
+    tombstone_version!("i.key"),
+    " = -expected - 1 \
    ORDER BY key \
   ON CONFLICT (key) DO NOTHING RETURNING key, version \
 ), written AS ( \

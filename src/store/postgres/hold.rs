@@ -88,10 +88,9 @@ const TAKE: Sql = Sql {
              INSERT INTO turnstile_state AS s (key, state, version) \
              VALUES ($1, jsonb_build_object('holder', $2::text, 'activity', $4::text, \
                      'until', extract(epoch FROM clock_timestamp()) + $3::float8), \
-                     coalesce((SELECT t.version FROM turnstile_tombstone t \
-                                WHERE t.key_hash = ",
-        key_hash!("$1"),
-        "), 0) + 1) \
+                     ",
+        tombstone_version!("$1"),
+        " + 1) \
              ON CONFLICT (key) DO UPDATE \
                 SET state = excluded.state || jsonb_build_object( \
                       'superseded', coalesce(s.state->'superseded', '[]'), \
@@ -231,10 +230,9 @@ const ADD_PENDING: Sql = Sql {
     text: concat!(
         "INSERT INTO turnstile_state AS s (key, state, version) \
            VALUES ($1, jsonb_build_object('until', 0, 'pending', jsonb_build_array($2::jsonb)), \
-                   coalesce((SELECT t.version FROM turnstile_tombstone t \
-                              WHERE t.key_hash = ",
-        key_hash!("$1"),
-        "), 0) + 1) \
+                   ",
+        tombstone_version!("$1"),
+        " + 1) \
            ON CONFLICT (key) DO UPDATE \
               SET state = jsonb_set(s.state, '{pending}', \
                   coalesce(s.state->'pending', '[]') || jsonb_build_array($2::jsonb)) \
