@@ -217,18 +217,6 @@ async fn serialized_slow_turns_on_many_conversations_all_run_at_once_on_a_small_
         .config(|c| with_pool(c, 4))
         .spawn()
         .await;
-    // The server migrates its fresh database before it serves (its port, bound by the harness,
-    // takes connections meanwhile): the turns start once it answers, so that the migration's
-    // transaction, which can take most of a second, is not taken for one held by a turn.
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", app.addr))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    tonic_health::pb::health_client::HealthClient::new(channel)
-        .check(tonic_health::pb::HealthCheckRequest::default())
-        .await
-        .unwrap();
     let started = std::time::Instant::now();
     let turns: Vec<_> = (0..CONVERSATIONS)
         .map(|i| {

@@ -69,12 +69,23 @@ impl TestServer {
         TestServer::start(config, bots).await
     }
 
-    /// A new client connection to this server.
+    /// A new client connection to this server, once the server answers calls: the port is bound
+    /// here, before `serve` has migrated its database, and takes connections meanwhile. A test
+    /// that timed its turns from then would count the migration in them.
     pub async fn client(&self) -> TurnServiceClient<Channel> {
         let endpoint = format!("http://{}", self.addr);
         for _ in 0..100 {
-            if let Ok(client) = TurnServiceClient::connect(endpoint.clone()).await {
-                return client;
+            let connected = tonic::transport::Endpoint::from_shared(endpoint.clone())
+                .expect("a valid endpoint")
+                .connect()
+                .await;
+            if let Ok(channel) = connected {
+                // Any answer will do (a server waiting for its schema answers NOT_SERVING), and
+                // so does an error: a server that failed to start fails the test's calls.
+                let _ = tonic_health::pb::health_client::HealthClient::new(channel.clone())
+                    .check(tonic_health::pb::HealthCheckRequest::default())
+                    .await;
+                return TurnServiceClient::new(channel);
             }
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
