@@ -513,8 +513,9 @@ const OLD_TOMBSTONES: Sql = Sql {
 const COMMIT_CONFLICT: &str = "TS409";
 
 /// Serializes `migrate` across replicas that start together: an arbitrary, fixed advisory lock id
-/// ("turnstil" in ASCII).
-const MIGRATION_LOCK: i64 = 0x7475_726e_7374_696c;
+/// ("turnstil" in ASCII), which `pg_locks` shows as `objid` 1953723764 (its low half) while a
+/// migration runs.
+pub const MIGRATION_LOCK: i64 = 0x7475_726e_7374_696c;
 
 /// How long a turn waits for a pooled connection, or for a new one to be established, before the
 /// store counts as unavailable.
@@ -644,6 +645,16 @@ pub enum DatabaseError {
         /// The driver's error.
         #[source]
         source: tokio_postgres::Error,
+    },
+    /// Another session held the migration lock all the while this one was willing to wait:
+    /// its migration stalled, or it holds the lock for something else.
+    #[error(
+        "another session held the migration lock (advisory lock {MIGRATION_LOCK}) for {waited:?}: \
+         its migration has stalled; `pg_locks` names the session"
+    )]
+    MigrationLockHeld {
+        /// How long this one waited.
+        waited: Duration,
     },
     /// A migration failed.
     #[error("applying the database migrations failed")]
@@ -808,6 +819,12 @@ const MIGRATION_LOCK_WAIT: Duration = Duration::from_millis(200);
 /// The pause between two attempts, and how many there are: about two minutes in all.
 const MIGRATION_RETRY_PAUSE: Duration = Duration::from_millis(300);
 const MIGRATION_ATTEMPTS: u32 = 240;
+/// How long a replica waits for another replica's migration ([`take_migration_lock`]): the
+/// other's own lock waits last about two minutes at most ([`MIGRATION_ATTEMPTS`]), and its
+/// statements their `statement_timeout` each. A holder past this has stalled.
+const MIGRATION_LOCK_PATIENCE: Duration = Duration::from_secs(300);
+/// How often a replica waiting for another's migration asks for the migration lock again.
+const MIGRATION_LOCK_POLL: Duration = Duration::from_millis(250);
 
 /// Applies the migrations on `client`'s session, under the migration lock.
 ///
@@ -823,16 +840,14 @@ async fn migrate_on(
     schema: &Schema,
     layout: CitusLayout,
 ) -> Result<(usize, Citus), DatabaseError> {
-    client
-        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
-        .await
-        .map_err(|source| DatabaseError::Session {
-            doing: "taking the migration lock",
-            source,
-        })?;
+    take_migration_lock(client).await?;
+    // The statement timeout bounds a turn's statements, not a migration's: a migration's DDL
+    // (V2's 1,024 lock tables; distributing the tables on Citus) runs for seconds on a busy
+    // database, and each attempt is undone whole. Its waits for the serving replicas' locks are
+    // what must stay short, and `lock_timeout` keeps them so.
     client
         .batch_execute(&format!(
-            "SET lock_timeout = {}",
+            "SET statement_timeout = 0; SET lock_timeout = {}",
             MIGRATION_LOCK_WAIT.as_millis()
         ))
         .await
@@ -855,6 +870,42 @@ async fn migrate_on(
             }
             applied => break applied,
         }
+    }
+}
+
+/// Takes the migration lock on `client`'s session, waiting while another replica's migration
+/// holds it, up to [`MIGRATION_LOCK_PATIENCE`].
+///
+/// Replicas started together on a fresh database all migrate, one after another. Waiting by
+/// `pg_advisory_lock` would wait within the session's `statement_timeout`, and a migration takes
+/// longer than that where tables are distributed (Citus) or the database is busy: the waiting
+/// replica stopped with "canceling statement due to statement timeout". So it asks, and asks
+/// again, each question a statement of its own.
+async fn take_migration_lock(client: &tokio_postgres::Client) -> Result<(), DatabaseError> {
+    let started = std::time::Instant::now();
+    let mut told = false;
+    loop {
+        let taken: bool = client
+            .query_one("SELECT pg_try_advisory_lock($1)", &[&MIGRATION_LOCK])
+            .await
+            .map_err(|source| DatabaseError::Session {
+                doing: "taking the migration lock",
+                source,
+            })?
+            .get(0);
+        if taken {
+            return Ok(());
+        }
+        if started.elapsed() >= MIGRATION_LOCK_PATIENCE {
+            return Err(DatabaseError::MigrationLockHeld {
+                waited: MIGRATION_LOCK_PATIENCE,
+            });
+        }
+        if !told {
+            tracing::info!("another replica is migrating the database; waiting for it to finish");
+            told = true;
+        }
+        tokio::time::sleep(MIGRATION_LOCK_POLL).await;
     }
 }
 

@@ -957,6 +957,37 @@ async fn migrations_are_idempotent_and_safe_when_replicas_start_together() {
     assert_eq!(postgres::migrate(&url).await.unwrap(), 0);
 }
 
+/// A replica that starts while another migrates waits for that migration however long it takes,
+/// and then migrates, both past its session's `statement_timeout`, which bounds turns. On a busy
+/// Citus cluster a migration outlasts the timeout: a replica waiting for it in one
+/// `pg_advisory_lock` statement stopped, cancelled, and so did a migration's longest statement.
+#[tokio::test]
+async fn a_replica_waits_for_another_replicas_migration_and_migrates_past_the_statement_timeout() {
+    let url = support::pg::fresh_database().await;
+    let holder = support::pg::session(&url).await;
+    holder
+        .execute("SELECT pg_advisory_lock($1)", &[&postgres::MIGRATION_LOCK])
+        .await
+        .unwrap();
+    // Every statement of the waiting replica's session is cancelled after 100 ms.
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let impatient = DatabaseUrl::new(format!(
+        "{url}{separator}options=-c%20statement_timeout%3D100"
+    ));
+    let waiting = tokio::spawn(async move { postgres::migrate(&impatient).await });
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    assert!(!waiting.is_finished(), "it did not wait for the lock");
+    holder
+        .execute(
+            "SELECT pg_advisory_unlock($1)",
+            &[&postgres::MIGRATION_LOCK],
+        )
+        .await
+        .unwrap();
+    let applied = waiting.await.unwrap().unwrap();
+    assert_eq!(applied, std::fs::read_dir("migrations").unwrap().count());
+}
+
 /// A conversation's row stays on its page as its turns rewrite it: every update is HOT (no index
 /// entry, no dead page left behind), also for the rows created first, on pages that inserts
 /// filled. At the default fillfactor the first update on a full page moved its row elsewhere.
