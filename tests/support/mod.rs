@@ -21,6 +21,7 @@ pub mod tools;
 pub use app::{TestApp, TestAppBuilder, spawn_app};
 
 use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
 
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -38,6 +39,20 @@ pub struct TestServer {
     pub addr: SocketAddr,
     shutdown: Option<oneshot::Sender<()>>,
     handle: Option<JoinHandle<Result<(), ServeError>>>,
+    /// Why `serve` returned an error, with its causes, once it has.
+    failure: Arc<OnceLock<String>>,
+}
+
+/// `error` and its causes, outermost first.
+fn causes(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(e) = cause {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        cause = e.source();
+    }
+    text
 }
 
 impl TestServer {
@@ -46,13 +61,23 @@ impl TestServer {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = oneshot::channel::<()>();
-        let handle = tokio::spawn(turnstile::serve(config, bots, listener, async {
-            let _ = rx.await;
-        }));
+        let failure = Arc::new(OnceLock::new());
+        let failed = Arc::clone(&failure);
+        let handle = tokio::spawn(async move {
+            let served = turnstile::serve(config, bots, listener, async {
+                let _ = rx.await;
+            })
+            .await;
+            if let Err(e) = &served {
+                let _ = failed.set(causes(e));
+            }
+            served
+        });
         TestServer {
             addr,
             shutdown: Some(tx),
             handle: Some(handle),
+            failure,
         }
     }
 
@@ -72,6 +97,10 @@ impl TestServer {
     /// A new client connection to this server, once the server answers calls: the port is bound
     /// here, before `serve` has migrated its database, and takes connections meanwhile. A test
     /// that timed its turns from then would count the migration in them.
+    ///
+    /// # Panics
+    /// When the server stopped instead, naming why: otherwise the test's calls would fail with
+    /// "connection refused" and say nothing of the cause.
     pub async fn client(&self) -> TurnServiceClient<Channel> {
         let endpoint = format!("http://{}", self.addr);
         for _ in 0..100 {
@@ -80,16 +109,29 @@ impl TestServer {
                 .connect()
                 .await;
             if let Ok(channel) = connected {
-                // Any answer will do (a server waiting for its schema answers NOT_SERVING), and
-                // so does an error: a server that failed to start fails the test's calls.
-                let _ = tonic_health::pb::health_client::HealthClient::new(channel.clone())
+                // Any answer will do: a server waiting for its schema answers NOT_SERVING.
+                let answered = tonic_health::pb::health_client::HealthClient::new(channel.clone())
                     .check(tonic_health::pb::HealthCheckRequest::default())
                     .await;
+                if answered.is_err() {
+                    self.panic_if_stopped().await;
+                }
                 return TurnServiceClient::new(channel);
             }
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
         panic!("server at {endpoint} never accepted a connection");
+    }
+
+    /// Panics naming why the server stopped, if it stopped with an error (within a moment: its
+    /// listener closes as `serve` returns, just before the error is kept).
+    async fn panic_if_stopped(&self) {
+        for _ in 0..20 {
+            if let Some(why) = self.failure.get() {
+                panic!("the server at {} stopped: {why}", self.addr);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
     }
 
     /// Asks the server to shut down and waits for it to stop.
