@@ -406,7 +406,10 @@ impl Engine {
         let attempts = attempt - 1;
         match deadline {
             Some(_) => TurnError::DeadlineExceeded { attempts },
-            None => TurnError::Aborted { attempts },
+            None => TurnError::ConversationHeld {
+                waited: WAIT_WITHOUT_DEADLINE,
+                attempts,
+            },
         }
     }
 }

@@ -94,6 +94,17 @@ pub enum TurnError {
         /// How many times the bot ran.
         attempts: u32,
     },
+    /// Other turns held the conversation (its lock, hold or lease) for all of the time a call
+    /// without a deadline waits for it ([`hold`]'s `WAIT_WITHOUT_DEADLINE`).
+    #[error(
+        "other turns of this conversation held it for all of the {waited:?} a call without a deadline waits for it ({attempts} attempts made); nothing was committed: retry, or give the call a deadline to wait longer"
+    )]
+    ConversationHeld {
+        /// How long this turn waited.
+        waited: std::time::Duration,
+        /// How many times the bot ran.
+        attempts: u32,
+    },
     /// The caller's deadline passed, or would pass during the next backoff wait.
     #[error(
         "the call's deadline passed before the turn could commit ({attempts} attempts made); nothing was committed"
@@ -301,9 +312,11 @@ impl Engine {
         let attempts = match &result {
             Ok(o) if o.redelivered => None,
             Ok(o) => Some(o.attempts),
-            Err(TurnError::Aborted { attempts } | TurnError::DeadlineExceeded { attempts }) => {
-                Some(*attempts)
-            }
+            Err(
+                TurnError::Aborted { attempts }
+                | TurnError::DeadlineExceeded { attempts }
+                | TurnError::ConversationHeld { attempts, .. },
+            ) => Some(*attempts),
             Err(_) => None,
         };
         if let Some(attempts) = attempts.filter(|&a| a > 0) {

@@ -50,7 +50,7 @@ impl TurnEnd {
             Ok(_) => Self::Committed,
             Err(TurnError::UnknownBot(_)) => Self::Invalid,
             Err(TurnError::ConversationBusy { .. }) => Self::Rejected,
-            Err(TurnError::Aborted { .. }) => Self::Aborted,
+            Err(TurnError::Aborted { .. } | TurnError::ConversationHeld { .. }) => Self::Aborted,
             Err(TurnError::DeadlineExceeded { .. }) => Self::DeadlineExceeded,
             Err(TurnError::Bot(e)) if e.kind() == BotErrorKind::DeadlineExceeded => {
                 Self::DeadlineExceeded
@@ -100,9 +100,11 @@ impl AttemptEnd {
             Ok(AttemptOutcome::Committed(_)) => Self::Committed,
             Ok(AttemptOutcome::Conflict(_)) => Self::Conflict,
             Ok(AttemptOutcome::OutcomeUnknown(_)) => Self::CommitUnknown,
-            Err(TurnError::DeadlineExceeded { .. } | TurnError::Aborted { .. }) => {
-                Self::LockNotGranted
-            }
+            Err(
+                TurnError::DeadlineExceeded { .. }
+                | TurnError::Aborted { .. }
+                | TurnError::ConversationHeld { .. },
+            ) => Self::LockNotGranted,
             Err(TurnError::Bot(_)) => Self::BotFailed,
             Err(_) => Self::StoreFailed,
         }

@@ -648,7 +648,7 @@ async fn a_serialized_bot_whose_lock_never_comes_fails_without_running() {
     );
     let result = engine.run_turn(None, &incoming("hi"), None).await;
     assert!(
-        matches!(result, Err(TurnError::Aborted { attempts: 0 })),
+        matches!(result, Err(TurnError::ConversationHeld { attempts: 0, .. })),
         "{result:?}"
     );
     assert_eq!(runs.0.load(Ordering::SeqCst), 0, "the bot never ran");

@@ -69,6 +69,9 @@ pub enum Reason {
     UnknownBot,
     /// `ABORTED`: every attempt lost a conflict with another writer.
     ConflictRetriesExhausted,
+    /// `ABORTED`: other turns held the conversation for all of the time a call without a
+    /// deadline waits for it.
+    ConversationHeld,
     /// `FAILED_PRECONDITION`: another message's turn of the conversation is still running, and
     /// the bot refuses messages meanwhile (double-text policy `reject`).
     ConversationBusy,
@@ -111,6 +114,7 @@ impl Reason {
             Self::InvalidAdminRequest => "INVALID_ADMIN_REQUEST",
             Self::UnknownBot => "UNKNOWN_BOT",
             Self::ConflictRetriesExhausted => "CONFLICT_RETRIES_EXHAUSTED",
+            Self::ConversationHeld => "CONVERSATION_HELD",
             Self::ConversationBusy => "CONVERSATION_BUSY",
             Self::StateTooLarge => "STATE_TOO_LARGE",
             Self::StoreUnavailable => "STORE_UNAVAILABLE",
@@ -300,6 +304,13 @@ impl From<TurnError> for Status {
                 Code::Aborted,
                 e.to_string(),
                 Reason::ConflictRetriesExhausted,
+                Some(RETRY_ABORTED),
+                HashMap::new(),
+            ),
+            e @ TurnError::ConversationHeld { .. } => with_details(
+                Code::Aborted,
+                e.to_string(),
+                Reason::ConversationHeld,
                 Some(RETRY_ABORTED),
                 HashMap::new(),
             ),
