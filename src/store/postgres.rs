@@ -513,8 +513,8 @@ const OLD_TOMBSTONES: Sql = Sql {
 const COMMIT_CONFLICT: &str = "TS409";
 
 /// Serializes `migrate` across replicas that start together: an arbitrary, fixed advisory lock id
-/// ("turnstil" in ASCII), which `pg_locks` shows as `objid` 1953723764 (its low half) while a
-/// migration runs.
+/// ("turnstil" in ASCII), which `pg_locks` shows as an `advisory` lock with `classid` 1953854062
+/// and `objid` 1937009004 (its high and low halves) while a migration runs.
 pub const MIGRATION_LOCK: i64 = 0x7475_726e_7374_696c;
 
 /// How long a turn waits for a pooled connection, or for a new one to be established, before the
