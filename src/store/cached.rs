@@ -18,13 +18,16 @@
 //! guessed past: its load reads the store, finds the receipt and answers from it, instead of
 //! running the bot again only for its commit to meet the receipt.
 //!
-//! Bounded with two generations: entries go into the young map; when it fills — half the entries
-//! allowed, or half the bytes — it becomes the old map and the previous old map is dropped. A hit
-//! in the old map moves the entry back. That is a cheap approximation of least-recently-used that
-//! never scans. Bytes are counted as the memory an entry holds (its key, its JSON values, their
-//! strings, maps and arrays: [`entry_bytes`]), so that a replica serving bots with large states
-//! (a language model's transcript) stays within its memory limit; counting entries alone let
-//! 12,700 conversations of 8 KB take 130 MB.
+//! Bounded by quick_cache's eviction policy (CLOCK-PRO, close to S3-FIFO): an entry used again
+//! stays, one seen once leaves first, and the cache keeps to its bytes entry by entry. It used to
+//! keep two generations and drop the older half whenever the younger filled: cheap, but at any
+//! moment it held between half and all of its bytes, so with more conversations than fit —
+//! 10,000 of 8 KiB against 64 MiB — barely half the turns found their state, where a policy that
+//! evicts one entry at a time finds about as many as fit (`bench/RESULTS.md`). Bytes are counted
+//! as the memory an entry holds (its key, its JSON values, their strings, maps and arrays:
+//! [`entry_bytes`]), so that a replica serving bots with large states (a language model's
+//! transcript) stays within its memory limit; counting entries alone let 12,700 conversations of
+//! 8 KB take 130 MB.
 
 use std::mem;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -42,36 +45,59 @@ use crate::state::StateKey;
 /// A key's last known row: `None` for a key known not to exist.
 type Entry = Option<Versioned>;
 
-/// The rows' generations get all of the cache's bytes but a `RECEIPT_SHARE`th, which the receipts'
-/// keys get: a key is about a tenth of a small state, and there is one per turn.
+/// The rows get all of the cache's bytes but a `RECEIPT_SHARE`th, which the receipts' keys get: a
+/// key is about a tenth of a small state, and there is one per turn.
 const RECEIPT_SHARE: usize = 8;
 /// A remembered receipt's map slot and key header, beside the key's text.
 const RECEIPT_SLOT: usize = 48;
+/// Bytes of the cache per key it is expected to hold, for quick_cache's sizing: its table grows
+/// as keys come, and it remembers about half as many evicted keys (ghosts, outside the count, a
+/// key's `Arc` each) so that a key coming back soon after its eviction is kept longer.
+const EXPECTED_ENTRY: usize = 1024;
 /// The oldest entry given as a guess. A deleted row's versions are kept from coming back by its
 /// tombstone, kept a day (`migrations/V4__erasure.sql`); an entry older than that could name a
 /// version the key reaches again once its tombstone is gone. An hour is far inside the day, and
 /// an entry unused for an hour saves little.
 const MAX_GUESS_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
 
-/// A cached entry: the row, the bytes it holds, and when it was remembered.
+/// A cached entry: the row, what it weighs, and when it was remembered.
 #[derive(Debug)]
 struct Cached {
     entry: Entry,
-    bytes: usize,
+    /// The bytes it holds ([`entry_bytes`]), or the rows' share per key if more.
+    weight: u64,
     at: std::time::Instant,
     /// When it expires ([`Ttls`]): no guess after that.
     until: Option<std::time::Instant>,
 }
 
+/// What a row counts against the cache's bytes: the weight it was given when remembered.
+#[derive(Debug, Clone, Copy)]
+struct Weight;
+
+impl quick_cache::Weighter<StateKey, Cached> for Weight {
+    fn weight(&self, _key: &StateKey, cached: &Cached) -> u64 {
+        cached.weight
+    }
+}
+
+type Rows = quick_cache::unsync::Cache<StateKey, Cached, Weight, KeyHasher>;
+
 /// The last committed state of recently used keys.
 #[derive(Debug)]
 pub(crate) struct StateCache {
-    /// Entries per generation.
-    generation: usize,
-    /// Bytes per generation of rows ([`entry_bytes`]); the receipts' generations get a
-    /// [`RECEIPT_SHARE`]th of that besides, within the cache's bytes.
-    generation_bytes: usize,
-    maps: Mutex<Generations>,
+    size: CacheSize,
+    /// The least an entry weighs: the rows' bytes over the keys allowed, so that the bound on
+    /// bytes also keeps the count of keys within [`CacheSize::entries`].
+    row_floor: u64,
+    /// The most a row may weigh to be cached: half the rows' bytes.
+    row_limit: u64,
+    /// Receipts per generation.
+    receipt_generation: usize,
+    /// Bytes of receipts per generation.
+    receipt_generation_bytes: usize,
+    /// None when the cache is off.
+    caches: Option<Mutex<Caches>>,
     /// How long each scope lives unwritten: a row is guessed only until it would expire.
     ttls: Ttls,
 }
@@ -93,13 +119,12 @@ impl CacheSize {
     };
 }
 
-#[derive(Debug, Default)]
-struct Generations {
-    young: KeyMap<Cached>,
-    /// The bytes of the young map's entries.
-    young_bytes: usize,
-    old: KeyMap<Cached>,
-    /// Receipts committed here, in two generations of their own.
+#[derive(Debug)]
+struct Caches {
+    rows: Rows,
+    /// Receipts committed here, in two generations: when the young one fills it becomes the old
+    /// one, and the old one is dropped. Never looked up again but by a redelivery, so the newest
+    /// are the ones worth keeping, first in first out, which is what generations give for free.
     receipts: KeyMap<()>,
     /// The bytes of the young receipts' keys and slots.
     receipts_bytes: usize,
@@ -107,89 +132,97 @@ struct Generations {
 }
 
 impl StateCache {
-    /// A cache of at most about `size`.
+    /// A cache of at most `size`.
     pub(crate) fn new(size: CacheSize) -> Self {
-        // Rows and receipts share the bytes: the rows' two generations (RECEIPT_SHARE - 1)
-        // parts of RECEIPT_SHARE, the receipts' the last part.
-        let rows = size.bytes / RECEIPT_SHARE * (RECEIPT_SHARE - 1);
-        let (generation, generation_bytes) = match (size.entries / 2, rows / 2) {
-            (0, _) | (_, 0) => (0, 0),
-            halves => halves,
-        };
+        // Rows and receipts share the bytes: the rows (RECEIPT_SHARE - 1) parts of
+        // RECEIPT_SHARE, the receipts the last part.
+        let receipts = (size.bytes / RECEIPT_SHARE) as u64;
+        let rows = size.bytes as u64 - receipts;
+        let entries = size.entries.max(1) as u64;
         Self {
-            generation,
-            generation_bytes,
-            maps: Mutex::default(),
+            size,
+            row_floor: rows.div_ceil(entries),
+            row_limit: rows / 2,
+            receipt_generation: size.entries / 2,
+            receipt_generation_bytes: receipts as usize / 2,
+            caches: None,
             ttls: Ttls::NONE,
         }
+        .emptied()
     }
 
     /// This cache, empty, guessing rows of scopes with a time to live only until they expire.
     pub(crate) fn with_ttls(self, ttls: Ttls) -> Self {
+        Self { ttls, ..self }.emptied()
+    }
+
+    /// This cache's sizes with nothing in it.
+    fn emptied(self) -> Self {
+        let receipts = (self.size.bytes / RECEIPT_SHARE) as u64;
+        let rows = self.size.bytes as u64 - receipts;
+        if self.receipt_generation == 0 || self.receipt_generation_bytes == 0 {
+            return Self {
+                caches: None,
+                ..self
+            };
+        }
+        let expected = self
+            .size
+            .entries
+            .min(self.size.bytes / EXPECTED_ENTRY)
+            .max(1);
+        let caches = Caches {
+            rows: Rows::with(
+                expected,
+                rows,
+                Weight,
+                KeyHasher::default(),
+                Default::default(),
+            ),
+            receipts: KeyMap::default(),
+            receipts_bytes: 0,
+            old_receipts: KeyMap::default(),
+        };
         Self {
-            ttls,
-            maps: Mutex::default(),
+            caches: Some(Mutex::new(caches)),
             ..self
         }
     }
 
     /// Whether the cache holds anything at all (capacity above 0).
     pub(crate) fn is_enabled(&self) -> bool {
-        self.generation > 0
+        self.caches.is_some()
     }
 
     /// A snapshot of `keys` if every one of them is cached, for a turn whose receipt is
     /// `receipt`: none when this replica committed that receipt, since the turn is then a
     /// redelivery that only the store's receipt can answer.
     pub(crate) fn snapshot(&self, keys: &[StateKey], receipt: &StateKey) -> Option<Snapshot> {
-        if self.generation == 0 {
-            return None;
-        }
-        let mut maps = self.lock();
-        if maps.receipts.contains_key(receipt) || maps.old_receipts.contains_key(receipt) {
+        let caches = self.lock()?;
+        if caches.receipts.contains_key(receipt) || caches.old_receipts.contains_key(receipt) {
             return None;
         }
         let mut rows = KeyMap::with_capacity_and_hasher(keys.len(), KeyHasher::default());
         let mut expiries = Vec::new();
         let now = std::time::Instant::now();
         for key in keys {
-            let fresh = |cached: &Cached| {
-                now.duration_since(cached.at) < MAX_GUESS_AGE
-                    && cached.until.is_none_or(|until| now < until)
-            };
-            let expiry = |cached: &Cached| match (&cached.entry, self.ttls.of(key)) {
-                (Some(_), Some(_)) => Some((
-                    key.clone(),
-                    cached
-                        .until
-                        .map(|until| until.saturating_duration_since(now)),
-                )),
-                _ => None,
-            };
-            let entry = match maps.young.get(key) {
-                Some(cached) if fresh(cached) => {
-                    expiries.extend(expiry(cached));
-                    cached.entry.clone()
-                }
-                Some(_) => return None,
-                None => {
-                    let cached = maps.old.remove(key)?;
-                    if !fresh(&cached) {
-                        return None;
-                    }
-                    expiries.extend(expiry(&cached));
-                    let entry = cached.entry.clone();
-                    maps.young_bytes += cached.bytes;
-                    maps.young.insert(key.clone(), cached);
-                    entry
-                }
-            };
-            if let Some(row) = entry {
-                rows.insert(key.clone(), row);
+            let cached = caches.rows.get(key)?;
+            if now.duration_since(cached.at) >= MAX_GUESS_AGE
+                || cached.until.is_some_and(|until| now >= until)
+            {
+                return None;
+            }
+            if let (Some(_), Some(_)) = (&cached.entry, self.ttls.of(key)) {
+                // When each guessed row of a scope with a time to live expires, as its load said.
+                let remaining = cached
+                    .until
+                    .map(|until| until.saturating_duration_since(now));
+                expiries.push((key.clone(), remaining));
+            }
+            if let Some(row) = &cached.entry {
+                rows.insert(key.clone(), row.clone());
             }
         }
-        self.rotate(&mut maps);
-        // When each guessed row of a scope with a time to live expires, as its load said.
         Some(
             expiries
                 .into_iter()
@@ -229,111 +262,78 @@ impl StateCache {
     }
 
     fn remember_until(&self, key: StateKey, entry: Entry, until: Option<std::time::Instant>) {
-        if self.generation == 0 {
+        if !self.is_enabled() {
             return;
         }
-        let bytes = entry_bytes(&key, &entry);
-        let mut guard = self.lock();
-        let maps = &mut *guard;
-        // A key is in one generation at most (a hit in the old one moves it to the young one):
-        // one found young is updated where it is, without looking in the old map or hashing
-        // the key again to insert it, when the young map has room for what it grew by.
-        let at = std::time::Instant::now();
-        if let Some(young) = maps.young.get_mut(&key) {
-            let was = young.bytes;
-            if maps.young_bytes - was + bytes <= self.generation_bytes {
-                *young = Cached {
-                    entry,
-                    bytes,
-                    at,
-                    until,
-                };
-                maps.young_bytes = maps.young_bytes - was + bytes;
-                return;
-            }
-            maps.young.remove(&key);
-            maps.young_bytes -= was;
-        } else {
-            maps.old.remove(&key);
-        }
-        if bytes > self.generation_bytes {
-            // Larger than half the cache: not kept, so that the cache stays within its bytes.
+        // Counted before the lock is taken: the walk is the costly part.
+        let weight = (entry_bytes(&key, &entry) as u64).max(self.row_floor);
+        let Some(mut caches) = self.lock() else {
+            return;
+        };
+        if weight > self.row_limit {
+            // Larger than half the cache: not kept, so that one state cannot empty it, and
+            // the key's older row is not guessed from either.
+            caches.rows.remove(&key);
             return;
         }
-        // Room made first, so that neither generation ever holds more than its half.
-        if maps.young.len() + 1 > self.generation
-            || maps.young_bytes + bytes > self.generation_bytes
-        {
-            maps.old = mem::take(&mut maps.young);
-            maps.young_bytes = 0;
+        let cached = Cached {
+            entry,
+            weight,
+            at: std::time::Instant::now(),
+            until,
+        };
+        // A row this turn found here, or loaded, and now wrote: its use was counted when it was
+        // looked up or loaded, so writing it counts for nothing more (`soft`). A conversation
+        // seen once then leaves before those used again and again.
+        if let Err((key, cached)) = caches.rows.replace(key, cached, true) {
+            caches.rows.insert(key, cached);
         }
-        maps.young.insert(
-            key,
-            Cached {
-                entry,
-                bytes,
-                at,
-                until,
-            },
-        );
-        maps.young_bytes += bytes;
     }
 
     /// Remembers that this replica committed `receipt`.
     pub(crate) fn remember_receipt(&self, receipt: StateKey) {
-        if self.generation == 0 {
+        let Some(mut guard) = self.lock() else {
             return;
-        }
-        let mut maps = self.lock();
-        maps.receipts_bytes += RECEIPT_SLOT + receipt.as_str().len();
-        maps.receipts.insert(receipt, ());
-        if maps.receipts.len() >= self.generation
-            || maps.receipts_bytes >= self.generation_bytes / RECEIPT_SHARE
+        };
+        let caches = &mut *guard;
+        caches.receipts_bytes += RECEIPT_SLOT + receipt.as_str().len();
+        caches.receipts.insert(receipt, ());
+        if caches.receipts.len() >= self.receipt_generation
+            || caches.receipts_bytes >= self.receipt_generation_bytes
         {
-            maps.receipts_bytes = 0;
-            maps.old_receipts = mem::take(&mut maps.receipts);
+            caches.receipts_bytes = 0;
+            caches.old_receipts = mem::take(&mut caches.receipts);
         }
     }
 
     /// Forgets `keys`, whose cached rows proved stale or uncertain.
     pub(crate) fn forget<'a>(&self, keys: impl IntoIterator<Item = &'a StateKey>) {
-        if self.generation == 0 {
-            return;
-        }
-        let mut maps = self.lock();
-        for key in keys {
-            if let Some(cached) = maps.young.remove(key) {
-                maps.young_bytes -= cached.bytes;
+        if let Some(mut caches) = self.lock() {
+            for key in keys {
+                caches.rows.remove(key);
             }
-            maps.old.remove(key);
         }
     }
 
-    /// How many bytes the cached entries hold ([`entry_bytes`]).
+    /// How many bytes the cached entries weigh ([`entry_bytes`], or the share per key if more).
     #[cfg(test)]
     pub(crate) fn bytes(&self) -> usize {
-        let maps = self.lock();
-        maps.young_bytes + maps.old.values().map(|cached| cached.bytes).sum::<usize>()
+        self.lock()
+            .map_or(0, |caches| caches.rows.weight() as usize)
     }
 
     /// How many keys are cached.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        let maps = self.lock();
-        maps.young.len() + maps.old.len()
+        self.lock().map_or(0, |caches| caches.rows.len())
     }
 
-    fn rotate(&self, maps: &mut Generations) {
-        if maps.young.len() >= self.generation || maps.young_bytes >= self.generation_bytes {
-            maps.old = mem::take(&mut maps.young);
-            maps.young_bytes = 0;
-        }
-    }
-
-    /// Plain map operations only, never held across an `.await`; a poisoned lock still guards a
-    /// consistent map, and at worst a stale guess, which the commit catches.
-    fn lock(&self) -> MutexGuard<'_, Generations> {
-        self.maps.lock().unwrap_or_else(|p| p.into_inner())
+    /// Plain cache operations only, never held across an `.await`; a poisoned lock still guards
+    /// a consistent cache, and at worst a stale guess, which the commit catches. None when the
+    /// cache is off.
+    fn lock(&self) -> Option<MutexGuard<'_, Caches>> {
+        let caches = self.caches.as_ref()?;
+        Some(caches.lock().unwrap_or_else(|p| p.into_inner()))
     }
 }
 
@@ -846,6 +846,56 @@ mod tests {
         assert!(cache.len() >= 5, "it still caches: {}", cache.len());
         cache.forget((0..1000).map(key).collect::<Vec<_>>().iter());
         assert_eq!(cache.bytes(), 0);
+    }
+
+    /// More conversations than fit, each turn at one drawn at random: about as many turns find
+    /// their state as the cache holds states. Two generations dropping the older half at once
+    /// found 47 % here (`bench/RESULTS.md`), at any moment holding between half and all it could.
+    #[test]
+    fn with_more_conversations_than_fit_about_as_many_turns_hit_as_fit() {
+        use rand::{Rng as _, SeedableRng as _};
+        let state = |v: u64| {
+            let mut state = JsonMap::new();
+            state.insert("pad".into(), serde_json::json!("x".repeat(1000)));
+            Some(Versioned {
+                state: Arc::new(state),
+                version: Version::new(v),
+            })
+        };
+        const CONVERSATIONS: usize = 1000;
+        let fit = 700;
+        let bytes = entry_bytes(&key(0), &state(1)) * fit * RECEIPT_SHARE / (RECEIPT_SHARE - 1);
+        let cache = StateCache::new(CacheSize {
+            entries: 100_000,
+            bytes,
+        });
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let mut versions = [1; CONVERSATIONS];
+        let mut hits = 0;
+        let turns = 20 * CONVERSATIONS;
+        for turn in 0..2 * turns {
+            let n = rng.random_range(0..CONVERSATIONS);
+            // A turn: its state from the cache, or loaded; then its commit.
+            if cache.snapshot(&[key(n)], &key(usize::MAX)).is_some() {
+                hits += usize::from(turn >= turns);
+            } else {
+                cache.remember(key(n), state(versions[n]));
+            }
+            versions[n] += 1;
+            cache.remember(key(n), state(versions[n]));
+            assert!(
+                cache.bytes() <= bytes,
+                "{} bytes at turn {turn}",
+                cache.bytes()
+            );
+        }
+        let rate = hits as f64 / turns as f64;
+        assert!(
+            rate > 0.6,
+            "{:.2} of the turns found their state where {:.2} fit",
+            rate,
+            fit as f64 / CONVERSATIONS as f64
+        );
     }
 
     #[test]
