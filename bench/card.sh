@@ -344,7 +344,7 @@ open_loop() {
     fi
     OPEN_RUN=$(printf '%08x' $((RANDOM * 32768 + RANDOM)))
     "$BIN/turnstile-bench" --target "$TARGETS" --conversations "$KEYS" --state-bytes "$PAD" \
-        --run-id "$OPEN_RUN" --prefill --turns 1000 --no-verify >/dev/null
+        --run-id "$OPEN_RUN" --prefill --turns 1000 --no-verify --after-prefill "$AFTER_PREFILL" >/dev/null
     SERVER_PID=${PIDS[0]}
     # The open loop's own maximum. A turn costs more CPU at a fixed rate than with 32 callers
     # always waiting (the group commit gathers fewer commits into each statement and flush,

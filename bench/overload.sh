@@ -49,7 +49,8 @@ bench() {  # CALLS [FLAG...] -> JSON
         --cpu-of "server=$SERVER" "$@"
 }
 "$BIN/turnstile-bench" --target "127.0.0.1:$GRPC" --conversations "$KEYS" --concurrency 32 \
-    --run-id "$RUN" --prefill --turns 1 --no-verify --json >/dev/null
+    --run-id "$RUN" --prefill --turns 1 --no-verify --json \
+    --after-prefill "psql '$URL' -qc 'ANALYZE turnstile.turnstile_state'" >/dev/null
 
 echo "machine: $(nproc) cores, $(uname -sr); $(date -u +%Y-%m-%dT%H:%MZ); commit $(git rev-parse --short HEAD)"
 echo "counter bot, $KEYS conversations prefilled, --max-in-flight $LIMIT, ${SECS}s per run${PIN:+, pinned: client CPU 0, server and PostgreSQL CPU 1}"

@@ -68,6 +68,12 @@ struct Args {
     /// existing state (as in a service that has been running) instead of creating it.
     #[arg(long)]
     prefill: bool,
+    /// A shell command run once the prefill is done, before the measured turns; the run fails if
+    /// it does. `bench/run.sh` runs `ANALYZE` there: the plans a server made while its tables were
+    /// empty are then remade, as autovacuum has them remade within a minute or so of a running
+    /// service's start (`bench/RESULTS.md`).
+    #[arg(long, value_name = "COMMAND", requires = "prefill")]
+    after_prefill: Option<String>,
     /// Skip the final check of the counters.
     #[arg(long)]
     no_verify: bool,
@@ -212,6 +218,16 @@ async fn main() -> anyhow::Result<()> {
     let mut prefilled = Tally::default();
     if args.prefill {
         prefilled = prefill(&args, &channels, &run, &next_id).await?;
+    }
+    if let Some(command) = &args.after_prefill {
+        let mut sh = std::process::Command::new("sh");
+        sh.arg("-c").arg(command);
+        let status = tokio::task::spawn_blocking(move || sh.status())
+            .await?
+            .with_context(|| format!("starting --after-prefill {command:?}"))?;
+        if !status.success() {
+            bail!("--after-prefill {command:?} failed: {status}");
+        }
     }
 
     let worker = Worker {
