@@ -254,7 +254,7 @@ stop_servers() {
 # statistics change: a plan for a table of ten pages scans 10,000 conversations' rows for every
 # batch of commits. A running service has them remade within a minute or so of its start, when
 # autovacuum first analyzes the table; the measured seconds come sooner, so ANALYZE does it here
-# (the anchor's table is analyzed when made). bench/RESULTS.md, 2026-11-29 04:00.
+# (the anchor's table is analyzed when made). bench/RESULTS.md, 2026-11-29 03:35.
 AFTER_PREFILL="psql -h 127.0.0.1 -p $PORT -U postgres -d service -qc 'ANALYZE turnstile.turnstile_state'"
 # bench ARGS... -> JSON on stdout (with --prefill, AFTER_PREFILL runs before the measured turns)
 bench() {
