@@ -132,60 +132,45 @@ struct Caches {
 }
 
 impl StateCache {
-    /// A cache of at most `size`.
+    /// A cache of at most `size`, empty.
     pub(crate) fn new(size: CacheSize) -> Self {
         // Rows and receipts share the bytes: the rows (RECEIPT_SHARE - 1) parts of
         // RECEIPT_SHARE, the receipts the last part.
         let receipts = (size.bytes / RECEIPT_SHARE) as u64;
         let rows = size.bytes as u64 - receipts;
-        let entries = size.entries.max(1) as u64;
+        let receipt_generation = size.entries / 2;
+        let receipt_generation_bytes = receipts as usize / 2;
+        let on = receipt_generation > 0 && receipt_generation_bytes > 0;
+        let expected = size.entries.min(size.bytes / EXPECTED_ENTRY).max(1);
         Self {
             size,
-            row_floor: rows.div_ceil(entries),
+            row_floor: rows.div_ceil(size.entries.max(1) as u64),
             row_limit: rows / 2,
-            receipt_generation: size.entries / 2,
-            receipt_generation_bytes: receipts as usize / 2,
-            caches: None,
+            receipt_generation,
+            receipt_generation_bytes,
+            caches: on.then(|| {
+                Mutex::new(Caches {
+                    rows: Rows::with(
+                        expected,
+                        rows,
+                        Weight,
+                        KeyHasher::default(),
+                        Default::default(),
+                    ),
+                    receipts: KeyMap::default(),
+                    receipts_bytes: 0,
+                    old_receipts: KeyMap::default(),
+                })
+            }),
             ttls: Ttls::NONE,
         }
-        .emptied()
     }
 
     /// This cache, empty, guessing rows of scopes with a time to live only until they expire.
     pub(crate) fn with_ttls(self, ttls: Ttls) -> Self {
-        Self { ttls, ..self }.emptied()
-    }
-
-    /// This cache's sizes with nothing in it.
-    fn emptied(self) -> Self {
-        let receipts = (self.size.bytes / RECEIPT_SHARE) as u64;
-        let rows = self.size.bytes as u64 - receipts;
-        if self.receipt_generation == 0 || self.receipt_generation_bytes == 0 {
-            return Self {
-                caches: None,
-                ..self
-            };
-        }
-        let expected = self
-            .size
-            .entries
-            .min(self.size.bytes / EXPECTED_ENTRY)
-            .max(1);
-        let caches = Caches {
-            rows: Rows::with(
-                expected,
-                rows,
-                Weight,
-                KeyHasher::default(),
-                Default::default(),
-            ),
-            receipts: KeyMap::default(),
-            receipts_bytes: 0,
-            old_receipts: KeyMap::default(),
-        };
         Self {
-            caches: Some(Mutex::new(caches)),
-            ..self
+            ttls,
+            ..Self::new(self.size)
         }
     }
 
