@@ -107,7 +107,6 @@ macro_rules! tombstone_version {
 }
 
 mod batch_failure;
-mod citus;
 mod diagnose;
 mod group_commit;
 mod group_load;
@@ -212,9 +211,13 @@ macro_rules! state_rows_where_key {
 ///
 /// A key's tombstone is looked for (and its key hashed, `key_hash!`) only when it has no row, the
 /// lookup gated by that (a one-time filter): most keys a turn loads exist, and a tombstone under a
-/// row is ignored anyway.
+/// row is ignored anyway. `$state_and`, if given, is a condition on the state row put before its
+/// key's (`"shard = $3 AND "` on Citus).
 macro_rules! rows_or_tombstones {
     ($keys:expr) => {
+        rows_or_tombstones!($keys, "")
+    };
+    ($keys:expr, $state_and:literal) => {
         concat!(
             "SELECT (CASE WHEN s.version IS NULL THEN 2 ELSE 0 END)::int2, v.k, s.state, \
                     coalesce(s.version, t.version), \
@@ -223,7 +226,9 @@ macro_rules! rows_or_tombstones {
             $keys,
             " AS v(k) \
                LEFT JOIN LATERAL (SELECT state, version, updated_at FROM turnstile_state \
-                                   WHERE key = v.k OFFSET 0) s ON true \
+                                   WHERE ",
+            $state_and,
+            "key = v.k OFFSET 0) s ON true \
                LEFT JOIN LATERAL (SELECT version FROM turnstile_tombstone \
                                    WHERE s.version IS NULL \
                                      AND key_hash = ",
@@ -233,6 +238,10 @@ macro_rules! rows_or_tombstones {
         )
     };
 }
+
+// Declared below the macros its statements share (`rows_or_tombstones!`): a macro is seen only
+// after its definition.
+mod citus;
 
 /// The rows or tombstones of keys `$1` (`rows_or_tombstones!` of `$keys`) and, when `$2` is not
 /// NULL, the receipt: one statement, so one snapshot. The first column says which: [`ROW`],

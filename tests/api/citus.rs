@@ -5,7 +5,7 @@
 use crate::support;
 
 use support::{TestApp, message, request, texts};
-use turnstile::activity::incoming::{ActivityId, ChannelId, ConversationId};
+use turnstile::activity::incoming::{ActivityId, ChannelId, ConversationId, UserId};
 use turnstile::state::StateKey;
 use turnstile::store::postgres::{self, Citus, CitusLayout, DatabaseUrl, PostgresStore};
 use turnstile::store::{Commit, CommitOutcome, Expected, KeyChange, Store, Version};
@@ -278,5 +278,160 @@ async fn group_commit_batches_by_node_without_two_phase_commit() {
         two_phase().await,
         settled,
         "a pass of the receipts' upkeep that changed nothing committed in two phases"
+    );
+}
+
+/// A load on Citus looks for a key's erasure tombstone only when the key has no row, as on a
+/// single PostgreSQL (`statement_plans::a_load_looks_for_tombstones_only_of_keys_without_a_row`):
+/// loads of a conversation's and a user's rows (two shards, two statements), alone or under the
+/// conversation's lock, scan no placement of the tombstones' reference table on any node; loads
+/// of keys without rows do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_on_citus_looks_for_tombstones_only_of_keys_without_a_row() {
+    if !support::citus::installed() {
+        return;
+    }
+    let citus = support::citus::shared();
+    let url = citus.fresh_database().await;
+    let name = url
+        .parse::<tokio_postgres::Config>()
+        .unwrap()
+        .get_dbname()
+        .unwrap()
+        .to_owned();
+    let url = DatabaseUrl::new(url);
+    postgres::migrate_with(&url, CitusLayout::Required)
+        .await
+        .unwrap();
+    let mut nodes = vec![support::pg::session(&citus.coordinator.url(&name)).await];
+    for worker in &citus.workers {
+        nodes.push(support::pg::session(&worker.url(&name)).await);
+    }
+    // Citus hides its shards from the catalog (so from the statistics' views) unless asked.
+    for node in &nodes {
+        node.batch_execute("SET citus.show_shards_for_app_name_prefixes = '*'")
+            .await
+            .unwrap();
+    }
+    // Scans of the tombstones' placements on every node. A backend reports its counts when it
+    // has been idle for a while, and at once when it exits: so each step below ends its
+    // connections (and with them the coordinator's to the workers) before this counts.
+    let lookups = || async {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+        let mut last = None;
+        loop {
+            let mut now = 0;
+            for node in &nodes {
+                let row = node
+                    .query_one(
+                        "SELECT coalesce(sum(coalesce(seq_scan, 0) + coalesce(idx_scan, 0)), 0)::int8 \
+                           FROM pg_stat_user_tables WHERE relname LIKE 'turnstile_tombstone%'",
+                        &[],
+                    )
+                    .await
+                    .unwrap();
+                now += row.get::<_, i64>(0);
+            }
+            if last == Some(now) {
+                return now;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the statistics never settled"
+            );
+            last = Some(now);
+            tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+        }
+    };
+
+    let channel = ChannelId::parse("test", "channel_id").unwrap();
+    let turn_keys = |i: usize| {
+        let conversation = ConversationId::parse(&format!("gate-{i}"), "conversation.id").unwrap();
+        let user = UserId::parse(&format!("gate-user-{i}"), "from.id").unwrap();
+        let activity = ActivityId::parse("a1", "id").unwrap();
+        (
+            vec![
+                StateKey::conversation("bot", &channel, &conversation),
+                StateKey::user("bot", &channel, &user),
+            ],
+            StateKey::receipt("bot", &channel, &conversation, &activity),
+        )
+    };
+    const TURNS: usize = 20;
+    // Loads of turns `from..from + TURNS`, each finding rows or not, on a store of their own.
+    let loads = |from: usize, rows: bool| {
+        let url = url.clone();
+        async move {
+            let store = PostgresStore::connect(&url, 4).unwrap();
+            for i in from..from + TURNS {
+                let (keys, receipt) = turn_keys(i);
+                let snapshot = store.load(&keys, Some(&receipt)).await.unwrap();
+                assert!(keys.iter().all(|key| snapshot.get(key).is_some() == rows));
+            }
+        }
+    };
+    // The same under the conversation's lock (`turnstile_load`, `citus/functions.sql`).
+    let held_loads = |from: usize| {
+        let coordinator = citus.coordinator.url(&name);
+        async move {
+            let session = support::pg::session(&coordinator).await;
+            for i in from..from + TURNS {
+                let (keys, _) = turn_keys(i);
+                let names: Vec<&str> = keys.iter().map(StateKey::as_str).collect();
+                session
+                    .query(
+                        "SELECT * FROM turnstile_load($1, NULL, $2)",
+                        &[&names, &names[0]],
+                    )
+                    .await
+                    .unwrap();
+            }
+        }
+    };
+
+    {
+        let store = PostgresStore::connect(&url, 4).unwrap();
+        for i in 0..TURNS {
+            let (keys, _) = turn_keys(i);
+            let changes = keys
+                .into_iter()
+                .map(|key| KeyChange {
+                    key,
+                    expected: Expected::Absent,
+                    write: Some(serde_json::Map::new().into()),
+                })
+                .collect();
+            match store.commit(Commit::new(changes)).await.unwrap() {
+                CommitOutcome::Committed(_) => {}
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    // The creates looked their keys' tombstones up (the insert trigger): counted before.
+    let before = lookups().await;
+
+    loads(0, true).await;
+    held_loads(0).await;
+    let with_rows = lookups().await;
+    assert_eq!(
+        with_rows - before,
+        0,
+        "{} tombstone lookups for {TURNS} loads and {TURNS} held loads of keys with rows",
+        with_rows - before
+    );
+
+    loads(TURNS, false).await;
+    let without_rows = lookups().await;
+    assert!(
+        without_rows - with_rows >= 2 * TURNS as i64,
+        "{} tombstone lookups for {TURNS} loads of two keys without rows",
+        without_rows - with_rows
+    );
+    held_loads(TURNS).await;
+    let held_without_rows = lookups().await;
+    assert!(
+        held_without_rows - without_rows >= 2 * TURNS as i64,
+        "{} tombstone lookups for {TURNS} held loads of two keys without rows",
+        held_without_rows - without_rows
     );
 }

@@ -387,21 +387,20 @@ async fn layout_of(client: &tokio_postgres::Client) -> Result<Option<bool>, toki
 }
 
 /// A turn's load on Citus from one shard (`$3`): the state rows of its keys `$1` with their
-/// ages, their tombstones (a reference table, on every node), and receipt `$2` when it is on this
-/// shard. Every table it reads is named by the shard or is a reference table, so Citus sends the
-/// whole union to the worker that holds the shard, as one query ([`load_by_shard`]).
+/// ages or, for a key without a row, its tombstone (a reference table, on every node), looked up
+/// only then (`rows_or_tombstones!`), and receipt `$2` when it is on this shard. Every table it
+/// reads is named by the shard or is a reference table, so Citus sends the whole statement to the
+/// worker that holds the shard, as one query ([`load_by_shard`]).
 const LOAD_SHARD: Sql = Sql {
-    text: "SELECT 0::int2, key, state, version, extract(epoch FROM now() - updated_at)::float8 \
-             FROM turnstile_state WHERE shard = $3 AND key = ANY($1) \
+    text: concat!(
+        rows_or_tombstones!("unnest($1::text[])", "shard = $3 AND "),
+        " UNION ALL \
+         SELECT 1::int2, key, payload, 0, NULL FROM ( \
+           SELECT key, payload FROM turnstile_receipt WHERE shard = $3 AND key = $2 \
            UNION ALL \
-           SELECT 2::int2, k, NULL, t.version, NULL FROM unnest($1::text[]) AS k \
-             JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k) \
-           UNION ALL \
-           SELECT 1::int2, key, payload, 0, NULL FROM ( \
-             SELECT key, payload FROM turnstile_receipt WHERE shard = $3 AND key = $2 \
-             UNION ALL \
-             SELECT key, payload FROM turnstile_receipt_legacy WHERE shard = $3 AND key = $2 \
-              LIMIT 1) r",
+           SELECT key, payload FROM turnstile_receipt_legacy WHERE shard = $3 AND key = $2 \
+            LIMIT 1) r"
+    ),
     types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
     on_citus: None,
 };

@@ -28,28 +28,43 @@ $$;
 
 -- The load of a turn holding its conversation's lock (src/store/postgres.rs, LOAD_HOLDING): the
 -- state rows of `p_keys` with their ages, conversation `p_held`'s row locked until the
--- transaction ends, the keys' tombstones, and receipt `p_receipt`. (A turn without the lock
--- loads shard by shard: src/store/postgres/citus.rs, LOAD_SHARD.) Each part is a query of its
--- own, as Citus cannot lock a row in a statement over several shards. The parts are not one
--- snapshot, and need not be: the commit checks every key the turn read against the version it
--- saw.
+-- transaction ends, the tombstones of the keys without rows, and receipt `p_receipt`. (A turn
+-- without the lock loads shard by shard: src/store/postgres/citus.rs, LOAD_SHARD.) Each part is a
+-- query of its own, as Citus cannot lock a row in a statement over several shards. The parts are
+-- not one snapshot, and need not be: the commit checks every key the turn read against the
+-- version it saw. A tombstone under a row is ignored, so only keys the rows' parts did not find
+-- are looked up, and their hash is written out as turnstile_key_hash computes it (a call of that
+-- SQL function is planned again at every execution).
 CREATE OR REPLACE FUNCTION turnstile_load(p_keys text[], p_receipt text, p_held text)
 RETURNS TABLE (kind int2, key text, state jsonb, version bigint, age float8)
 LANGUAGE plpgsql AS $$
+DECLARE
+    found text[] := '{}';
 BEGIN
-    RETURN QUERY
-    SELECT 0::int2, s.key, s.state, s.version, extract(epoch FROM now() - s.updated_at)::float8
-      FROM turnstile_state s
-     WHERE s.shard = turnstile_key_shard(p_held) AND s.key = p_held
-       FOR UPDATE;
-    RETURN QUERY
-    SELECT 0::int2, s.key, s.state, s.version, extract(epoch FROM now() - s.updated_at)::float8
-      FROM turnstile_state s
-     WHERE s.shard = ANY(turnstile_key_shards(p_keys)) AND s.key = ANY(p_keys)
-       AND s.key <> p_held;
+    FOR kind, key, state, version, age IN
+        SELECT 0::int2, s.key, s.state, s.version,
+               extract(epoch FROM now() - s.updated_at)::float8
+          FROM turnstile_state s
+         WHERE s.shard = turnstile_key_shard(p_held) AND s.key = p_held
+           FOR UPDATE
+    LOOP
+        found := found || key;
+        RETURN NEXT;
+    END LOOP;
+    FOR kind, key, state, version, age IN
+        SELECT 0::int2, s.key, s.state, s.version,
+               extract(epoch FROM now() - s.updated_at)::float8
+          FROM turnstile_state s
+         WHERE s.shard = ANY(turnstile_key_shards(p_keys)) AND s.key = ANY(p_keys)
+           AND s.key <> p_held
+    LOOP
+        found := found || key;
+        RETURN NEXT;
+    END LOOP;
     RETURN QUERY
     SELECT 2::int2, k, NULL::jsonb, t.version, NULL::float8 FROM unnest(p_keys) AS k
-      JOIN turnstile_tombstone t ON t.key_hash = turnstile_key_hash(k);
+      JOIN turnstile_tombstone t ON t.key_hash = sha256(convert_to(k, 'UTF8'))
+     WHERE k <> ALL(found);
     IF p_receipt IS NOT NULL THEN
         RETURN QUERY
         SELECT 1::int2, r.key, r.payload, 0::bigint, NULL::float8 FROM (
