@@ -535,6 +535,24 @@ const CONNECTION_TIMEOUT: Duration = Duration::from_secs(5);
 /// start or a migration job.
 const SESSION_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The planner setting of the store's sessions: a sequential scan only where no index serves.
+///
+/// Every statement of a turn finds its rows by key, and a connection keeps the plan it makes
+/// for a prepared statement (and for the SQL functions it calls) until the statistics of a table
+/// it reads change. A plan made while a table was empty, or analyzed empty, reads it whole, and
+/// is kept while the table fills: a receipt slot is emptied before it is written again, and
+/// autovacuum analyzes it empty; with the plans made then, each turn's receipt check read the
+/// whole slot as it filled, 15 to 23 times fewer turns a second, until autovacuum analyzed it
+/// again (`bench/RESULTS.md`; the state table on a new deployment does the same in its first
+/// minute).
+/// Off, a sequential scan costs the planner more than any index path, so it is chosen only where
+/// no index serves (the receipts' clock, a sweep over a column without one).
+///
+/// JIT compilation goes off with it: a plan with such a scan then costs more than JIT's
+/// threshold, and every execution of a statement of microseconds was compiled, in 50 ms (seen).
+/// A URL whose options set `enable_seqscan` itself keeps its own options as they are.
+const PLANS_BY_INDEX: &str = "-c enable_seqscan=off -c jit=off";
+
 /// How statements reach PostgreSQL.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Statements {
@@ -710,7 +728,7 @@ impl DatabaseUrl {
         if statements == Statements::Prepared {
             // Turnstile's schema first (`migrate` sets the same for the role, in this database,
             // for sessions through a pooler, which cannot carry options), after any options the
-            // URL gives.
+            // URL gives; and plans that find rows by index ([`PLANS_BY_INDEX`]).
             let search_path = format!("-c search_path={},public", self.schema());
             let options = match config.get_options() {
                 None => format!(
@@ -719,6 +737,11 @@ impl DatabaseUrl {
                 ),
                 Some(given) if given.contains("search_path") => given.to_owned(),
                 Some(given) => format!("{given} {search_path}"),
+            };
+            let options = if options.contains("enable_seqscan") {
+                options
+            } else {
+                format!("{options} {PLANS_BY_INDEX}")
             };
             config.options(options);
         }
