@@ -198,21 +198,7 @@ async fn group_commit_batches_by_node_without_two_phase_commit() {
     })
     .await
     .unwrap();
-    let url = citus.fresh_database().await;
-    let name = url
-        .parse::<tokio_postgres::Config>()
-        .unwrap()
-        .get_dbname()
-        .unwrap()
-        .to_owned();
-    let url = DatabaseUrl::new(url);
-    postgres::migrate_with(&url, CitusLayout::Required)
-        .await
-        .unwrap();
-    let mut nodes = vec![support::pg::session(&citus.coordinator.url(&name)).await];
-    for worker in &citus.workers {
-        nodes.push(support::pg::session(&worker.url(&name)).await);
-    }
+    let (url, _, nodes) = migrated_on_every_node(&citus).await;
     let two_phase = || async {
         let mut counts = Vec::new();
         for node in &nodes {
@@ -292,21 +278,7 @@ async fn a_load_on_citus_looks_for_tombstones_only_of_keys_without_a_row() {
         return;
     }
     let citus = support::citus::shared();
-    let url = citus.fresh_database().await;
-    let name = url
-        .parse::<tokio_postgres::Config>()
-        .unwrap()
-        .get_dbname()
-        .unwrap()
-        .to_owned();
-    let url = DatabaseUrl::new(url);
-    postgres::migrate_with(&url, CitusLayout::Required)
-        .await
-        .unwrap();
-    let mut nodes = vec![support::pg::session(&citus.coordinator.url(&name)).await];
-    for worker in &citus.workers {
-        nodes.push(support::pg::session(&worker.url(&name)).await);
-    }
+    let (url, name, nodes) = migrated_on_every_node(citus).await;
     // Citus hides its shards from the catalog (so from the statistics' views) unless asked.
     for node in &nodes {
         node.batch_execute("SET citus.show_shards_for_app_name_prefixes = '*'")
@@ -434,4 +406,27 @@ async fn a_load_on_citus_looks_for_tombstones_only_of_keys_without_a_row() {
         "{} tombstone lookups for {TURNS} held loads of two keys without rows",
         held_without_rows - without_rows
     );
+}
+
+/// A fresh database of `citus` migrated into Citus' layout: its URL and name, and a session on it
+/// on every node, the coordinator's first.
+async fn migrated_on_every_node(
+    citus: &support::citus::CitusCluster,
+) -> (DatabaseUrl, String, Vec<tokio_postgres::Client>) {
+    let url = citus.fresh_database().await;
+    let name = url
+        .parse::<tokio_postgres::Config>()
+        .unwrap()
+        .get_dbname()
+        .unwrap()
+        .to_owned();
+    let url = DatabaseUrl::new(url);
+    postgres::migrate_with(&url, CitusLayout::Required)
+        .await
+        .unwrap();
+    let mut nodes = vec![support::pg::session(&citus.coordinator.url(&name)).await];
+    for worker in &citus.workers {
+        nodes.push(support::pg::session(&worker.url(&name)).await);
+    }
+    (url, name, nodes)
 }
