@@ -206,7 +206,7 @@ if instructions:
 if states:
     w("## Throughput and p99 against state size")
     w("")
-    w("10,000 conversations, 32 calls in flight (turnstile-bench), each state padded to the size shown; pgbench updates the same size of state. Each round starts on emptied tables and analyzes the state table after its prefill, as autovacuum does within a minute or so of a running service's start: the plans the server made on the empty table scan every row at each commit (`bench/RESULTS.md`, 2026-11-29 03:35).")
+    w("10,000 conversations, 32 calls in flight (turnstile-bench), each state padded to the size shown; pgbench updates the same size of state. Each round starts on emptied tables and analyzes the state table after its prefill, as autovacuum does within a minute or so of a running service's start (builds before b54e6b7 planned their commits on the empty table to read every row, `bench/RESULTS.md`, 2026-11-29).")
     w("")
     w("| state | layout | Turnstile turns/s | pgbench turns/s | ratio | Turnstile p99 | pgbench p99 |")
     w("|---|---|---|---|---|---|---|")
