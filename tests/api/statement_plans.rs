@@ -172,14 +172,14 @@ async fn scans_of(admin: &tokio_postgres::Client, table: &str) -> (i64, i64) {
 /// in a `VALUES` list (`pg_stat_statements` shows the subscripts as parameters).
 const ALONE: &str = "FROM (VALUES (($1::text[])";
 
-/// Index scans of the tombstone table, once PostgreSQL's statistics have settled: backends
-/// report their counts when idle, a second or more later, and when they exit.
-async fn settled_tombstone_lookups(admin: &tokio_postgres::Client) -> i64 {
+/// What `read` reads once PostgreSQL's statistics have settled: backends report their counts
+/// when idle, a second or more later, and when they exit.
+async fn settled<T: PartialEq, F: std::future::Future<Output = T>>(read: impl Fn() -> F) -> T {
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
-    let mut last = scans_of(admin, "turnstile_tombstone").await.1;
+    let mut last = read().await;
     loop {
         tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
-        let now = scans_of(admin, "turnstile_tombstone").await.1;
+        let now = read().await;
         if now == last {
             return now;
         }
@@ -189,6 +189,11 @@ async fn settled_tombstone_lookups(admin: &tokio_postgres::Client) -> i64 {
         );
         last = now;
     }
+}
+
+/// Index scans of the tombstone table, once the statistics have settled.
+async fn settled_tombstone_lookups(admin: &tokio_postgres::Client) -> i64 {
+    settled(|| async { scans_of(admin, "turnstile_tombstone").await.1 }).await
 }
 
 /// A load looks for a key's erasure tombstone only when the key has no row: most keys a turn loads
@@ -273,9 +278,9 @@ async fn loads_read_together_look_rows_up_by_index_in_a_small_table() {
 }
 
 /// Seq scans of the receipts' slots so far, and the rows they read, once the statistics have
-/// settled (backends report their counts when idle, and when they exit).
+/// settled.
 async fn settled_receipt_seq_scans(admin: &tokio_postgres::Client) -> (i64, i64) {
-    let read = || async {
+    settled(|| async {
         let row = admin
             .query_one(
                 "SELECT coalesce(sum(seq_scan), 0)::int8, coalesce(sum(seq_tup_read), 0)::int8 \
@@ -285,21 +290,8 @@ async fn settled_receipt_seq_scans(admin: &tokio_postgres::Client) -> (i64, i64)
             .await
             .unwrap();
         (row.get::<_, i64>(0), row.get::<_, i64>(1))
-    };
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
-    let mut last = read().await;
-    loop {
-        tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
-        let now = read().await;
-        if now == last {
-            return now;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the statistics never settled"
-        );
-        last = now;
-    }
+    })
+    .await
 }
 
 /// A receipt is looked up by its key's index however small its slot was when the plans were
