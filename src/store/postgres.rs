@@ -138,13 +138,23 @@ mod embedded {
     refinery::embed_migrations!("migrations");
 }
 
-/// The load's last part: the receipt of `$2`, when it is not NULL.
+/// The load's last part: the receipt of `$2`, when it is not NULL. `$receipt_and`, if given, is a
+/// condition on the receipt put before its key's (`"shard = $3 AND "` on Citus).
 macro_rules! load_receipt {
     () => {
-        "SELECT 1::int2, key, payload, 0, NULL FROM ( \
-           SELECT key, payload FROM turnstile_receipt WHERE key = $2 \
-           UNION ALL \
-           SELECT key, payload FROM turnstile_receipt_legacy WHERE key = $2 LIMIT 1) r"
+        load_receipt!("")
+    };
+    ($receipt_and:literal) => {
+        concat!(
+            "SELECT 1::int2, key, payload, 0, NULL FROM ( \
+               SELECT key, payload FROM turnstile_receipt WHERE ",
+            $receipt_and,
+            "key = $2 \
+               UNION ALL \
+               SELECT key, payload FROM turnstile_receipt_legacy WHERE ",
+            $receipt_and,
+            "key = $2 LIMIT 1) r"
+        )
     };
 }
 
@@ -239,8 +249,8 @@ macro_rules! rows_or_tombstones {
     };
 }
 
-// Declared below the macros its statements share (`rows_or_tombstones!`): a macro is seen only
-// after its definition.
+// Declared below the macros its statements share (`rows_or_tombstones!`, `load_receipt!`): a
+// macro is seen only after its definition.
 mod citus;
 
 /// The rows or tombstones of keys `$1` (`rows_or_tombstones!` of `$keys`) and, when `$2` is not
@@ -545,6 +555,7 @@ const SESSION_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// whole slot as it filled, 15 to 23 times fewer turns a second, until autovacuum analyzed it
 /// again (`bench/RESULTS.md`; the state table on a new deployment does the same in its first
 /// minute).
+///
 /// Off, a sequential scan costs the planner more than any index path, so it is chosen only where
 /// no index serves (the receipts' clock, a sweep over a column without one).
 ///

@@ -394,12 +394,8 @@ async fn layout_of(client: &tokio_postgres::Client) -> Result<Option<bool>, toki
 const LOAD_SHARD: Sql = Sql {
     text: concat!(
         rows_or_tombstones!("unnest($1::text[])", "shard = $3 AND "),
-        " UNION ALL \
-         SELECT 1::int2, key, payload, 0, NULL FROM ( \
-           SELECT key, payload FROM turnstile_receipt WHERE shard = $3 AND key = $2 \
-           UNION ALL \
-           SELECT key, payload FROM turnstile_receipt_legacy WHERE shard = $3 AND key = $2 \
-            LIMIT 1) r"
+        " UNION ALL ",
+        load_receipt!("shard = $3 AND ")
     ),
     types: &[Type::TEXT_ARRAY, Type::TEXT, Type::TEXT],
     on_citus: None,
