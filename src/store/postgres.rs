@@ -561,8 +561,10 @@ const SESSION_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 ///
 /// JIT compilation goes off with it: a plan with such a scan then costs more than JIT's
 /// threshold, and every execution of a statement of microseconds was compiled, in 50 ms (seen).
-/// A URL whose options set `enable_seqscan` itself keeps its own options as they are.
-const PLANS_BY_INDEX: &str = "-c enable_seqscan=off -c jit=off";
+/// A URL whose options set `enable_seqscan` itself keeps its own options as they are. Sessions
+/// through a transaction-mode pooler, which carry no startup options, get the same from the role
+/// (`migrate` sets them there: `layout::settle`).
+const PLANS_BY_INDEX: [(&str, &str); 2] = [("enable_seqscan", "off"), ("jit", "off")];
 
 /// How statements reach PostgreSQL.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -752,7 +754,9 @@ impl DatabaseUrl {
             let options = if options.contains("enable_seqscan") {
                 options
             } else {
-                format!("{options} {PLANS_BY_INDEX}")
+                PLANS_BY_INDEX
+                    .iter()
+                    .fold(options, |o, (name, value)| format!("{o} -c {name}={value}"))
             };
             config.options(options);
         }
@@ -2002,6 +2006,41 @@ mod tests {
         };
         assert_eq!(io_kind(&e), Some(std::io::ErrorKind::ConnectionRefused));
         assert!(matches!(classify(e), StoreError::Unavailable(_)));
+    }
+
+    /// The options a pooled connection starts with, for `url`.
+    fn startup_options(url: &str, statements: Statements) -> Option<String> {
+        let connector = DatabaseUrl::new(url).connector(statements).expect("a URL");
+        connector.config().get_options().map(str::to_owned)
+    }
+
+    #[test]
+    fn sessions_plan_by_index_unless_the_url_sets_enable_seqscan() {
+        let plain = startup_options("postgres://app@h/db", Statements::Prepared).expect("options");
+        assert!(plain.contains("-c search_path="), "{plain}");
+        assert!(
+            plain.ends_with("-c enable_seqscan=off -c jit=off"),
+            "{plain}"
+        );
+        let given = startup_options(
+            "postgres://app@h/db?options=-c%20enable_seqscan%3Don%20-c%20work_mem%3D8MB",
+            Statements::Prepared,
+        )
+        .expect("the URL's options");
+        assert!(
+            given.starts_with("-c enable_seqscan=on -c work_mem=8MB"),
+            "{given}"
+        );
+        assert!(given.contains("-c search_path="), "{given}");
+        assert!(
+            !given.contains("enable_seqscan=off") && !given.contains("jit"),
+            "{given}"
+        );
+        // Behind a transaction-mode pooler: no startup options at all (the role carries them).
+        assert_eq!(
+            startup_options("postgres://app@h/db", Statements::Unprepared),
+            None
+        );
     }
 
     #[test]

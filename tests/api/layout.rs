@@ -182,3 +182,47 @@ async fn a_database_laid_out_in_public_moves_with_every_row_and_keeps_serving_ol
     assert!(texts(&last)[0].ends_with("cheese, mushroom."), "{last:?}");
     app.stop().await.unwrap();
 }
+
+/// What a session of `url` opened without startup options (as through a transaction-mode
+/// pooler) gets for `setting`.
+async fn without_options(url: &str, setting: &str) -> String {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+        .query_one(&format!("SHOW {setting}"), &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Sessions through a transaction-mode pooler carry no startup options: `migrate` sets for its
+/// role, in this database, the schema and the planner settings a pooled connection of the
+/// service's own starts with, and keeps any the operator set there before.
+#[tokio::test]
+async fn migrate_gives_the_role_the_sessions_settings_and_keeps_the_operators_own() {
+    let url = support::pg::fresh_database().await;
+    support::pg::session(&url)
+        .await
+        .batch_execute(
+            "DO $$ BEGIN EXECUTE format('ALTER ROLE %I IN DATABASE %I SET jit = on', \
+             current_user, current_database()); END $$",
+        )
+        .await
+        .unwrap();
+    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
+    assert_eq!(
+        without_options(&url, "search_path").await,
+        "turnstile, public"
+    );
+    assert_eq!(without_options(&url, "enable_seqscan").await, "off");
+    assert_eq!(
+        without_options(&url, "jit").await,
+        "on",
+        "the operator's own"
+    );
+    // Another database of the cluster is not touched.
+    let other = support::pg::fresh_database().await;
+    assert_eq!(without_options(&other, "enable_seqscan").await, "on");
+}

@@ -8,6 +8,7 @@
 
 use turnstile::BotRegistry;
 use turnstile::bots::CounterBot;
+use turnstile::store::postgres::Statements;
 
 use crate::support::{self, TestApp, say};
 
@@ -302,9 +303,27 @@ async fn settled_receipt_seq_scans(admin: &tokio_postgres::Client) -> (i64, i64)
 /// (`bench/RESULTS.md`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn receipts_are_looked_up_by_index_after_their_slot_was_analyzed_empty() {
+    receipts_by_index_after_an_empty_analyze(Statements::Prepared).await;
+}
+
+/// The same through a transaction-mode pooler's sessions, which carry no startup options: the
+/// statements are planned at each execution, but the receipt check's function keeps its plans
+/// on the session as a prepared statement does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unprepared_receipts_are_looked_up_by_index_after_their_slot_was_analyzed_empty() {
+    receipts_by_index_after_an_empty_analyze(Statements::Unprepared).await;
+}
+
+async fn receipts_by_index_after_an_empty_analyze(statements: Statements) {
     let url = support::pg::fresh_database().await;
     let admin = support::pg::session(&url).await;
-    let mut app = TestApp::on(&url).spawn().await;
+    let mut app = TestApp::on(&url)
+        .config(|mut c| {
+            c.statements = statements;
+            c
+        })
+        .spawn()
+        .await;
     say(&mut app.client, "slot-first", "one").await;
     // The slots analyzed (nearly) empty, as autovacuum does after a slot is emptied.
     admin
@@ -332,7 +351,7 @@ async fn receipts_are_looked_up_by_index_after_their_slot_was_analyzed_empty() {
     assert_eq!(
         read_after - read,
         0,
-        "40 turns read {} receipts in {} whole reads of the slots",
+        "40 turns ({statements:?}) read {} receipts in {} whole reads of the slots",
         read_after - read,
         scans_after - scans
     );

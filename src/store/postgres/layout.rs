@@ -14,7 +14,8 @@
 //!
 //! A session finds the schema by its `search_path`: a pooled connection sets it at startup, and
 //! for sessions through a transaction-mode pooler, which cannot carry startup options, `migrate`
-//! sets it for the role in this database, unless the role has a setting there already.
+//! sets it for the role in this database, unless the role has a setting there already; the
+//! planner settings of the service's sessions likewise.
 
 use tokio_postgres::Client;
 
@@ -93,7 +94,8 @@ pub(super) async fn prepare(
 }
 
 /// Once the migrations ran: the functions that read tables find them in `schema` whoever calls
-/// them (an older replica through `public`), and the role finds them without startup options.
+/// them (an older replica through `public`), and the role's sessions get without startup options
+/// what a pooled connection's carry ([`role_settings`]).
 ///
 /// # Errors
 /// A statement failed.
@@ -104,22 +106,38 @@ pub(super) async fn settle(client: &Client, schema: &Schema) -> Result<(), tokio
             "ALTER FUNCTION {schema}.{function} SET search_path = {schema}, public;\n"
         ));
     }
-    // For the role, in this database only, and only where nothing is set: an operator's own
+    // For the role, in this database only, and each only where nothing is set: an operator's own
     // setting wins.
-    sql.push_str(&format!(
-        "DO $$ BEGIN
-           IF NOT EXISTS (
-               SELECT 1 FROM pg_db_role_setting s JOIN pg_roles r ON r.oid = s.setrole
-                 JOIN pg_database d ON d.oid = s.setdatabase
-                WHERE r.rolname = current_user AND d.datname = current_database()
-                  AND EXISTS (SELECT 1 FROM unnest(s.setconfig) c WHERE c LIKE 'search_path=%'))
-           THEN
-               EXECUTE format('ALTER ROLE %I IN DATABASE %I SET search_path = {schema}, public',
-                              current_user, current_database());
-           END IF;
-         END $$;"
-    ));
+    for (name, value) in role_settings(schema) {
+        sql.push_str(&format!(
+            "DO $$ BEGIN
+               IF NOT EXISTS (
+                   SELECT 1 FROM pg_db_role_setting s JOIN pg_roles r ON r.oid = s.setrole
+                     JOIN pg_database d ON d.oid = s.setdatabase
+                    WHERE r.rolname = current_user AND d.datname = current_database()
+                      AND EXISTS (SELECT 1 FROM unnest(s.setconfig) c WHERE c LIKE '{name}=%'))
+               THEN
+                   EXECUTE format('ALTER ROLE %I IN DATABASE %I SET {name} = {value}',
+                                  current_user, current_database());
+               END IF;
+             END $$;\n"
+        ));
+    }
     client.batch_execute(&sql).await
+}
+
+/// What `migrate` sets for its role in this database, for sessions through a transaction-mode
+/// pooler, which cannot carry the startup options a pooled connection of the service's own sets:
+/// the schema, and plans that find rows by index ([`super::PLANS_BY_INDEX`]). Through a pooler the
+/// statements are planned at each execution, but the receipt check's function keeps its plans on
+/// the session as a prepared statement does, and a plan it made while a slot was analyzed empty
+/// read the slot whole at every commit.
+fn role_settings(schema: &Schema) -> impl Iterator<Item = (&'static str, String)> {
+    std::iter::once(("search_path", format!("{schema}, public"))).chain(
+        super::PLANS_BY_INDEX
+            .iter()
+            .map(|(name, value)| (*name, (*value).to_owned())),
+    )
 }
 
 /// The statements that move an older release's objects from `public` into `schema` and leave
