@@ -95,7 +95,7 @@ pub(super) async fn prepare(
 
 /// Once the migrations ran: the functions that read tables find them in `schema` whoever calls
 /// them (an older replica through `public`), and the role's sessions get without startup options
-/// what a pooled connection's carry ([`role_settings`]).
+/// what a pooled connection's carry.
 ///
 /// # Errors
 /// A statement failed.
@@ -107,8 +107,17 @@ pub(super) async fn settle(client: &Client, schema: &Schema) -> Result<(), tokio
         ));
     }
     // For the role, in this database only, and each only where nothing is set: an operator's own
-    // setting wins.
-    for (name, value) in role_settings(schema) {
+    // setting wins. These are what a pooled connection of the service's own carries as startup
+    // options, which a transaction-mode pooler cannot: the schema, and plans that find rows by
+    // index ([`super::PLANS_BY_INDEX`]). Through such a pooler the statements are planned at each
+    // execution, but the receipt check's function keeps its plans on the session as a prepared
+    // statement does, and a plan it made while a slot was analyzed empty read the slot whole at
+    // every commit.
+    let search_path = format!("{schema}, public");
+    for (name, value) in [("search_path", search_path.as_str())]
+        .into_iter()
+        .chain(super::PLANS_BY_INDEX)
+    {
         sql.push_str(&format!(
             "DO $$ BEGIN
                IF NOT EXISTS (
@@ -124,20 +133,6 @@ pub(super) async fn settle(client: &Client, schema: &Schema) -> Result<(), tokio
         ));
     }
     client.batch_execute(&sql).await
-}
-
-/// What `migrate` sets for its role in this database, for sessions through a transaction-mode
-/// pooler, which cannot carry the startup options a pooled connection of the service's own sets:
-/// the schema, and plans that find rows by index ([`super::PLANS_BY_INDEX`]). Through a pooler the
-/// statements are planned at each execution, but the receipt check's function keeps its plans on
-/// the session as a prepared statement does, and a plan it made while a slot was analyzed empty
-/// read the slot whole at every commit.
-fn role_settings(schema: &Schema) -> impl Iterator<Item = (&'static str, String)> {
-    std::iter::once(("search_path", format!("{schema}, public"))).chain(
-        super::PLANS_BY_INDEX
-            .iter()
-            .map(|(name, value)| (*name, (*value).to_owned())),
-    )
 }
 
 /// The statements that move an older release's objects from `public` into `schema` and leave
