@@ -107,6 +107,7 @@ macro_rules! tombstone_version {
 }
 
 mod batch_failure;
+mod bytewise;
 mod diagnose;
 mod group_commit;
 mod group_load;
@@ -1015,6 +1016,14 @@ async fn apply(
             source,
         })?;
     let citus = citus::apply(client, layout).await?;
+    if citus == Citus::Absent {
+        bytewise::receipt_keys(client, schema)
+            .await
+            .map_err(|source| DatabaseError::Session {
+                doing: "rebuilding the receipt slots' key indexes to compare bytewise",
+                source,
+            })?;
+    }
     Ok((report.applied_migrations().len(), citus))
 }
 

@@ -22,6 +22,7 @@ mod admin;
 mod auth;
 mod bad_input;
 mod binary;
+mod bytewise_keys;
 mod citus;
 mod connection_age;
 mod directline;

@@ -282,11 +282,15 @@ fn shared() -> &'static Server {
 
 /// A new, empty database on the shared server; returns its URL.
 pub async fn fresh_database() -> String {
-    let admin_url = match shared() {
+    create_database(&admin_url()).await
+}
+
+/// The shared server's URL for creating databases.
+fn admin_url() -> String {
+    match shared() {
         Server::Url(url) => url.clone(),
         Server::Cluster(c) => c.url("postgres"),
-    };
-    create_database(&admin_url).await
+    }
 }
 
 /// A session of the test's own on `url`, its connection driven on a task of its own.
@@ -308,7 +312,23 @@ pub async fn fresh_database_in(cluster: &Cluster) -> String {
     create_database(&cluster.url("postgres")).await
 }
 
+/// A new, empty database on the shared server that compares text by ICU's rules for `locale`
+/// (`en-US`), as a packaged or hosted PostgreSQL's databases compare it by their locale's, where
+/// the shared cluster's compare bytewise (`C`); returns its URL. ICU's collations are built into
+/// PostgreSQL, so no locale need be installed on the machine.
+pub async fn fresh_database_collated(locale: &str) -> String {
+    create_database_with(
+        &admin_url(),
+        &format!("TEMPLATE template0 LOCALE_PROVIDER icu ICU_LOCALE '{locale}'"),
+    )
+    .await
+}
+
 async fn create_database(admin_url: &str) -> String {
+    create_database_with(admin_url, "").await
+}
+
+async fn create_database_with(admin_url: &str, options: &str) -> String {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     let name = format!(
         "turnstile_test_{}_{}",
@@ -317,7 +337,7 @@ async fn create_database(admin_url: &str) -> String {
     );
     session(admin_url)
         .await
-        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .batch_execute(&format!("CREATE DATABASE {name} {options}"))
         .await
         .expect("creating a test database");
     let mut config: tokio_postgres::Config = admin_url.parse().expect("a valid admin URL");

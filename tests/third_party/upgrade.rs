@@ -168,6 +168,23 @@ impl Finished {
     }
 }
 
+/// How many receipt slots' key indexes compare bytewise (`src/store/postgres/bytewise.rs`).
+async fn bytewise_slots(url: &str) -> i64 {
+    support::pg::session(url)
+        .await
+        .query_one(
+            "SELECT count(*) FROM generate_series(0, 3) n \
+               JOIN pg_index i ON i.indexrelid = \
+                    format('turnstile.turnstile_receipt_%s_pkey', n)::regclass \
+               JOIN pg_opclass o ON o.oid = i.indclass[0] \
+              WHERE o.opcname = 'text_pattern_ops' AND i.indisvalid",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
 /// The schema version the database's migration history reaches.
 async fn schema_version(url: &str) -> i64 {
     support::pg::session(url)
@@ -573,7 +590,9 @@ async fn old_and_new_replicas_serving_together_through_a_rollout_lose_and_double
             .unwrap()
     };
     let started = Instant::now();
-    let url = support::pg::fresh_database().await;
+    // Collated by a locale's rules, as a hosted PostgreSQL's databases are: the new replicas'
+    // migration then rebuilds the receipt slots' key indexes (bytewise) while the old serve.
+    let url = support::pg::fresh_database_collated("en-US").await;
     let mut fleet = Fleet::new_with_env(
         &url,
         &[
@@ -608,6 +627,11 @@ async fn old_and_new_replicas_serving_together_through_a_rollout_lose_and_double
         new_schema,
         newest_migration(),
         "the new replicas migrated the schema to the newest version"
+    );
+    assert_eq!(
+        bytewise_slots(&url).await,
+        4,
+        "the new replicas' migration rebuilt every receipt slot's key index to compare bytewise"
     );
 
     // 3. An old pod (re)started mid-rollout, on the new schema, with migrations off as the chart

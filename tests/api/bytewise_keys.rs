@@ -1,0 +1,184 @@
+//! Receipt keys compared bytewise on a database whose collation is a locale's
+//! (`src/store/postgres/bytewise.rs`): `migrate` rebuilds each receipt slot's key index with
+//! `text_pattern_ops` under its old name, leaves a `C` database's as they are, finishes what an
+//! interrupted build left, and redeliveries are still answered from their receipts. On real
+//! PostgreSQL, with ICU's `en-US` collation.
+#![allow(clippy::unwrap_used)]
+
+use crate::support;
+
+use support::{TestApp, message, texts};
+use turnstile::grpc::pb;
+use turnstile::store::postgres::{self, DatabaseUrl};
+
+/// Each slot's `turnstile_receipt_N_pkey`: its operator class, whether it is unique and valid,
+/// and whether a constraint owns it.
+async fn slot_keys(url: &str) -> Vec<(String, bool, bool, bool)> {
+    support::pg::session(url)
+        .await
+        .query(
+            "SELECT o.opcname::text, i.indisunique, i.indisvalid, \
+                    EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid) \
+               FROM generate_series(0, 3) n \
+               JOIN pg_index i ON i.indexrelid = \
+                    format('turnstile.turnstile_receipt_%s_pkey', n)::regclass \
+               JOIN pg_opclass o ON o.oid = i.indclass[0] \
+              ORDER BY n",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect()
+}
+
+/// How many `_bytewise` indexes are left over.
+async fn leftovers(url: &str) -> i64 {
+    support::pg::session(url)
+        .await
+        .query_one(
+            "SELECT count(*) FROM pg_class WHERE relname LIKE 'turnstile_receipt_%_bytewise'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+fn rebuilt() -> Vec<(String, bool, bool, bool)> {
+    vec![("text_pattern_ops".into(), true, true, false); 4]
+}
+
+#[tokio::test]
+async fn on_a_locale_collated_database_receipt_keys_are_compared_bytewise_by_the_same_names() {
+    let url = support::pg::fresh_database_collated("en-US").await;
+    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
+    assert_eq!(slot_keys(&url).await, rebuilt());
+    assert_eq!(leftovers(&url).await, 0);
+
+    // The receipt check's lookup goes through them.
+    let plan: Vec<String> = support::pg::session(&url)
+        .await
+        .query(
+            "EXPLAIN (COSTS OFF) SELECT 1 FROM turnstile_receipt WHERE key = 'x/y'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for n in 0..4 {
+        assert!(
+            plan.iter()
+                .any(|l| l.contains(&format!("using turnstile_receipt_{n}_pkey"))),
+            "slot {n} looked up by its key index: {plan:#?}"
+        );
+    }
+
+    // Migrating again changes nothing.
+    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
+    assert_eq!(slot_keys(&url).await, rebuilt());
+
+    // Exactly once, as before: a redelivery is answered from its receipt, the bot not run again.
+    let mut app = TestApp::on(&url).spawn().await;
+    let send = |id: &str| {
+        pb::ProcessTurnRequest::typed(
+            pb::Activity {
+                id: Some(id.into()),
+                ..message("c1", "alice", "hi")
+            },
+            "counter",
+        )
+    };
+    let first = app
+        .client
+        .process_turn(send("a1"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(texts(&first), ["count: 1"]);
+    let again = app
+        .client
+        .process_turn(send("a1"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(again.redelivered, "answered from the receipt");
+    assert_eq!(again.activities, first.activities);
+    let next = app
+        .client
+        .process_turn(send("a2"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(texts(&next), ["count: 2"], "the redelivery did not count");
+
+    // A receipt written twice is refused under the name the statements know.
+    let session = support::pg::session(&url).await;
+    let slot: i16 = session
+        .query_one("SELECT slot FROM turnstile_receipt LIMIT 1", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let twice = session
+        .batch_execute(&format!(
+            "INSERT INTO turnstile_receipt (slot, key, payload) \
+             SELECT slot, key, payload FROM turnstile_receipt WHERE slot = {slot} LIMIT 1"
+        ))
+        .await
+        .unwrap_err();
+    let db = twice.as_db_error().unwrap();
+    assert_eq!(
+        db.code(),
+        &tokio_postgres::error::SqlState::UNIQUE_VIOLATION
+    );
+    assert_eq!(
+        db.constraint(),
+        Some(format!("turnstile_receipt_{slot}_pkey").as_str())
+    );
+}
+
+#[tokio::test]
+async fn a_database_that_compares_bytewise_keeps_its_primary_keys() {
+    let url = support::pg::fresh_database().await;
+    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
+    assert_eq!(
+        slot_keys(&url).await,
+        vec![("text_ops".into(), true, true, true); 4]
+    );
+}
+
+#[tokio::test]
+async fn a_build_left_invalid_is_done_again() {
+    let url = support::pg::fresh_database_collated("en-US").await;
+    // Slot 0 with its primary key, as the release before left it; then a build of its that
+    // failed (two receipts written at one moment are not unique by time), invalid, as an
+    // interrupted migration leaves it.
+    let session = support::pg::session(&url).await;
+    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
+    session
+        .batch_execute(
+            "DROP INDEX turnstile_receipt_0_pkey; \
+             ALTER TABLE turnstile_receipt_0 ADD CONSTRAINT turnstile_receipt_0_pkey \
+                 PRIMARY KEY (key); \
+             INSERT INTO turnstile_receipt_0 (slot, key, payload) \
+                 VALUES (0, 'a', '{}'), (0, 'b', '{}')",
+        )
+        .await
+        .unwrap();
+    let failed = session
+        .batch_execute(
+            "CREATE UNIQUE INDEX CONCURRENTLY turnstile_receipt_0_bytewise \
+                 ON turnstile_receipt_0 (created_at)",
+        )
+        .await;
+    assert!(failed.is_err(), "the build fails");
+    assert_eq!(leftovers(&url).await, 1, "and leaves its index behind");
+    assert_eq!(slot_keys(&url).await[0].0, "text_ops");
+
+    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
+    assert_eq!(slot_keys(&url).await, rebuilt());
+    assert_eq!(leftovers(&url).await, 0);
+}
