@@ -46,6 +46,19 @@ async fn leftovers(url: &str) -> i64 {
         .get(0)
 }
 
+/// Activity `id` of conversation `c1` to the counter bot.
+async fn counted(app: &mut TestApp, id: &str) -> pb::ProcessTurnResponse {
+    let activity = pb::Activity {
+        id: Some(id.into()),
+        ..message("c1", "alice", "hi")
+    };
+    app.client
+        .process_turn(pb::ProcessTurnRequest::typed(activity, "counter"))
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 fn rebuilt() -> Vec<(String, bool, bool, bool)> {
     vec![("text_pattern_ops".into(), true, true, false); 4]
 }
@@ -83,36 +96,12 @@ async fn on_a_locale_collated_database_receipt_keys_are_compared_bytewise_by_the
 
     // Exactly once, as before: a redelivery is answered from its receipt, the bot not run again.
     let mut app = TestApp::on(&url).spawn().await;
-    let send = |id: &str| {
-        pb::ProcessTurnRequest::typed(
-            pb::Activity {
-                id: Some(id.into()),
-                ..message("c1", "alice", "hi")
-            },
-            "counter",
-        )
-    };
-    let first = app
-        .client
-        .process_turn(send("a1"))
-        .await
-        .unwrap()
-        .into_inner();
+    let first = counted(&mut app, "a1").await;
     assert_eq!(texts(&first), ["count: 1"]);
-    let again = app
-        .client
-        .process_turn(send("a1"))
-        .await
-        .unwrap()
-        .into_inner();
+    let again = counted(&mut app, "a1").await;
     assert!(again.redelivered, "answered from the receipt");
     assert_eq!(again.activities, first.activities);
-    let next = app
-        .client
-        .process_turn(send("a2"))
-        .await
-        .unwrap()
-        .into_inner();
+    let next = counted(&mut app, "a2").await;
     assert_eq!(texts(&next), ["count: 2"], "the redelivery did not count");
 
     // A receipt written twice is refused under the name the statements know.
