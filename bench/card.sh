@@ -55,7 +55,7 @@ record "$(python3 - "$(git rev-parse --short HEAD)" "$(git status --porcelain | 
     "$(sql "SELECT string_agg(name || '=' || setting || coalesce(unit, ''), ' ' ORDER BY name) FROM pg_settings
             WHERE name IN ('shared_buffers', 'max_connections', 'synchronous_commit', 'fsync', 'wal_level',
                            'max_wal_size', 'checkpoint_timeout', 'work_mem', 'effective_cache_size',
-                           'random_page_cost', 'jit', 'huge_pages')")" <<'PY'
+                           'random_page_cost', 'jit', 'huge_pages', 'lc_collate')")" <<'PY'
 import json, os, platform, sys
 commit, dirty, flush, pg, options, settings = sys.argv[1:]
 model = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")

@@ -123,8 +123,9 @@ w("# Turnstile's load card")
 w("")
 w(
     "Written by `bench/run.sh --card` (bench/card.sh): the release server **as shipped** (default "
-    "settings, default log filter), PostgreSQL in a throwaway cluster with its default settings, on "
-    "this project's shared build machine. Throughputs are compared with pgbench running the naive "
+    "settings, default log filter), PostgreSQL in a throwaway cluster with its default settings, "
+    "created without a locale (`lc_collate=C`: `PG_LOCALE` gives it one, as hosted PostgreSQL often "
+    "has; README, \"The database's collation\"), on this project's shared build machine. Throughputs are compared with pgbench running the naive "
     "per-turn SQL (read the state and its version, then a conditional update) over the same keys, "
     "state size and concurrency, back to back in each round; the round with the median ratio is "
     "shown. Absolute figures move with the machine's load; the ratios are the card's measure. "

@@ -1017,12 +1017,23 @@ async fn apply(
         })?;
     let citus = citus::apply(client, layout).await?;
     if citus == Citus::Absent {
-        bytewise::receipt_keys(client, schema)
-            .await
-            .map_err(|source| DatabaseError::Session {
-                doing: "rebuilding the receipt slots' key indexes to compare bytewise",
-                source,
-            })?;
+        // Only faster: a rebuild that fails leaves the indexes as they were, correct, and the
+        // next migration tries again. A swap that waited too long for its lock is tried again
+        // now, with the rest of the attempt.
+        match bytewise::rebuild(client, schema).await {
+            Err(source) if source.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+                return Err(DatabaseError::Session {
+                    doing: "rebuilding the receipts' indexes to compare bytewise",
+                    source,
+                });
+            }
+            Err(error) => tracing::warn!(
+                %error,
+                "rebuilding the receipts' indexes to compare bytewise failed; they are left as \
+                 they were, and the next migration tries again"
+            ),
+            Ok(()) => {}
+        }
     }
     Ok((report.applied_migrations().len(), citus))
 }

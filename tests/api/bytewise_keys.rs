@@ -1,7 +1,8 @@
 //! Receipt keys compared bytewise on a database whose collation is a locale's
-//! (`src/store/postgres/bytewise.rs`): `migrate` rebuilds each receipt slot's key index with
-//! `text_pattern_ops` under its old name, leaves a `C` database's as they are, finishes what an
-//! interrupted build left, and redeliveries are still answered from their receipts. On real
+//! (`src/store/postgres/bytewise.rs`): `migrate` rebuilds each receipt slot's key index, and the
+//! conversation's and the user's index over the slots, with `text_pattern_ops` under their old
+//! names; leaves a `C` database's as they are; finishes what an interrupted build left; waits for
+//! a slot being emptied; and redeliveries are still answered from their receipts. On real
 //! PostgreSQL, with ICU's `en-US` collation.
 #![allow(clippy::unwrap_used)]
 
@@ -30,6 +31,28 @@ async fn slot_keys(url: &str) -> Vec<(String, bool, bool, bool)> {
         .unwrap()
         .iter()
         .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect()
+}
+
+/// The conversation's and the user's index over the slots: operator class and validity, and
+/// how many slots' parts each has.
+async fn over_the_slots(url: &str) -> Vec<(String, bool, i64)> {
+    support::pg::session(url)
+        .await
+        .query(
+            "SELECT o.opcname::text, i.indisvalid, \
+                    (SELECT count(*) FROM pg_inherits h WHERE h.inhparent = i.indexrelid) \
+               FROM unnest(ARRAY['turnstile_receipt_conversation', 'turnstile_receipt_user']) \
+                    WITH ORDINALITY AS x(name, n) \
+               JOIN pg_index i ON i.indexrelid = format('turnstile.%s', x.name)::regclass \
+               JOIN pg_opclass o ON o.oid = i.indclass[0] \
+              ORDER BY x.n",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
         .collect()
 }
 
@@ -63,36 +86,55 @@ fn rebuilt() -> Vec<(String, bool, bool, bool)> {
     vec![("text_pattern_ops".into(), true, true, false); 4]
 }
 
+fn slots_rebuilt() -> Vec<(String, bool, i64)> {
+    vec![("text_pattern_ops".into(), true, 4); 2]
+}
+
 #[tokio::test]
 async fn on_a_locale_collated_database_receipt_keys_are_compared_bytewise_by_the_same_names() {
     let url = support::pg::fresh_database_collated("en-US").await;
     postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
     assert_eq!(slot_keys(&url).await, rebuilt());
+    assert_eq!(over_the_slots(&url).await, slots_rebuilt());
     assert_eq!(leftovers(&url).await, 0);
 
-    // The receipt check's lookup goes through them.
-    let plan: Vec<String> = support::pg::session(&url)
-        .await
-        .query(
-            "EXPLAIN (COSTS OFF) SELECT 1 FROM turnstile_receipt WHERE key = 'x/y'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    for n in 0..4 {
-        assert!(
-            plan.iter()
-                .any(|l| l.contains(&format!("using turnstile_receipt_{n}_pkey"))),
-            "slot {n} looked up by its key index: {plan:#?}"
-        );
+    // The receipt check's lookup, and an erasure's of a conversation's and of a user's receipts,
+    // go through them.
+    let session = support::pg::session(&url).await;
+    for (condition, index) in [
+        ("key = 'x/y'", "pkey"),
+        (
+            "turnstile_key_conversation(key) = 'webchat/c1'",
+            "conversation",
+        ),
+        (
+            "payload ? 'user' AND payload->>'user' = 'webchat/u1'",
+            "user",
+        ),
+    ] {
+        let plan: Vec<String> = session
+            .query(
+                &format!("EXPLAIN (COSTS OFF) SELECT 1 FROM turnstile_receipt WHERE {condition}"),
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        for n in 0..4 {
+            assert!(
+                plan.iter()
+                    .any(|l| l.contains(&format!("turnstile_receipt_{n}_{index}"))),
+                "slot {n} read by its {index} index: {plan:#?}"
+            );
+        }
     }
 
     // Migrating again changes nothing.
     postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
     assert_eq!(slot_keys(&url).await, rebuilt());
+    assert_eq!(over_the_slots(&url).await, slots_rebuilt());
 
     // Exactly once, as before: a redelivery is answered from its receipt, the bot not run again.
     let mut app = TestApp::on(&url).spawn().await;
@@ -105,7 +147,6 @@ async fn on_a_locale_collated_database_receipt_keys_are_compared_bytewise_by_the
     assert_eq!(texts(&next), ["count: 2"], "the redelivery did not count");
 
     // A receipt written twice is refused under the name the statements know.
-    let session = support::pg::session(&url).await;
     let slot: i16 = session
         .query_one("SELECT slot FROM turnstile_receipt LIMIT 1", &[])
         .await
@@ -137,6 +178,45 @@ async fn a_database_that_compares_bytewise_keeps_its_primary_keys() {
         slot_keys(&url).await,
         vec![("text_ops".into(), true, true, true); 4]
     );
+    assert_eq!(
+        over_the_slots(&url).await,
+        vec![("text_ops".into(), true, 4); 2]
+    );
+}
+
+#[tokio::test]
+async fn an_index_over_the_slots_waits_for_a_slot_being_emptied() {
+    let url = support::pg::fresh_database_collated("en-US").await;
+    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
+    // The conversation's index as the release before left it, and slot 3 out of the table, as
+    // the upkeep takes a slot out to empty it.
+    let session = support::pg::session(&url).await;
+    session
+        .batch_execute(
+            "DROP INDEX turnstile_receipt_conversation; \
+             CREATE INDEX turnstile_receipt_conversation \
+                 ON turnstile_receipt (turnstile_key_conversation(key)); \
+             ALTER TABLE turnstile_receipt DETACH PARTITION turnstile_receipt_3",
+        )
+        .await
+        .unwrap();
+    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
+    assert_eq!(
+        over_the_slots(&url).await[0],
+        ("text_ops".into(), true, 3),
+        "left as it was"
+    );
+    assert_eq!(leftovers(&url).await, 0, "nothing begun");
+
+    session
+        .batch_execute(
+            "ALTER TABLE turnstile_receipt ATTACH PARTITION turnstile_receipt_3 FOR VALUES IN (3)",
+        )
+        .await
+        .unwrap();
+    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
+    assert_eq!(over_the_slots(&url).await, slots_rebuilt());
+    assert_eq!(leftovers(&url).await, 0);
 }
 
 #[tokio::test]
@@ -170,4 +250,53 @@ async fn a_build_left_invalid_is_done_again() {
     postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
     assert_eq!(slot_keys(&url).await, rebuilt());
     assert_eq!(leftovers(&url).await, 0);
+}
+
+#[tokio::test]
+async fn a_rebuild_begun_before_goes_on_from_where_it_was() {
+    let url = support::pg::fresh_database_collated("en-US").await;
+    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
+    // The conversation's index as the release before left it; then a rebuild begun and cut
+    // short: the new index over the slots with slot 0's part, and slot 3 emptied and attached
+    // again meanwhile, which gives it a part of PostgreSQL's making.
+    support::pg::session(&url)
+        .await
+        .batch_execute(
+            "DROP INDEX turnstile_receipt_conversation; \
+             CREATE INDEX turnstile_receipt_conversation \
+                 ON turnstile_receipt (turnstile_key_conversation(key)); \
+             CREATE INDEX turnstile_receipt_conversation_bytewise ON ONLY turnstile_receipt \
+                 (turnstile_key_conversation(key) text_pattern_ops); \
+             CREATE INDEX turnstile_receipt_0_conversation_bytewise ON turnstile_receipt_0 \
+                 (turnstile_key_conversation(key) text_pattern_ops); \
+             ALTER INDEX turnstile_receipt_conversation_bytewise \
+                 ATTACH PARTITION turnstile_receipt_0_conversation_bytewise; \
+             ALTER TABLE turnstile_receipt DETACH PARTITION turnstile_receipt_3; \
+             ALTER TABLE turnstile_receipt ATTACH PARTITION turnstile_receipt_3 FOR VALUES IN (3)",
+        )
+        .await
+        .unwrap();
+    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
+    assert_eq!(over_the_slots(&url).await, slots_rebuilt());
+    assert_eq!(leftovers(&url).await, 0);
+    let parts: Vec<String> = support::pg::session(&url)
+        .await
+        .query(
+            "SELECT c.relname::text FROM pg_inherits h JOIN pg_class c ON c.oid = h.inhrelid \
+              WHERE h.inhparent = 'turnstile.turnstile_receipt_conversation'::regclass \
+              ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        parts,
+        (0..4)
+            .map(|n| format!("turnstile_receipt_{n}_conversation"))
+            .collect::<Vec<_>>(),
+        "one part a slot, each named after it"
+    );
 }
