@@ -31,8 +31,10 @@ const SLOTS: u8 = 4;
 
 /// Rebuilds the receipts' indexes on text to compare bytewise, unless the database's collation
 /// does already (`C` or `POSIX`): each slot's key index, then the conversation's and the user's
-/// index over all the slots; nothing once all are. Written to run again: an index a failed or interrupted build left invalid is dropped and built again, and a
-/// rebuild that finds a slot detached (the upkeep emptying it) is left for the next migration.
+/// index over all the slots; nothing once all are. Written to run again: an index a failed or
+/// interrupted build left invalid is dropped and built again, a part of an index over the slots
+/// that a slot has already is kept, and a rebuild that finds a slot detached (the upkeep
+/// emptying it) is left for the next migration.
 ///
 /// Runs outside a transaction (a concurrent build cannot run in one). The session's
 /// `lock_timeout` bounds the exclusive locks of the swaps, which would queue turns behind them;
