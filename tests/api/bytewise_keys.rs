@@ -56,6 +56,17 @@ async fn over_the_slots(url: &str) -> Vec<(String, bool, i64)> {
         .collect()
 }
 
+/// The first column of what `sql` answers, as text.
+async fn strings(session: &tokio_postgres::Client, sql: &str) -> Vec<String> {
+    session
+        .query(sql, &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
 /// How many `_bytewise` indexes are left over.
 async fn leftovers(url: &str) -> i64 {
     support::pg::session(url)
@@ -82,6 +93,26 @@ async fn counted(app: &mut TestApp, id: &str) -> pb::ProcessTurnResponse {
         .into_inner()
 }
 
+/// A new database collated by ICU's `en-US`, migrated.
+async fn migrated_collated() -> String {
+    let url = support::pg::fresh_database_collated("en-US").await;
+    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
+    url
+}
+
+/// The conversation's index over the slots as the release before left it.
+const CONVERSATION_AS_BEFORE: &str = "DROP INDEX turnstile_receipt_conversation; \
+     CREATE INDEX turnstile_receipt_conversation \
+         ON turnstile_receipt (turnstile_key_conversation(key));";
+
+/// Migrates `url` again, and finds every index rebuilt and nothing left over.
+async fn migrate_to_all_rebuilt(url: &str) {
+    postgres::migrate(&DatabaseUrl::new(url)).await.unwrap();
+    assert_eq!(slot_keys(url).await, rebuilt());
+    assert_eq!(over_the_slots(url).await, slots_rebuilt());
+    assert_eq!(leftovers(url).await, 0);
+}
+
 fn rebuilt() -> Vec<(String, bool, bool, bool)> {
     vec![("text_pattern_ops".into(), true, true, false); 4]
 }
@@ -93,10 +124,7 @@ fn slots_rebuilt() -> Vec<(String, bool, i64)> {
 #[tokio::test]
 async fn on_a_locale_collated_database_receipt_keys_are_compared_bytewise_by_the_same_names() {
     let url = support::pg::fresh_database_collated("en-US").await;
-    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
-    assert_eq!(slot_keys(&url).await, rebuilt());
-    assert_eq!(over_the_slots(&url).await, slots_rebuilt());
-    assert_eq!(leftovers(&url).await, 0);
+    migrate_to_all_rebuilt(&url).await;
 
     // The receipt check's lookup, and an erasure's of a conversation's and of a user's receipts,
     // go through them.
@@ -112,16 +140,11 @@ async fn on_a_locale_collated_database_receipt_keys_are_compared_bytewise_by_the
             "user",
         ),
     ] {
-        let plan: Vec<String> = session
-            .query(
-                &format!("EXPLAIN (COSTS OFF) SELECT 1 FROM turnstile_receipt WHERE {condition}"),
-                &[],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+        let plan = strings(
+            &session,
+            &format!("EXPLAIN (COSTS OFF) SELECT 1 FROM turnstile_receipt WHERE {condition}"),
+        )
+        .await;
         for n in 0..4 {
             assert!(
                 plan.iter()
@@ -132,9 +155,7 @@ async fn on_a_locale_collated_database_receipt_keys_are_compared_bytewise_by_the
     }
 
     // Migrating again changes nothing.
-    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
-    assert_eq!(slot_keys(&url).await, rebuilt());
-    assert_eq!(over_the_slots(&url).await, slots_rebuilt());
+    migrate_to_all_rebuilt(&url).await;
 
     // Exactly once, as before: a redelivery is answered from its receipt, the bot not run again.
     let mut app = TestApp::on(&url).spawn().await;
@@ -186,18 +207,15 @@ async fn a_database_that_compares_bytewise_keeps_its_primary_keys() {
 
 #[tokio::test]
 async fn an_index_over_the_slots_waits_for_a_slot_being_emptied() {
-    let url = support::pg::fresh_database_collated("en-US").await;
-    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
+    let url = migrated_collated().await;
     // The conversation's index as the release before left it, and slot 3 out of the table, as
     // the upkeep takes a slot out to empty it.
     let session = support::pg::session(&url).await;
     session
-        .batch_execute(
-            "DROP INDEX turnstile_receipt_conversation; \
-             CREATE INDEX turnstile_receipt_conversation \
-                 ON turnstile_receipt (turnstile_key_conversation(key)); \
-             ALTER TABLE turnstile_receipt DETACH PARTITION turnstile_receipt_3",
-        )
+        .batch_execute(&format!(
+            "{CONVERSATION_AS_BEFORE} \
+             ALTER TABLE turnstile_receipt DETACH PARTITION turnstile_receipt_3"
+        ))
         .await
         .unwrap();
     postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
@@ -214,19 +232,16 @@ async fn an_index_over_the_slots_waits_for_a_slot_being_emptied() {
         )
         .await
         .unwrap();
-    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
-    assert_eq!(over_the_slots(&url).await, slots_rebuilt());
-    assert_eq!(leftovers(&url).await, 0);
+    migrate_to_all_rebuilt(&url).await;
 }
 
 #[tokio::test]
 async fn a_build_left_invalid_is_done_again() {
-    let url = support::pg::fresh_database_collated("en-US").await;
+    let url = migrated_collated().await;
     // Slot 0 with its primary key, as the release before left it; then a build of its that
     // failed (two receipts written at one moment are not unique by time), invalid, as an
     // interrupted migration leaves it.
     let session = support::pg::session(&url).await;
-    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
     session
         .batch_execute(
             "DROP INDEX turnstile_receipt_0_pkey; \
@@ -247,24 +262,19 @@ async fn a_build_left_invalid_is_done_again() {
     assert_eq!(leftovers(&url).await, 1, "and leaves its index behind");
     assert_eq!(slot_keys(&url).await[0].0, "text_ops");
 
-    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
-    assert_eq!(slot_keys(&url).await, rebuilt());
-    assert_eq!(leftovers(&url).await, 0);
+    migrate_to_all_rebuilt(&url).await;
 }
 
 #[tokio::test]
 async fn a_rebuild_begun_before_goes_on_from_where_it_was() {
-    let url = support::pg::fresh_database_collated("en-US").await;
-    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
+    let url = migrated_collated().await;
     // The conversation's index as the release before left it; then a rebuild begun and cut
     // short: the new index over the slots with slot 0's part, and slot 3 emptied and attached
     // again meanwhile, which gives it a part of PostgreSQL's making.
     support::pg::session(&url)
         .await
-        .batch_execute(
-            "DROP INDEX turnstile_receipt_conversation; \
-             CREATE INDEX turnstile_receipt_conversation \
-                 ON turnstile_receipt (turnstile_key_conversation(key)); \
+        .batch_execute(&format!(
+            "{CONVERSATION_AS_BEFORE} \
              CREATE INDEX turnstile_receipt_conversation_bytewise ON ONLY turnstile_receipt \
                  (turnstile_key_conversation(key) text_pattern_ops); \
              CREATE INDEX turnstile_receipt_0_conversation_bytewise ON turnstile_receipt_0 \
@@ -272,26 +282,17 @@ async fn a_rebuild_begun_before_goes_on_from_where_it_was() {
              ALTER INDEX turnstile_receipt_conversation_bytewise \
                  ATTACH PARTITION turnstile_receipt_0_conversation_bytewise; \
              ALTER TABLE turnstile_receipt DETACH PARTITION turnstile_receipt_3; \
-             ALTER TABLE turnstile_receipt ATTACH PARTITION turnstile_receipt_3 FOR VALUES IN (3)",
-        )
+             ALTER TABLE turnstile_receipt ATTACH PARTITION turnstile_receipt_3 FOR VALUES IN (3)"
+        ))
         .await
         .unwrap();
-    postgres::migrate(&DatabaseUrl::new(&url)).await.unwrap();
-    assert_eq!(over_the_slots(&url).await, slots_rebuilt());
-    assert_eq!(leftovers(&url).await, 0);
-    let parts: Vec<String> = support::pg::session(&url)
-        .await
-        .query(
-            "SELECT c.relname::text FROM pg_inherits h JOIN pg_class c ON c.oid = h.inhrelid \
-              WHERE h.inhparent = 'turnstile.turnstile_receipt_conversation'::regclass \
-              ORDER BY 1",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    migrate_to_all_rebuilt(&url).await;
+    let parts = strings(
+        &support::pg::session(&url).await,
+        "SELECT c.relname::text FROM pg_inherits h JOIN pg_class c ON c.oid = h.inhrelid \
+          WHERE h.inhparent = 'turnstile.turnstile_receipt_conversation'::regclass ORDER BY 1",
+    )
+    .await;
     assert_eq!(
         parts,
         (0..4)
