@@ -119,13 +119,22 @@ def throughput_and_p99(points, x, xlabel, title, name, logx=False, series=None, 
 
 out = []
 w = out.append
+# The database's collation, as the card's metadata read it (older runs did not: theirs was C).
+collation = next(
+    (kv.split("=", 1)[1] for kv in meta["pg_settings"].split() if kv.startswith("lc_collate=")), "C"
+)
 w("# Turnstile's load card")
 w("")
 w(
     "Written by `bench/run.sh --card` (bench/card.sh): the release server **as shipped** (default "
     "settings, default log filter), PostgreSQL in a throwaway cluster with its default settings, "
-    "created without a locale (`lc_collate=C`: `PG_LOCALE` gives it one, as hosted PostgreSQL often "
-    "has; README, \"The database's collation\"), on this project's shared build machine. Throughputs are compared with pgbench running the naive "
+    + (
+        "created without a locale (`lc_collate=C`; `PG_LOCALE` gives it one, as hosted PostgreSQL often "
+        "has: README, \"The database's collation\"), "
+        if collation == "C"
+        else f"created with the locale `{collation}` (`PG_LOCALE`; README, \"The database's collation\"), "
+    )
+    + "on this project's shared build machine. Throughputs are compared with pgbench running the naive "
     "per-turn SQL (read the state and its version, then a conditional update) over the same keys, "
     "state size and concurrency, back to back in each round; the round with the median ratio is "
     "shown. Absolute figures move with the machine's load; the ratios are the card's measure. "
