@@ -76,11 +76,7 @@ async fn slot_key(
     if bytewise(client, &format!("{table}_pkey")).await? {
         return Ok(());
     }
-    tracing::info!(
-        index = %format!("{table}_pkey"),
-        "rebuilding a receipt index to compare bytewise (the database's collation is not C); \
-         turns go on meanwhile"
-    );
+    announce(&format!("{table}_pkey"));
     build_concurrently(
         client,
         &format!("{table}_bytewise"),
@@ -142,7 +138,7 @@ async fn over_the_slots(
     if bytewise(client, &format!("{schema}.{name}")).await? {
         return Ok(());
     }
-    let attached: i64 = client
+    let in_the_table: i64 = client
         .query_one(
             "SELECT count(*) FROM pg_inherits \
               WHERE inhparent = to_regclass($1) AND NOT inhdetachpending",
@@ -150,7 +146,7 @@ async fn over_the_slots(
         )
         .await?
         .get(0);
-    if attached != i64::from(SLOTS) {
+    if in_the_table != i64::from(SLOTS) {
         tracing::info!(
             index = %name,
             "a receipt slot is being emptied; the index is rebuilt to compare bytewise at the \
@@ -158,11 +154,7 @@ async fn over_the_slots(
         );
         return Ok(());
     }
-    tracing::info!(
-        index = %name,
-        "rebuilding a receipt index to compare bytewise (the database's collation is not C); \
-         turns go on meanwhile"
-    );
+    announce(name);
     client
         .batch_execute(&format!(
             "CREATE INDEX IF NOT EXISTS {name}_bytewise ON ONLY {schema}.turnstile_receipt \
@@ -207,6 +199,15 @@ async fn over_the_slots(
     transaction.batch_execute(&swap).await?;
     transaction.commit().await?;
     Ok(())
+}
+
+/// Logs that `index` is being rebuilt: on a large receipt table it takes minutes.
+fn announce(index: &str) {
+    tracing::info!(
+        index,
+        "rebuilding a receipt index to compare bytewise (the database's collation is not C); \
+         turns go on meanwhile"
+    );
 }
 
 /// The partitions of partitioned index `parent` (schema-qualified): each one's table and name.
