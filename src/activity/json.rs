@@ -567,6 +567,24 @@ pub(crate) fn write_map(map: &JsonMap, out: &mut String) {
     JsonObject::write_text(map, out);
 }
 
+/// Appends `entries` as one JSON object, each as [`write_map`] writes a property: some of a
+/// state's properties (a write of those changed, [`crate::store::StateWrite`]).
+pub(crate) fn write_entries<'a>(
+    entries: impl IntoIterator<Item = (&'a String, &'a Value)>,
+    out: &mut String,
+) {
+    out.push('{');
+    for (i, (key, value)) in entries.into_iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        write_str(key, out);
+        out.push(':');
+        write_value(value, out);
+    }
+    out.push('}');
+}
+
 /// Appends `s` as a JSON string, with serde_json's escapes: a string with nothing to escape,
 /// checked a block at a time, is copied whole.
 pub(crate) fn write_str(s: &str, out: &mut String) {

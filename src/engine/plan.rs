@@ -16,7 +16,7 @@ use crate::activity::{Activity, JsonMap};
 use crate::bot::{Bot, BotError, DoubleText, Scopes, TurnContext, TurnScopes};
 use crate::drafts::Drafts;
 use crate::state::{Scope, ScopeState, StateKey, TurnKeys};
-use crate::store::{Commit, Handed, KeyChange, Pending, Snapshot, StateWrite, Version};
+use crate::store::{Commit, Expected, Handed, KeyChange, Pending, Snapshot, StateWrite, Version};
 use crate::telemetry::metrics::STATE_BYTES;
 
 /// What one turn needs on every attempt, worked out once before the first.
@@ -425,13 +425,26 @@ fn commit_of(
             (Some(ttl), Some(Some(remaining))) => remaining < ttl / 2,
             _ => false,
         };
+        let expected = snapshot.precondition(key);
+        // The properties read are the stored row's at the version expected, unless that row
+        // expired: the turn saw it empty, and a write of the changes alone would keep the rest.
+        let read = match (expected, snapshot.expiry(key)) {
+            (Expected::Version(_), None | Some(Some(_))) => Some(Arc::clone(state.loaded_shared())),
+            _ => None,
+        };
         let write = match state.is_changed() || refresh {
-            true => Some(sizes.check(scope, state.into_properties())?),
+            true => {
+                let write = sizes.check(scope, state.into_properties())?;
+                Some(match read {
+                    Some(read) => write.changed_since(&read),
+                    None => write,
+                })
+            }
             false => None,
         };
         changes.push(KeyChange {
             key: key.clone(),
-            expected: snapshot.precondition(key),
+            expected,
             write,
         });
     }

@@ -167,6 +167,12 @@ impl ScopeState {
         &self.loaded
     }
 
+    /// The properties as they were loaded, shared, without counting as a read (for the commit,
+    /// which may write only the properties changed since).
+    pub fn loaded_shared(&self) -> &Arc<JsonMap> {
+        &self.loaded
+    }
+
     /// Whether the turn read or wrote this scope at all.
     pub fn was_used(&self) -> bool {
         self.used.get()

@@ -288,12 +288,25 @@ pub struct KeyChange {
 /// instructions of a warm turn with a 1 KB state (`bench/RESULTS.md`); with the text written
 /// first, its length is the size and the store copies it. The state is shared, so that the
 /// state cache keeps it without copying; the cache keeps the state, not the text.
+///
+/// A large state whose turn changed only a few of its properties also carries those properties'
+/// own text ([`StateWrite::changed_since`]): PostgreSQL parses every byte of JSON it is sent,
+/// which was a third of its CPU per turn with 64 KiB states, and an update over the row the turn
+/// read can send only what changed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StateWrite {
     state: Arc<JsonMap>,
     /// `state` as serde_json writes it: UTF-8 JSON text.
     json: bytes::Bytes,
+    /// The properties that differ from those of the state the turn read, as one JSON object,
+    /// when every property read is still there and sending them alone is worth it.
+    changed: Option<bytes::Bytes>,
 }
+
+/// States from this size of JSON text on may be written as their changed properties: about
+/// where PostgreSQL starts to compress a row (TOAST), and where parsing the state costs it more
+/// than reading and merging the row it has.
+pub const CHANGED_ONLY_FROM_BYTES: usize = 2048;
 
 impl StateWrite {
     /// `state`, with its JSON text written.
@@ -301,7 +314,41 @@ impl StateWrite {
         Self {
             json: crate::state::json_text(&state).into_bytes().into(),
             state: Arc::new(state),
+            changed: None,
         }
+    }
+
+    /// The same write, also carrying its properties that differ from `read`'s — the state as
+    /// stored at the version the write expects — when that is worth sending instead of the whole:
+    /// the state is [`CHANGED_ONLY_FROM_BYTES`] or larger, no property of `read` was removed (a
+    /// merge cannot remove one), and the changed ones are at most half the text.
+    ///
+    /// The caller vouches for `read`: merged into the stored row, the changed properties must
+    /// make exactly this state (not so for a row that expired, which the turn saw empty).
+    #[must_use]
+    pub fn changed_since(mut self, read: &JsonMap) -> Self {
+        if self.json.len() < CHANGED_ONLY_FROM_BYTES
+            || read.keys().any(|key| !self.state.contains_key(key))
+        {
+            return self;
+        }
+        let changed = self
+            .state
+            .iter()
+            .filter(|(key, value)| read.get(key.as_str()) != Some(value));
+        let mut text = String::new();
+        crate::activity::json::write_entries(changed, &mut text);
+        if text.len() <= self.json.len() / 2 {
+            self.changed = Some(text.into_bytes().into());
+        }
+        self
+    }
+
+    /// The changed properties as one JSON object's text, when [`StateWrite::changed_since`]
+    /// found sending them alone worth it: merged over the stored row the write expects, they
+    /// make [`StateWrite::state`].
+    pub fn changed_json(&self) -> Option<&[u8]> {
+        self.changed.as_deref()
     }
 
     /// The state.
@@ -920,5 +967,70 @@ pub trait LockedTurn: Send {
     ) -> Result<CommitOutcome, StoreError> {
         let _ = activity;
         self.commit(commit).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(value: serde_json::Value) -> JsonMap {
+        match value {
+            serde_json::Value::Object(map) => map,
+            other => panic!("not an object: {other}"),
+        }
+    }
+
+    fn changed(write: &StateWrite) -> Option<serde_json::Value> {
+        write
+            .changed_json()
+            .map(|text| serde_json::from_slice(text).expect("the changed properties' JSON"))
+    }
+
+    #[test]
+    fn a_large_state_carries_the_properties_changed_since_the_one_read() {
+        let pad = ".".repeat(CHANGED_ONLY_FROM_BYTES);
+        let read = map(serde_json::json!({ "pad": pad, "count": 1, "gone": null }));
+        let write = StateWrite::new(map(
+            serde_json::json!({ "pad": pad, "count": 2, "gone": null, "added": "a\"b" }),
+        ))
+        .changed_since(&read);
+        assert_eq!(
+            changed(&write),
+            Some(serde_json::json!({ "count": 2, "added": "a\"b" }))
+        );
+        // Nothing changed (a state written again to refresh its expiry): an empty object.
+        let same = StateWrite::new(read.clone()).changed_since(&read);
+        assert_eq!(changed(&same), Some(serde_json::json!({})));
+    }
+
+    #[test]
+    fn a_state_is_written_whole_when_small_when_a_property_went_or_when_most_of_it_changed() {
+        let pad = ".".repeat(CHANGED_ONLY_FROM_BYTES);
+        let small = map(serde_json::json!({ "count": 1, "pad": "..." }));
+        let mut next = small.clone();
+        next.insert("count".into(), 2.into());
+        assert_eq!(changed(&StateWrite::new(next).changed_since(&small)), None);
+
+        let read = map(serde_json::json!({ "pad": pad, "count": 1, "other": 1 }));
+        let removed = map(serde_json::json!({ "pad": pad, "count": 2 }));
+        assert_eq!(
+            changed(&StateWrite::new(removed).changed_since(&read)),
+            None,
+            "a merge cannot remove a property"
+        );
+        let rewritten =
+            map(serde_json::json!({ "pad": pad.replace('.', "-"), "count": 1, "other": 1 }));
+        assert_eq!(
+            changed(&StateWrite::new(rewritten).changed_since(&read)),
+            None,
+            "more than half the text changed"
+        );
+        // Read empty (created, or expired and seen empty): everything is changed.
+        let whole = map(serde_json::json!({ "pad": pad }));
+        assert_eq!(
+            changed(&StateWrite::new(whole).changed_since(&JsonMap::new())),
+            None
+        );
     }
 }

@@ -14,8 +14,8 @@ use turnstile::state::StateKey;
 use turnstile::store::memory::MemoryStore;
 use turnstile::store::postgres::{self, DatabaseUrl, PostgresStore, Statements};
 use turnstile::store::{
-    Commit, CommitOutcome, ConversationLock, Erasure, Expected, KeyChange, Receipt, Store, Version,
-    Versions,
+    Commit, CommitOutcome, ConversationLock, Erasure, Expected, KeyChange, Receipt, StateWrite,
+    Store, Version, Versions,
 };
 
 fn conversation(id: &str) -> StateKey {
@@ -1531,6 +1531,87 @@ async fn one_commit_in_flight_puts_every_waiting_commit_in_the_next_batch() {
         stats.largest >= 6,
         "the commits behind the first did not wait for one batch: {stats:?}"
     );
+}
+
+/// A large state whose turn changed a few of its properties is sent as those alone, merged over
+/// the row the version check says the turn read: by the batch statement and by the one a commit
+/// runs alone. A property planted in the rows without a new version (no writer does that) shows
+/// which writes merged: it survives a merge, and a write of the whole state removes it.
+#[tokio::test]
+async fn changed_properties_alone_are_merged_over_the_row_read() {
+    let database = support::pg::fresh_database().await;
+    let url = DatabaseUrl::new(database.clone());
+    postgres::migrate(&url).await.unwrap();
+    let store = PostgresStore::connect(&url, 16)
+        .unwrap()
+        .with_commits_in_flight(Some(1));
+    let pad = ".".repeat(8192);
+    let counted = |count: u64| state(json!({ "pad": pad, "count": count }));
+    let change = |key: &StateKey, version: u64, count: u64, write: JsonMap| KeyChange {
+        key: key.clone(),
+        expected: Expected::Version(Version::new(version)),
+        write: Some(StateWrite::new(write).changed_since(&counted(count - 1))),
+    };
+    let keys: Vec<StateKey> = (0..8)
+        .map(|i| conversation(&format!("merged-{i}")))
+        .collect();
+    for key in &keys {
+        let created = KeyChange {
+            key: key.clone(),
+            expected: Expected::Absent,
+            write: Some(StateWrite::new(counted(0)).changed_since(&JsonMap::new())),
+        };
+        committed(commit(&store, vec![created]).await);
+    }
+    let db = support::pg::session(&database).await;
+    db.batch_execute("UPDATE turnstile_state SET state = state || '{\"planted\": true}'")
+        .await
+        .unwrap();
+    // A row's state, its padding shown as its length and first character.
+    let stored = async |key: &StateKey| -> serde_json::Value {
+        db.query_one(
+            "SELECT (state || jsonb_build_object('pad', \
+                     length(state->>'pad') || ' ' || left(state->>'pad', 1)))::text \
+               FROM turnstile_state WHERE key = $1",
+            &[&key.as_str()],
+        )
+        .await
+        .map(|row| serde_json::from_str(row.get::<_, &str>(0)).unwrap())
+        .unwrap()
+    };
+
+    // Together: the first goes alone, the others wait for it and go as one batch.
+    let commits = keys
+        .iter()
+        .map(|key| store.commit(Commit::new(vec![change(key, 1, 1, counted(1))])));
+    for outcome in futures::future::join_all(commits).await {
+        committed(outcome.unwrap());
+    }
+    let stats = store.group_commit_stats();
+    assert!(stats.largest >= 6, "no batch: {stats:?}");
+    for key in &keys {
+        assert_eq!(
+            stored(key).await,
+            json!({ "pad": "8192 .", "count": 1, "planted": true }),
+            "{key}"
+        );
+    }
+
+    // Alone, one after the other: merged; then most of the state changed, so written whole.
+    committed(commit(&store, vec![change(&keys[0], 2, 2, counted(2))]).await);
+    assert_eq!(
+        stored(&keys[0]).await,
+        json!({ "pad": "8192 .", "count": 2, "planted": true })
+    );
+    let rewritten = state(json!({ "pad": pad.replace('.', "-"), "count": 3 }));
+    committed(commit(&store, vec![change(&keys[0], 3, 3, rewritten)]).await);
+    assert_eq!(
+        stored(&keys[0]).await,
+        json!({ "pad": "8192 -", "count": 3 })
+    );
+    // A write over a version that moved is refused, merged or not.
+    let stale = change(&keys[1], 1, 2, counted(2));
+    assert_eq!(conflict(commit(&store, vec![stale]).await), keys[1]);
 }
 
 /// `n` conversations named `{prefix}{i}`, each created at the first version.
