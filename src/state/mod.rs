@@ -228,9 +228,15 @@ pub fn json_text(state: &JsonMap) -> String {
 /// exact unless it has something to escape (then the text grows); 24 for a number, the longest
 /// text serde_json writes for one (`-1.7976931348623157e308` is 23).
 fn object_room(map: &JsonMap) -> usize {
-    map.iter().fold(2, |room, (key, value)| {
-        room + key.len() + 4 + value_room(value)
-    })
+    map.iter()
+        .fold(2, |room, (key, value)| room + property_room(key, value))
+}
+
+/// Room for one property of an object's JSON text, counted as [`object_room`] counts it: so
+/// that a write of some properties can tell it would be large before writing it
+/// ([`crate::store::StateWrite::changed_since`]).
+pub(crate) fn property_room(key: &str, value: &Value) -> usize {
+    key.len() + 4 + value_room(value)
 }
 
 fn value_room(value: &Value) -> usize {

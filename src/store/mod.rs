@@ -332,13 +332,23 @@ impl StateWrite {
         {
             return self;
         }
-        let changed = self
+        let half = self.json.len() / 2;
+        let changed: Vec<_> = self
             .state
             .iter()
-            .filter(|(key, value)| read.get(key.as_str()) != Some(value));
-        let mut text = String::new();
+            .filter(|(key, value)| read.get(key.as_str()) != Some(value))
+            .collect();
+        // Sized first: a turn that changed most of a large state (a conversation's history that
+        // grows) would otherwise write it twice.
+        let room = changed.iter().fold(2, |room, (key, value)| {
+            room + crate::state::property_room(key, value)
+        });
+        if room > half {
+            return self;
+        }
+        let mut text = String::with_capacity(room);
         crate::activity::json::write_entries(changed, &mut text);
-        if text.len() <= self.json.len() / 2 {
+        if text.len() <= half {
             self.changed = Some(text.into_bytes().into());
         }
         self
