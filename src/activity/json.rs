@@ -564,11 +564,12 @@ fn write_value(value: &Value, out: &mut String) {
 /// Appends `map` as a JSON object, the text serde_json writes for it (a state's text,
 /// [`crate::state::json_text`]).
 pub(crate) fn write_map(map: &JsonMap, out: &mut String) {
-    JsonObject::write_text(map, out);
+    write_entries(map, out);
 }
 
-/// Appends `entries` as one JSON object, each as [`write_map`] writes a property: some of a
-/// state's properties (a write of those changed, [`crate::store::StateWrite`]).
+/// Appends `entries` as one JSON object, the text serde_json writes for a map of them: a whole
+/// state ([`write_map`]), or some of its properties (a write of those changed,
+/// [`crate::store::StateWrite`]).
 pub(crate) fn write_entries<'a>(
     entries: impl IntoIterator<Item = (&'a String, &'a Value)>,
     out: &mut String,

@@ -185,3 +185,67 @@ async fn three_engines_on_one_memory_store_never_acknowledge_a_lost_topping() {
     let mut client = clients[0].clone();
     assert_no_lost_update(&added, &mut client, "pizza-race").await;
 }
+
+/// The pizza bot with a large menu kept in its conversation's state, written once: each later
+/// commit sends only the properties its turn changed (the order, the dialogs), merged over the
+/// row its version check names (`StateWrite::changed_since`), a commit at a time (a batch holds
+/// one write of a key; `store_conformance` has the batches).
+struct WithMenu;
+
+/// The menu: 8,800 bytes, well over the size from which a state's changes go alone.
+fn menu() -> String {
+    "margherita ".repeat(800)
+}
+
+/// Sets the menu on the conversation's first turn, and fails a turn that finds an order without
+/// it: a commit that lost the properties it did not send.
+#[async_trait]
+impl Bot for WithMenu {
+    async fn on_turn(&self, turn: &mut TurnContext<'_>) -> Result<(), BotError> {
+        let read: Option<String> = turn.conversation_state().get("menu")?;
+        let order: Vec<String> = turn.conversation_property("order")?;
+        match read {
+            Some(read) if read == menu() => {}
+            None if order.is_empty() => turn.conversation_state().set("menu", &menu())?,
+            other => {
+                return Err(BotError::msg(format!(
+                    "an order of {} with the menu {}",
+                    order.len(),
+                    other.map_or("lost", |_| "changed")
+                )));
+            }
+        }
+        PizzaBot.on_turn(turn).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_replicas_merging_a_large_state_never_acknowledge_a_lost_topping() {
+    let url = support::pg::fresh_database().await;
+    let start = || {
+        TestApp::on(&url)
+            .bots(BotRegistry::new("pizza", WithMenu))
+            .spawn()
+    };
+    let (a, b, c) = tokio::join!(start(), start(), start());
+    let clients = [a.client.clone(), b.client.clone(), c.client.clone()];
+    // The race's first commit creates the row whole; every later one merges over it.
+    for (i, client) in clients.iter().enumerate() {
+        say(&mut client.clone(), &format!("warm-up-{i}"), "show").await;
+    }
+    let added = race(&clients, "pizza-race").await;
+    let mut client = clients[0].clone();
+    assert_no_lost_update(&added, &mut client, "pizza-race").await;
+
+    let db = support::pg::session(&url).await;
+    let row = db
+        .query_one(
+            "SELECT state->>'menu', jsonb_array_length(state->'order') FROM turnstile_state \
+              WHERE key LIKE '%/conversations/pizza-race'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert!(row.get::<_, String>(0) == menu(), "the menu is intact");
+    assert_eq!(row.get::<_, i32>(1), i32::try_from(TURNS).unwrap());
+}
