@@ -141,12 +141,14 @@ async fn three_replicas_on_citus_never_acknowledge_a_lost_topping() {
 }
 
 async fn three_replicas_race(url: &str) {
+    three_replicas_race_of(url, turnstile::bots::samples).await;
+}
+
+/// The race over three replicas hosting `bots`, on database `url`.
+async fn three_replicas_race_of(url: &str, bots: impl Fn() -> BotRegistry) {
     // Three replicas start together, each migrating on start, each with its own pool and port.
-    let (a, b, c) = tokio::join!(
-        TestApp::on(url).spawn(),
-        TestApp::on(url).spawn(),
-        TestApp::on(url).spawn(),
-    );
+    let start = || TestApp::on(url).bots(bots()).spawn();
+    let (a, b, c) = tokio::join!(start(), start(), start());
     let clients = [a.client.clone(), b.client.clone(), c.client.clone()];
     // Each replica serves a turn first, so that all three meet the race with their connections
     // open: a replica still connecting would start its turns after the others had finished theirs
@@ -222,21 +224,8 @@ impl Bot for WithMenu {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_replicas_merging_a_large_state_never_acknowledge_a_lost_topping() {
     let url = support::pg::fresh_database().await;
-    let start = || {
-        TestApp::on(&url)
-            .bots(BotRegistry::new("pizza", WithMenu))
-            .spawn()
-    };
-    let (a, b, c) = tokio::join!(start(), start(), start());
-    let clients = [a.client.clone(), b.client.clone(), c.client.clone()];
     // The race's first commit creates the row whole; every later one merges over it.
-    for (i, client) in clients.iter().enumerate() {
-        say(&mut client.clone(), &format!("warm-up-{i}"), "show").await;
-    }
-    let added = race(&clients, "pizza-race").await;
-    let mut client = clients[0].clone();
-    assert_no_lost_update(&added, &mut client, "pizza-race").await;
-
+    three_replicas_race_of(&url, || BotRegistry::new("pizza", WithMenu)).await;
     let db = support::pg::session(&url).await;
     let row = db
         .query_one(
