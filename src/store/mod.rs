@@ -304,8 +304,8 @@ pub struct StateWrite {
 }
 
 /// States from this size of JSON text on may be written as their changed properties: about
-/// where PostgreSQL starts to compress a row (TOAST), and where parsing the state costs it more
-/// than reading and merging the row it has.
+/// where PostgreSQL starts to compress a row (TOAST). At this size reading and merging the row
+/// already cost PostgreSQL no more than parsing the whole state (`bench/RESULTS.md`).
 pub const CHANGED_ONLY_FROM_BYTES: usize = 2048;
 
 impl StateWrite {
