@@ -363,7 +363,7 @@ async fn until_someone_waits(db: &tokio_postgres::Client, what: &str) {
 
 /// A lease holds its conversation against every other replica's lock and lease across its
 /// holder's turns, whose commits go through; the next holder waits without holding back the
-/// pruning of row versions, learns that it had to wait, and gets in with the commit of the
+/// pruning of row versions (even on a connection of its own), learns that it had to wait, and gets in with the commit of the
 /// lease's last turn, on what it committed; nothing of either is left in PostgreSQL once they
 /// ended; and behind a transaction-mode pooler no lease is offered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -376,7 +376,7 @@ async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
     let db_url = DatabaseUrl::new(url.clone());
     postgres::migrate(&db_url).await.unwrap();
     let holder = PostgresStore::connect(&db_url, 4).unwrap();
-    let other = Arc::new(PostgresStore::connect(&db_url, 4).unwrap());
+    let other = PostgresStore::connect(&db_url, 4).unwrap();
     let observer = session(&url).await;
     let key = StateKey::conversation(
         "pizza",
@@ -474,12 +474,14 @@ async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
         .unwrap();
     assert!(matches!(second, CommitOutcome::Committed(_)), "{second:?}");
 
-    // The next holder waits — holding back no row version while it does — and the commit of
-    // the lease's last turn lets it in, on what that turn committed.
+    // The next holder waits — holding back no row version while it does, on a connection new
+    // to the lock table too — and the commit of the lease's last turn lets it in, on what that
+    // turn committed.
+    let next_holder = PostgresStore::connect(&db_url, 4).unwrap();
     let waiting = tokio::spawn({
-        let (other, key) = (Arc::clone(&other), key.clone());
+        let key = key.clone();
         async move {
-            other
+            next_holder
                 .lease_conversation(&key, std::slice::from_ref(&key), None, wait)
                 .await
         }
