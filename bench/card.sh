@@ -12,7 +12,8 @@
 #                                             database), the service against pgbench at each, and
 #                                             pgbench alone over the same rows
 #   CARD_LOADS="50 80 100"                    open-loop offered loads, % of the open loop's own maximum
-#                                             (k6 against the service, then pgbench alone)
+#                                             (k6 against the service, then pgbench alone at
+#                                             shares of its own maximum and at the service's rates)
 #   CARD_RECEIPTS="50000000"                  receipt backlogs to add, rows, after a run with none
 #   CARD_INSTRUCTIONS=0                       skips the instruction counts (bench/instructions.sh)
 #   CARD_OPEN_LAYOUT=shared                   the open loop's cores: "shared", everything on every
@@ -351,10 +352,17 @@ open_loop() {
     # bench/RESULTS.md), so the closed loop's maximum can be past what is answered at a fixed
     # rate, and a run "at 80 %" of it measured a queue.
     closed_then_loads k6_run open_max
+    local service_max=$MAX_RATE load
     stop_servers
-    # PostgreSQL alone, the same way. Its p99.9 against its p50 is what this machine's database
-    # gives a fixed rate with no service in front, the anchor of the open-loop target.
+    # PostgreSQL alone, the same way: its own maximum and the same shares of it.
     closed_then_loads pgbench_at pgbench_open_max
+    # And at the rates the service was offered, the anchor of the open-loop target: what this
+    # machine's database and cores give the same turns a second with no service in front. (At a
+    # share of its own maximum, which is several times the service's, it may be queueing: a p50 of
+    # hundreds of milliseconds, whose p99.9 is then a small multiple of it.)
+    for load in $CARD_LOADS; do
+        pgbench_at open "$((service_max * load / 100))" 20 at_service_rate
+    done
 }
 [ -z "$CARD_LOADS" ] || open_loop
 
