@@ -363,9 +363,9 @@ async fn until_someone_waits(db: &tokio_postgres::Client, what: &str) {
 
 /// A lease holds its conversation against every other replica's lock and lease across its
 /// holder's turns, whose commits go through; the next holder waits without holding back the
-/// pruning of row versions (even on a connection of its own), learns that it had to wait, and gets in with the commit of the
-/// lease's last turn, on what it committed; nothing of either is left in PostgreSQL once they
-/// ended; and behind a transaction-mode pooler no lease is offered.
+/// pruning of row versions (even on a connection of its own), learns that it had to wait, and
+/// gets in with the commit of the lease's last turn, on what it committed; nothing of either is
+/// left in PostgreSQL once they ended; and behind a transaction-mode pooler no lease is offered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lease_holds_the_conversation_across_turns_until_dropped() {
     // A cluster of its own: other tests' migrations (a thousand tables each) overflow a shared
