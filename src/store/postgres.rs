@@ -108,6 +108,7 @@ macro_rules! tombstone_version {
 
 mod batch_failure;
 mod bytewise;
+mod deadlock;
 mod diagnose;
 mod group_commit;
 mod group_load;
@@ -1609,9 +1610,17 @@ impl PostgresStore {
         snapshot_of(loaded.rows(), &self.ttls)
     }
 
+    /// [`Store::commit`] by `turnstile_commit`, in a transaction of its own: a deadlock's victim
+    /// is sent again (`deadlock`).
     async fn commit_now(&self, commit: &Commit) -> Result<CommitOutcome, StoreError> {
         let client = self.client().await?;
-        Self::commit_on(&client, self.via(), commit).await
+        let via = self.via();
+        let sent = deadlock::resending(
+            || Self::send_commit(&client, via, commit),
+            |sent| matches!(sent, Ok(Err(e)) if deadlock::is_victim(e)),
+        )
+        .await?;
+        commit_answer(sent, via, commit)
     }
 
     /// [`Store::load`] on `client`; with `held`, a conversation key whose row it also locks
@@ -1647,12 +1656,22 @@ impl PostgresStore {
         snapshot_of(&rows, ttls)
     }
 
-    /// [`Store::commit`] by `turnstile_commit` on `client`.
+    /// [`Store::commit`] by `turnstile_commit` on `client`, in whatever transaction it has.
     async fn commit_on(
         client: &deadpool_postgres::ClientWrapper,
         via: Via,
         commit: &Commit,
     ) -> Result<CommitOutcome, StoreError> {
+        commit_answer(Self::send_commit(client, via, commit).await?, via, commit)
+    }
+
+    /// Sends `commit` by `turnstile_commit` on `client`: PostgreSQL's answer, its rows or its
+    /// error, for [`commit_answer`].
+    async fn send_commit(
+        client: &deadpool_postgres::ClientWrapper,
+        via: Via,
+        commit: &Commit,
+    ) -> Result<Result<CommitSent, tokio_postgres::Error>, StoreError> {
         let changes = commit.changes();
         let keys: Vec<&str> = changes.iter().map(|c| c.key.as_str()).collect();
         let expected = changes
@@ -1684,11 +1703,10 @@ impl PostgresStore {
             // On Citus, a commit on one shard goes to the worker that holds it, whole.
             let params: [&(dyn ToSql + Sync); 6] =
                 [&shard, &keys, &expected, &states, &receipt_key, &receipt];
-            return match citus::COMMIT_IN.query(client, via, &params).await {
-                Ok(rows) => delegated_outcome(&rows, commit.changes()),
-                Err(e) if is_conflict(&e) => Ok(conflict_from(&e, commit)),
-                Err(e) => Err(classify_commit(e, via)),
-            };
+            return Ok(citus::COMMIT_IN
+                .query(client, via, &params)
+                .await
+                .map(CommitSent::Delegated));
         }
         let queried = if also.is_empty() {
             COMMIT.query(client, via, &params).await
@@ -1704,11 +1722,29 @@ impl PostgresStore {
             ];
             COMMIT_WITH_RECEIPTS.query(client, via, &params).await
         };
-        match queried {
-            Ok(rows) => outcome_of(&rows, commit.changes()),
-            Err(e) if is_conflict(&e) => Ok(conflict_from(&e, commit)),
-            Err(e) => Err(classify_commit(e, via)),
-        }
+        Ok(queried.map(CommitSent::Rows))
+    }
+}
+
+/// What `turnstile_commit` answered ([`PostgresStore::send_commit`]).
+enum CommitSent {
+    /// Its rows.
+    Rows(Vec<tokio_postgres::Row>),
+    /// On Citus, the rows of the commit the node of its one shard ran ([`citus::COMMIT_IN`]).
+    Delegated(Vec<tokio_postgres::Row>),
+}
+
+/// The outcome of `commit` from what PostgreSQL answered to it.
+fn commit_answer(
+    sent: Result<CommitSent, tokio_postgres::Error>,
+    via: Via,
+    commit: &Commit,
+) -> Result<CommitOutcome, StoreError> {
+    match sent {
+        Ok(CommitSent::Rows(rows)) => outcome_of(&rows, commit.changes()),
+        Ok(CommitSent::Delegated(rows)) => delegated_outcome(&rows, commit.changes()),
+        Err(e) if is_conflict(&e) => Ok(conflict_from(&e, commit)),
+        Err(e) => Err(classify_commit(e, via)),
     }
 }
 

@@ -202,6 +202,62 @@ async fn a_turn_that_stalled_past_its_hold_cannot_commit_and_replays_after_the_n
     assert_eq!(outcome(&events).version, 2, "each committed once");
 }
 
+/// A held turn's commit that PostgreSQL cancels to break a deadlock wrote nothing, and the hold
+/// still keeps every other held turn out: the commit is sent again, and the bot does not run
+/// twice (`store::postgres::deadlock`). Here a session of the test's own makes the deadlock: it
+/// holds the conversation's row, the turn's commit checks the hold's row and waits for the
+/// conversation's, then the session asks for the hold's row too. With a longer
+/// `deadlock_timeout` of its own, the session is never the one cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_turns_commit_cancelled_by_a_deadlock_is_sent_again_and_the_bot_runs_once() {
+    let r = replicas(8).await;
+    let (first, seen) = until_drafted(&r.a, &message("victim", "ada", "one")).await;
+    collect(first, seen).await.1.unwrap();
+    let (events, seen) = until_drafted(&r.a, &message("victim", "ada", "wait")).await;
+
+    let conversation = "lists/test/conversations/victim";
+    let other = support::pg::session(&r.url).await;
+    other
+        .batch_execute(&format!(
+            "SET deadlock_timeout = '60s'; BEGIN; \
+             SELECT 1 FROM turnstile_state WHERE key = '{conversation}' FOR UPDATE"
+        ))
+        .await
+        .unwrap();
+    r.gate.add_permits(1);
+    // The turn's commit has checked the hold and waits for the conversation's row.
+    let observer = support::pg::session(&r.url).await;
+    let waiting = "SELECT count(*) FROM pg_stat_activity \
+                    WHERE wait_event_type = 'Lock' AND query LIKE '%turnstile_commit%'";
+    for tried in 0.. {
+        let n: i64 = observer.query_one(waiting, &[]).await.unwrap().get(0);
+        if n == 1 {
+            break;
+        }
+        assert!(tried < 200, "the turn's commit never waited for the row");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The deadlock: PostgreSQL cancels the commit, which waited first, and the session gets
+    // the hold's row.
+    other
+        .batch_execute(&format!(
+            "SELECT 1 FROM turnstile_state WHERE key = '{conversation}/%hold' FOR UPDATE"
+        ))
+        .await
+        .unwrap();
+    other.batch_execute("ROLLBACK").await.unwrap();
+
+    let (events, ended) = collect(events, seen).await;
+    ended.unwrap();
+    assert_eq!(
+        support::streams::kinds(&events),
+        ["draft 1 one, wait", "outcome 1"],
+        "committed by its first run"
+    );
+    assert_eq!(texts(outcome(&events)), ["one, wait"]);
+    assert_eq!(r.runs.load(Ordering::SeqCst), 2, "the bot ran once a turn");
+}
+
 /// A serialized bot's turns hold their conversations by the fenced hold too: far more
 /// conversations than the pool has connections run their slow bots at once, none waits for a
 /// connection, and no transaction stays open while the bots run.

@@ -50,6 +50,7 @@ use tokio_postgres::types::{ToSql, Type};
 
 use super::batch_failure::BatchFailure;
 use super::citus::{self, Engine};
+use super::deadlock;
 use super::jsonb::Jsonb;
 use super::task_queue::TaskQueue;
 use super::timeouts::{CALL_TIMEOUT, no_answer, within_call_timeout, within_deadline};
@@ -884,14 +885,21 @@ fn delegated_versions(rows: &[Row], count: usize) -> Result<Vec<Option<Version>>
 }
 
 /// Commits `write` by itself on `client`, by [`UPDATE_ONE`] or [`CREATE_ONE`]; on Citus, by the
-/// batch statement with one write, which the node holding its shard runs.
+/// batch statement with one write, which the node holding its shard runs. Its own transaction: a
+/// deadlock's victim is sent again (`super::deadlock`).
 async fn commit_alone(
     client: &ClientWrapper,
     via: Via,
     write: &SingleWrite,
 ) -> Result<CommitOutcome, StoreError> {
     if via.citus {
-        return match commit_together(client, via, &[write]).await? {
+        let one = [write];
+        let together = deadlock::resending(
+            || commit_together(client, via, &one),
+            |together| matches!(together, Ok(Together::Failed(e)) if deadlock::is_victim(e)),
+        )
+        .await;
+        return match together? {
             Together::Outcomes(mut outcomes) if outcomes.len() == 1 => Ok(outcomes.remove(0)),
             Together::Outcomes(outcomes) => Err(StoreError::Unexpected(anyhow!(
                 "a commit of one write had {} outcomes",
@@ -911,27 +919,21 @@ async fn commit_alone(
         .as_ref()
         .map(|(_, payload)| Jsonb::text(payload.text()));
     let expected = expected_version(write.expected)?;
-    let rows = match write.expected {
-        Expected::Absent | Expected::Gone(_) => {
-            CREATE_ONE
-                .query(
-                    client,
-                    via,
-                    &[&key, &state, &receipt_key, &receipt, &expected],
-                )
-                .await
-        }
-        Expected::Version(_) => {
-            let update = if merge { &MERGE_ONE } else { &UPDATE_ONE };
-            update
-                .query(
-                    client,
-                    via,
-                    &[&key, &state, &expected, &receipt_key, &receipt],
-                )
-                .await
-        }
+    let (statement, params): (&Sql, [&(dyn ToSql + Sync); 5]) = match write.expected {
+        Expected::Absent | Expected::Gone(_) => (
+            &CREATE_ONE,
+            [&key, &state, &receipt_key, &receipt, &expected],
+        ),
+        Expected::Version(_) => (
+            if merge { &MERGE_ONE } else { &UPDATE_ONE },
+            [&key, &state, &expected, &receipt_key, &receipt],
+        ),
     };
+    let rows = deadlock::resending(
+        || statement.query(client, via, &params),
+        |rows| matches!(rows, Err(e) if deadlock::is_victim(e)),
+    )
+    .await;
     let rows = match rows {
         Ok(rows) => rows,
         Err(e) if is_conflict(&e) => {
