@@ -34,6 +34,8 @@
 # for a diagnostic run (say "-c synchronous_commit=off" on a machine whose disk flushes are slow:
 # there every workload that commits one turn per flush measures the disk, not the service); the
 # header line says what was set, and the time one flush of 8 KiB took when the run began.
+# BENCH_STATE_BYTES=N pads each state to N bytes instead of 1,024 (the card's sizes are 256, 8192
+# and 65536: `BENCH_STATE_BYTES=256 bench/run.sh --quick` is its 256 B split row, alone).
 # PG_LOCALE=en_US.UTF-8 creates the cluster, and so its databases, with that locale instead of
 # none (C), as a packaged or hosted PostgreSQL is often created: text keys then compare by it.
 set -euo pipefail
@@ -51,7 +53,7 @@ if [ "$QUICK" = 1 ] || [ "$UNPREPARED" = 1 ] || [ "$WORKERS" = 1 ]; then SECS=8;
 # BENCH_ROUNDS=N and BENCH_SECS_PER_RUN=S change the rounds and their length (a short trial of --card).
 SECS=${BENCH_SECS_PER_RUN:-$SECS}; ROUNDS=${BENCH_ROUNDS:-$ROUNDS}
 KEYS=10000
-PAD=1024
+PAD=${BENCH_STATE_BYTES:-1024}
 
 cargo build --release --bins -q
 BIN=$PWD/target/release
