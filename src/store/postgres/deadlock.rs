@@ -13,8 +13,9 @@
 //!
 //! Citus cancels such victims where there is no deadlock at all: with many turns waiting for one
 //! hold row it counts separate single-statement transactions as one (citusdata/citus#1803), as
-//! `hold`'s take already allows for. `tests/api/hot_conversations.rs` saw it in one run of the
-//! 40-turn serialized race on Citus in twelve: a commit cancelled, then three turns replayed.
+//! `hold`'s take already allows for. The serialized race of `tests/api/hot_conversations.rs` on
+//! Citus, run with 40 turns, showed it in one run of twelve: a commit cancelled, then three turns
+//! replayed.
 //!
 //! Sending the same statement again gets the commit's real outcome: committed, or a conflict with
 //! what moved meanwhile. Only where the statement is its own transaction: inside the lock's
