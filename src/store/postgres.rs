@@ -1915,8 +1915,7 @@ fn is_conflict(e: &tokio_postgres::Error) -> bool {
         db.code().code() == COMMIT_CONFLICT
             || is_receipt_taken(db)
             || *db.code() == SqlState::T_R_SERIALIZATION_FAILURE
-            || *db.code() == SqlState::T_R_DEADLOCK_DETECTED
-    })
+    }) || deadlock::is_victim(e)
 }
 
 /// The key of `receipt`, when `e` says it exists already.

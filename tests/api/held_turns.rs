@@ -228,7 +228,8 @@ async fn a_held_turns_commit_cancelled_by_a_deadlock_is_sent_again_and_the_bot_r
     // The turn's commit has checked the hold and waits for the conversation's row.
     let observer = support::pg::session(&r.url).await;
     let waiting = "SELECT count(*) FROM pg_stat_activity \
-                    WHERE wait_event_type = 'Lock' AND query LIKE '%turnstile_commit%'";
+                    WHERE datname = current_database() AND wait_event_type = 'Lock' \
+                      AND query LIKE '%turnstile_commit%'";
     for tried in 0.. {
         let n: i64 = observer.query_one(waiting, &[]).await.unwrap().get(0);
         if n == 1 {

@@ -51,9 +51,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 
+use super::deadlock;
 use super::timeouts::within_call_timeout;
 use super::waker::Released;
 use super::{PostgresStore, Sql, classify};
@@ -469,7 +469,7 @@ async fn take(
             // of turns waiting for one hold row can look like one to it (citusdata/citus#1803:
             // the single statements it sends on their own count as one "local" transaction).
             // The take was undone whole: nothing taken, ask again.
-            Err(e) if e.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED) => {
+            Err(e) if deadlock::is_victim(&e) => {
                 return Ok(Taken::By(None));
             }
             taken => taken.map_err(classify)?,
