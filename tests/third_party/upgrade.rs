@@ -1090,3 +1090,80 @@ async fn a_conversation_deleted_mid_rollout_starts_afresh_whichever_release_serv
         logs[1]
     );
 }
+
+/// Two commits of one activity racing on an old replica (a gateway's retry of a call that timed
+/// out while the first still ran) each write its receipt through what the old release reaches in
+/// `public`: the view's insert and the `turnstile_commit` wrapper. The loser's error names
+/// `turnstile_receipt_pkey`, by which the old release answers from the receipt, not the slot's
+/// index, which it took for a store failure (`migrations/V7__receipt_compat_names.sql`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_replicas_racing_receipts_fail_by_the_name_it_knows() {
+    let old_binary = tokio::task::spawn_blocking(|| release::last().binary())
+        .await
+        .unwrap();
+    let url = support::pg::fresh_database().await;
+    let mut fleet = Fleet::new_with_env(&url, &[("TURNSTILE_GATEWAY_LISTEN", "off")]);
+    // The old release lays the database out; this build moves it and migrates it.
+    fleet.add(Program::binary(&old_binary)).await;
+    fleet.add(Program::this_build()).await;
+
+    let ways = [
+        (
+            "the view's insert",
+            "INSERT INTO public.turnstile_receipt (key, payload) VALUES ('raced', '{}')",
+            "INSERT INTO public.turnstile_receipt (key, payload) VALUES ('raced', '{}')",
+        ),
+        (
+            "the turnstile_commit wrapper",
+            "SELECT * FROM public.turnstile_commit(ARRAY['raced/a'], ARRAY[0::bigint], \
+             ARRAY['{}'::jsonb], 'raced/receipt', '{}')",
+            "SELECT * FROM public.turnstile_commit(ARRAY['raced/b'], ARRAY[0::bigint], \
+             ARRAY['{}'::jsonb], 'raced/receipt', '{}')",
+        ),
+    ];
+    let observer = support::pg::session(&url).await;
+    for (way, first, second) in ways {
+        let winner = support::pg::session(&url).await;
+        winner.batch_execute("BEGIN").await.unwrap();
+        winner.batch_execute(first).await.unwrap();
+        let loser = support::pg::session(&url).await;
+        let raced = tokio::spawn(async move { loser.batch_execute(second).await });
+        // The second waits for the first's receipt, not yet committed.
+        let started = Instant::now();
+        loop {
+            let waiting: i64 = observer
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                      WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if waiting == 1 {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "{way}: the second never waited"
+            );
+            sleep(Duration::from_millis(20)).await;
+        }
+        winner.batch_execute("COMMIT").await.unwrap();
+        let failed = raced.await.unwrap().expect_err(way);
+        let db = failed
+            .as_db_error()
+            .unwrap_or_else(|| panic!("{way}: {failed:?}"));
+        assert_eq!(
+            (db.code().code(), db.constraint()),
+            ("23505", Some("turnstile_receipt_pkey")),
+            "{way}: {db:?}"
+        );
+    }
+    for (status, log) in fleet.stop() {
+        assert!(
+            status.success(),
+            "a replica did not stop cleanly ({status}):\n{log}"
+        );
+    }
+}
