@@ -1509,6 +1509,86 @@ async fn isolates_a_receipt_that_exists(on: Engine) {
     );
 }
 
+/// A batch looks for each receipt in every slot, and in the receipts of the releases before the
+/// slots, as a commit alone does: one committed in the slot before the one being written, and one
+/// in `turnstile_receipt_legacy`, are each refused as taken, and the rest of their batch applies.
+/// (One such receipt per batch: a batch that meets one goes commit by commit, which would find
+/// the other.)
+#[tokio::test]
+async fn group_commit_finds_a_receipt_in_any_slot_and_from_before_the_slots() {
+    let database = support::pg::fresh_database().await;
+    let url = DatabaseUrl::new(database.clone());
+    postgres::migrate(&url).await.unwrap();
+    let store = PostgresStore::connect(&url, 4).unwrap();
+    let db = support::pg::session(&database).await;
+    // `earlier` committed in the slot before the one being written; `older` before the slots.
+    let (earlier, older) = (receipt_in("e2", "earlier"), receipt_in("o2", "older"));
+    committed(
+        store
+            .commit(
+                Commit::new(vec![write(
+                    &conversation("elsewhere"),
+                    Expected::Absent,
+                    json!({}),
+                )])
+                .with_receipt(earlier.clone(), json!({ "act": "earlier" })),
+            )
+            .await
+            .unwrap(),
+    );
+    let moved = db
+        .execute(
+            "UPDATE turnstile_receipt SET slot = (slot + 3) % 4 WHERE key = $1",
+            &[&earlier.as_str()],
+        )
+        .await
+        .unwrap();
+    assert_eq!(moved, 1);
+    db.execute(
+        "INSERT INTO turnstile_receipt_legacy (key, payload, created_at) \
+         VALUES ($1, '{\"act\": \"older\"}', now())",
+        &[&older.as_str()],
+    )
+    .await
+    .unwrap();
+
+    for (batch, taken, act) in [("e", &earlier, "earlier"), ("o", &older, "older")] {
+        let keys: Vec<StateKey> = (0..6)
+            .map(|i| conversation(&format!("{batch}{i}")))
+            .collect();
+        let receipt_of = |i: usize| match i {
+            2 => taken.clone(),
+            _ => receipt_in(&format!("{batch}{i}"), &format!("{batch}{i}")),
+        };
+        let before = store.group_commit_stats();
+        let commits = keys.iter().enumerate().map(|(i, key)| {
+            Commit::new(vec![write(key, Expected::Absent, json!({ "i": i }))])
+                .with_receipt(receipt_of(i), json!({ "act": i }))
+        });
+        let outcomes = futures::future::join_all(commits.map(|c| store.commit(c))).await;
+        let after = store.group_commit_stats();
+        assert!(after.largest >= 5, "{act}: {before:?} -> {after:?}");
+        for (i, outcome) in outcomes.into_iter().enumerate() {
+            let outcome = outcome.unwrap();
+            if i == 2 {
+                assert_eq!(conflict(outcome), *taken, "{act}");
+                assert_eq!(version_of(&store, &keys[i]).await, None, "{act}");
+            } else {
+                assert_eq!(committed(outcome)[&keys[i]], Version::FIRST, "{act}: {i}");
+                assert_eq!(
+                    stored_receipt_of(&store, &receipt_of(i)).await,
+                    Some(json!({ "act": i })),
+                    "{act}: receipt of {i}"
+                );
+            }
+        }
+        assert_eq!(
+            stored_receipt_of(&store, taken).await,
+            Some(json!({ "act": act }))
+        );
+    }
+}
+
 /// `--commits-in-flight`: with one statement in flight (the default, set here explicitly), the
 /// commits that arrive while it runs all wait for the next, however large the pool.
 #[tokio::test]
