@@ -1473,12 +1473,25 @@ async fn isolates_a_receipt_that_exists(on: Engine) {
             .await
             .unwrap(),
     );
-    let keys: Vec<StateKey> = (0..6).map(|i| conversation(&format!("i{i}"))).collect();
+    batch_refuses_only(&store, "i", 3, &taken).await;
+    assert_eq!(
+        stored_receipt_of(&store, &taken).await,
+        Some(json!({ "act": "taken" }))
+    );
+}
+
+/// Commits six first turns of conversations `{prefix}0`… at once, so that the last five go as one
+/// batch: the one at `at` with the receipt `taken`, which exists, the others each with a receipt
+/// of its own. Only that one conflicts, on its receipt, and writes nothing; the others apply.
+async fn batch_refuses_only(store: &PostgresStore, prefix: &str, at: usize, taken: &StateKey) {
+    let keys: Vec<StateKey> = (0..6)
+        .map(|i| conversation(&format!("{prefix}{i}")))
+        .collect();
     let receipt_of = |i: usize| {
-        if i == 3 {
+        if i == at {
             taken.clone()
         } else {
-            receipt_in(&format!("i{i}"), &format!("i{i}"))
+            receipt_in(&format!("{prefix}{i}"), &format!("{prefix}{i}"))
         }
     };
     let before = store.group_commit_stats();
@@ -1488,25 +1501,21 @@ async fn isolates_a_receipt_that_exists(on: Engine) {
     });
     let outcomes = futures::future::join_all(commits.map(|c| store.commit(c))).await;
     let after = store.group_commit_stats();
-    assert!(after.largest >= 5, "{before:?} -> {after:?}");
+    assert!(after.largest >= 5, "{prefix}: {before:?} -> {after:?}");
     for (i, outcome) in outcomes.into_iter().enumerate() {
         let outcome = outcome.unwrap();
-        if i == 3 {
-            assert_eq!(conflict(outcome), taken);
-            assert_eq!(version_of(&store, &keys[i]).await, None);
+        if i == at {
+            assert_eq!(conflict(outcome), *taken, "{prefix}");
+            assert_eq!(version_of(store, &keys[i]).await, None, "{prefix}");
         } else {
-            assert_eq!(committed(outcome)[&keys[i]], Version::FIRST);
+            assert_eq!(committed(outcome)[&keys[i]], Version::FIRST, "{prefix}{i}");
             assert_eq!(
-                stored_receipt_of(&store, &receipt_of(i)).await,
+                stored_receipt_of(store, &receipt_of(i)).await,
                 Some(json!({ "act": i })),
-                "receipt of {i}"
+                "receipt of {prefix}{i}"
             );
         }
     }
-    assert_eq!(
-        stored_receipt_of(&store, &taken).await,
-        Some(json!({ "act": "taken" }))
-    );
 }
 
 /// A batch looks for each receipt in every slot, and in the receipts of the releases before the
@@ -1552,36 +1561,8 @@ async fn group_commit_finds_a_receipt_in_any_slot_and_from_before_the_slots() {
     .await
     .unwrap();
 
-    for (batch, taken, act) in [("e", &earlier, "earlier"), ("o", &older, "older")] {
-        let keys: Vec<StateKey> = (0..6)
-            .map(|i| conversation(&format!("{batch}{i}")))
-            .collect();
-        let receipt_of = |i: usize| match i {
-            2 => taken.clone(),
-            _ => receipt_in(&format!("{batch}{i}"), &format!("{batch}{i}")),
-        };
-        let before = store.group_commit_stats();
-        let commits = keys.iter().enumerate().map(|(i, key)| {
-            Commit::new(vec![write(key, Expected::Absent, json!({ "i": i }))])
-                .with_receipt(receipt_of(i), json!({ "act": i }))
-        });
-        let outcomes = futures::future::join_all(commits.map(|c| store.commit(c))).await;
-        let after = store.group_commit_stats();
-        assert!(after.largest >= 5, "{act}: {before:?} -> {after:?}");
-        for (i, outcome) in outcomes.into_iter().enumerate() {
-            let outcome = outcome.unwrap();
-            if i == 2 {
-                assert_eq!(conflict(outcome), *taken, "{act}");
-                assert_eq!(version_of(&store, &keys[i]).await, None, "{act}");
-            } else {
-                assert_eq!(committed(outcome)[&keys[i]], Version::FIRST, "{act}: {i}");
-                assert_eq!(
-                    stored_receipt_of(&store, &receipt_of(i)).await,
-                    Some(json!({ "act": i })),
-                    "{act}: receipt of {i}"
-                );
-            }
-        }
+    for (prefix, taken, act) in [("e", &earlier, "earlier"), ("o", &older, "older")] {
+        batch_refuses_only(&store, prefix, 2, taken).await;
         assert_eq!(
             stored_receipt_of(&store, taken).await,
             Some(json!({ "act": act }))
