@@ -43,7 +43,7 @@ async fn replicas(policy: DoubleText) -> (TestApp, TestApp, Arc<Semaphore>, Stri
 }
 
 /// A `ProcessTurn` of `activity` on `app`, on a task of its own.
-fn send(
+pub(crate) fn send(
     app: &TestApp,
     activity: &pb::Activity,
 ) -> tokio::task::JoinHandle<Result<pb::ProcessTurnResponse, tonic::Status>> {
@@ -196,7 +196,7 @@ async fn recording(
 /// Until activity `id` is among those the hold of the only conversation in the database at
 /// `url` lists as waiting to be answered together; without a database, a moment (one replica's
 /// in-memory store registers a waiting message at once).
-async fn until_pending(url: Option<&str>, id: &str) {
+pub(crate) async fn until_pending(url: Option<&str>, id: &str) {
     let Some(url) = url else {
         tokio::time::sleep(Duration::from_millis(150)).await;
         return;
@@ -224,7 +224,7 @@ async fn until_pending(url: Option<&str>, id: &str) {
 
 /// Until the bot's `n`th run holds on the gate: up to 30 s, since a first turn on Citus can take seconds on a
 /// loaded machine (its connections, its first statements planned on every node).
-async fn until_running(runs: &AtomicU32, n: u32) {
+pub(crate) async fn until_running(runs: &AtomicU32, n: u32) {
     for _ in 0..3000 {
         if runs.load(Ordering::SeqCst) >= n {
             return;

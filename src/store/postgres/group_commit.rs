@@ -145,6 +145,14 @@ const CREATE_ONE: Sql = Sql {
 /// commit alone meets (the batch then goes commit by commit, `Batch::run`); the others go to the
 /// slots it names for a key no receipt has, the empty one, reckoned once per statement from
 /// the statement's time as it would be for each.
+///
+/// Each `EXISTS` ends in `OFFSET 0`, which keeps it a probe by key for each receipt. Without it,
+/// PostgreSQL may plan the alternative of reading the slots whole into a hash table once per
+/// execution, and does when the slots were analyzed empty or never: a generic plan made then is
+/// kept as the slot fills, and every batch read all of its receipts (a new deployment's first
+/// minutes, or the minutes after a slot's turn to be emptied: 7 ms a batch instead of 0.7,
+/// `bench/RESULTS.md`, 2026-11-30). PostgreSQL does not turn an `EXISTS` with an `OFFSET` into
+/// that alternative (`simplify_EXISTS_query`).
 const WRITE_MANY: Sql = Sql {
     text: WRITE_MANY_TEXT,
     types: &[
@@ -183,10 +191,11 @@ WITH input AS ( \
   SELECT i.ord, c.version FROM created c JOIN input i ON i.key = c.key AND i.expected < 0 \
 ), receipt AS ( \
   INSERT INTO turnstile_receipt (slot, key, payload) \
-  SELECT unnest(CASE WHEN EXISTS (SELECT 1 FROM turnstile_receipt r WHERE r.key = i.receipt_key) \
+  SELECT unnest(CASE WHEN EXISTS (SELECT 1 FROM turnstile_receipt r \
+                                   WHERE r.key = i.receipt_key OFFSET 0) \
                        OR ((SELECT legacy FROM turnstile_receipt_clock) \
                            AND EXISTS (SELECT 1 FROM turnstile_receipt_legacy l \
-                                        WHERE l.key = i.receipt_key)) \
+                                        WHERE l.key = i.receipt_key OFFSET 0)) \
                      THEN turnstile_receipt_slots(i.receipt_key) \
                      ELSE (SELECT turnstile_receipt_slots('')) END), \
          i.receipt_key, i.receipt \

@@ -82,6 +82,12 @@ const MAX_PAUSE: Duration = Duration::from_millis(250);
 /// seconds — no fence and the activity its holder runs. Created at version 1, or the version after
 /// the key's tombstone if a deletion left one (`migrations/V4__erasure.sql`): a holder of the
 /// deleted row's fence can never match it.
+///
+/// Here and in the releases, a pending activity's receipt is looked for by an `EXISTS` that ends
+/// in `OFFSET 0`: without it, PostgreSQL turns the `NOT EXISTS` into an anti-join, and with the
+/// receipt slots analyzed empty (as after a slot's turn to be emptied) hashes every slot whole
+/// for each statement, a plan a connection then keeps while the slot fills
+/// (`group_commit::WRITE_MANY`).
 const TAKE: Sql = Sql {
     text: concat!(
         "WITH taken AS ( \
@@ -118,7 +124,7 @@ const TAKE: Sql = Sql {
                      FROM jsonb_array_elements(coalesce(state->'pending', '[]')) \
                           WITH ORDINALITY AS p(entry, n) \
                     WHERE NOT EXISTS (SELECT 1 FROM turnstile_receipt r \
-                                       WHERE r.key = p.entry->>'receipt')) \
+                                       WHERE r.key = p.entry->>'receipt' OFFSET 0)) \
              FROM taken \
            UNION ALL \
            SELECT NULL::bigint, state->>'activity', NULL::jsonb, NULL::jsonb FROM turnstile_state \
@@ -193,7 +199,7 @@ const RELEASE_COMMITTED: Sql = Sql {
                           FROM jsonb_array_elements(coalesce(state->'pending', '[]')) \
                                WITH ORDINALITY AS p(entry, n) \
                          WHERE NOT EXISTS (SELECT 1 FROM turnstile_receipt r \
-                                            WHERE r.key = p.entry->>'receipt')), '[]')) \
+                                            WHERE r.key = p.entry->>'receipt' OFFSET 0)), '[]')) \
               WHERE key = $1 AND version = $2 RETURNING key) \
            SELECT pg_notify('turnstile_hold', key) FROM released",
     types: &[Type::TEXT, Type::INT8],
@@ -297,7 +303,7 @@ const RELEASE_COMMITTED_ON_CITUS: Sql = Sql {
                                WITH ORDINALITY AS p(entry, n) \
                          WHERE NOT EXISTS (SELECT 1 FROM turnstile_receipt r \
                                             WHERE r.shard = turnstile_key_shard($1) \
-                                              AND r.key = p.entry->>'receipt')), '[]')) \
+                                              AND r.key = p.entry->>'receipt' OFFSET 0)), '[]')) \
               WHERE shard = turnstile_key_shard($1) AND key = $1 AND version = $2 RETURNING key) \
            SELECT pg_notify('turnstile_hold', key) FROM released",
     types: &[Type::TEXT, Type::INT8],
