@@ -371,6 +371,60 @@ async fn receipts_by_index_after_an_empty_analyze(statements: Statements) {
     );
 }
 
+/// A batch of commits updates its rows by their keys however small the state table was when it
+/// was planned. A table analyzed empty (nothing written yet, or everything expired or erased)
+/// made the batch's update walk the whole table's index for the rows it joins, a plan that a
+/// connection keeps while the table fills, until autovacuum analyzes it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_updates_its_rows_by_key_after_the_state_table_was_analyzed_empty() {
+    let url = support::pg::fresh_database().await;
+    let admin = support::pg::session(&url).await;
+    let mut app = TestApp::on(&url)
+        .bots(BotRegistry::new("counter", CounterBot))
+        .spawn()
+        .await;
+    say(&mut app.client, "table-first", "one").await;
+    admin
+        .batch_execute("DELETE FROM turnstile_state; ANALYZE turnstile_state")
+        .await
+        .unwrap();
+    // Plans made now and kept: batches of eight callers' first turns.
+    turns_at_once(&app, 8, 15, "count: 1").await;
+    // The table fills, and nothing analyzes it.
+    admin
+        .batch_execute(
+            "INSERT INTO turnstile_state (key, state, version) \
+             SELECT 'other/test/conversations/c' || i, '{}', 1 FROM generate_series(1, 50000) i",
+        )
+        .await
+        .unwrap();
+    let before = settled_state_entries_read(&admin).await;
+    // The same conversations' next turns, cached by the server: commits of updates alone.
+    turns_at_once(&app, 8, 15, "count: 2").await;
+    app.stop().await.unwrap();
+    let read = settled_state_entries_read(&admin).await - before;
+    assert!(
+        read < 10 * 120,
+        "120 updates in batches read {read} entries of the state table's index"
+    );
+}
+
+/// The entries the state table's indexes have returned so far, once the statistics settled.
+async fn settled_state_entries_read(admin: &tokio_postgres::Client) -> i64 {
+    settled(|| async {
+        admin
+            .query_one(
+                "SELECT coalesce(sum(idx_tup_read), 0)::int8 FROM pg_stat_user_indexes \
+                  WHERE relname = 'turnstile_state'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    })
+    .await
+}
+
 /// The same for a held turn's statements, which look up the receipts of the messages waiting
 /// for it (`store::postgres::hold`): planned with the slots analyzed empty and kept while the
 /// slot fills, they read every slot whole, hashed for an anti-join, at each take and release.

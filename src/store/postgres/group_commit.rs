@@ -153,6 +153,12 @@ const CREATE_ONE: Sql = Sql {
 /// minutes, or the minutes after a slot's turn to be emptied: 7 ms a batch instead of 0.7,
 /// `bench/RESULTS.md`, 2026-11-30). PostgreSQL does not turn an `EXISTS` with an `OFFSET` into
 /// that alternative (`simplify_EXISTS_query`).
+///
+/// The update names its keys a second time, as `key = ANY($1)`, for the same reason: with the
+/// state table analyzed empty (nothing written yet, or everything expired), PostgreSQL planned
+/// the join by walking the table's whole index, and every batch walked it as the table filled.
+/// Named, the walk can only be one over the batch's keys, and with a full table's statistics the
+/// plan reads them in one scan of the index (as many buffers a turn as a probe per key).
 const WRITE_MANY: Sql = Sql {
     text: WRITE_MANY_TEXT,
     types: &[
@@ -176,6 +182,7 @@ WITH input AS ( \
      SET state = CASE WHEN i.merge THEN t.state || i.state ELSE i.state END, \
          version = t.version + 1, updated_at = now() \
     FROM input i WHERE i.expected > 0 AND t.key = i.key AND t.version = i.expected \
+     AND t.key = ANY($1::text[]) \
   RETURNING i.ord, t.version \
 ), created AS ( \
   INSERT INTO turnstile_state (key, state, version) \
