@@ -304,6 +304,19 @@ async fn settled_receipts_read(admin: &tokio_postgres::Client) -> (i64, i64) {
     .await
 }
 
+/// The slot being written filled with 20,000 receipts that nothing analyzes; then the receipts
+/// read so far ([`settled_receipts_read`]).
+async fn slot_filled_unanalyzed(admin: &tokio_postgres::Client) -> (i64, i64) {
+    admin
+        .batch_execute(
+            "INSERT INTO turnstile_receipt (key, payload) \
+             SELECT 'grown/' || i, '{}' FROM generate_series(1, 20000) i",
+        )
+        .await
+        .unwrap();
+    settled_receipts_read(admin).await
+}
+
 /// A receipt is looked up by its key's index however small its slot was when the plans were
 /// made. A slot is emptied whole before it is written again, and autovacuum then analyzes it
 /// empty; a connection keeps the plans it makes next, and a plan made for an empty slot reads
@@ -347,15 +360,7 @@ async fn receipts_by_index_after_an_empty_analyze(statements: Statements) {
         say(&mut app.client, &format!("slot-warm-{n}"), "one").await;
     }
     turns_at_once(&app, 8, 15, "count: 1").await;
-    // The slot being written fills, and nothing analyzes it.
-    admin
-        .batch_execute(
-            "INSERT INTO turnstile_receipt (key, payload) \
-             SELECT 'grown/' || i, '{}' FROM generate_series(1, 20000) i",
-        )
-        .await
-        .unwrap();
-    let before = settled_receipts_read(&admin).await;
+    let before = slot_filled_unanalyzed(&admin).await;
     for n in 0..40 {
         say(&mut app.client, &format!("slot-after-{n}"), "one").await;
     }
@@ -463,14 +468,7 @@ async fn a_held_turn_looks_waiting_receipts_up_by_index_after_their_slot_was_ana
     for n in 0..20 {
         turn(&format!("warm {n}")).await.unwrap().unwrap();
     }
-    admin
-        .batch_execute(
-            "INSERT INTO turnstile_receipt (key, payload) \
-             SELECT 'grown/' || i, '{}' FROM generate_series(1, 20000) i",
-        )
-        .await
-        .unwrap();
-    let before = settled_receipts_read(&admin).await;
+    let before = slot_filled_unanalyzed(&admin).await;
 
     // A turn held while two messages wait for it: its release, and the take of the turn that
     // answers the two, look up their receipts.
