@@ -323,7 +323,7 @@ async fn slot_filled_unanalyzed(admin: &tokio_postgres::Client) -> (i64, i64) {
 /// the slot whole. Kept while the slot fills, such plans read it whole at every turn's receipt
 /// check: 15 to 23 times fewer turns a second until autovacuum analyzed it again
 /// (`bench/RESULTS.md`). A whole read is a scan of the table, or of its index for a hash table
-/// that a batch's receipt check then probes (a tenth of the throughput, 2026-11-30): both count.
+/// that a batch's receipt check then probes (an eighth of the throughput, 2026-11-30): both count.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn receipts_are_looked_up_by_index_after_their_slot_was_analyzed_empty() {
     receipts_by_index_after_an_empty_analyze(Statements::Prepared).await;
