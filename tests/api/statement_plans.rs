@@ -367,12 +367,15 @@ async fn receipts_by_index_after_an_empty_analyze(statements: Statements) {
     turns_at_once(&app, 8, 15, "count: 2").await;
     app.stop().await.unwrap();
     let after = settled_receipts_read(&admin).await;
-    // A probe of a new activity's receipt returns nothing; a whole read, 20,000 receipts.
-    assert_eq!(
-        (after.0 - before.0, after.1 - before.1),
-        (0, 0),
-        "160 turns ({statements:?}), 120 of them from 8 callers at once, read receipts whole \
-         (sequentially, by index)"
+    // A probe returns at most the receipt it looks for (a turn's own, when its commit is sent
+    // again, or a dead entry that a rolled-back batch left in the index): a few in all. A whole
+    // read returns 20,000.
+    let (scanned, by_index) = (after.0 - before.0, after.1 - before.1);
+    assert_eq!(scanned, 0, "160 turns ({statements:?}) scanned the slots");
+    assert!(
+        by_index < 160,
+        "160 turns ({statements:?}), 120 of them from 8 callers at once, read {by_index} \
+         receipts through the slots' indexes"
     );
 }
 
