@@ -51,7 +51,7 @@ struct Replicas {
 }
 
 /// `config` with a pool of `pool_size` connections.
-fn with_pool(mut config: turnstile::Config, pool_size: usize) -> turnstile::Config {
+pub(crate) fn with_pool(mut config: turnstile::Config, pool_size: usize) -> turnstile::Config {
     if let turnstile::config::StoreConfig::Postgres { pool_size: p, .. } = &mut config.store {
         *p = pool_size;
     }

@@ -15,6 +15,7 @@ use turnstile::store::postgres::Statements;
 use turnstile::{BotRegistry, DoubleText};
 
 use crate::double_text::{send, until_pending, until_running};
+use crate::held_turns::with_pool;
 use crate::support::bots::DoubleTexts;
 use crate::support::{self, TestApp, message, say, texts};
 
@@ -284,18 +285,19 @@ async fn loads_read_together_look_rows_up_by_index_in_a_small_table() {
     app.stop().await.unwrap();
 }
 
-/// The receipts the slots' reads have returned so far, whole reads and index scans together, once
-/// the statistics have settled: a receipt check that probes each key returns none for a new
-/// activity, and one that reads a slot whole returns all of it.
-async fn settled_receipts_read(admin: &tokio_postgres::Client) -> (i64, i64) {
+/// The rows the tables whose names match `tables` (a regular expression) have returned so far,
+/// by whole reads and through their indexes, once the statistics have settled: a probe by key
+/// returns the rows it looks for, and a whole read (a scan, or an index walked whole for a hash
+/// table or a join) every row.
+async fn settled_rows_read(admin: &tokio_postgres::Client, tables: &str) -> (i64, i64) {
     settled(|| async {
         let row = admin
             .query_one(
                 "SELECT (SELECT coalesce(sum(seq_tup_read), 0)::int8 FROM pg_stat_user_tables \
-                          WHERE relname ~ '^turnstile_receipt_[0-9]+$'), \
+                          WHERE relname ~ $1), \
                         (SELECT coalesce(sum(idx_tup_read), 0)::int8 FROM pg_stat_user_indexes \
-                          WHERE relname ~ '^turnstile_receipt_[0-9]+$')",
-                &[],
+                          WHERE relname ~ $1)",
+                &[&tables],
             )
             .await
             .unwrap();
@@ -304,8 +306,13 @@ async fn settled_receipts_read(admin: &tokio_postgres::Client) -> (i64, i64) {
     .await
 }
 
+/// The receipt slots' tables.
+const SLOTS: &str = "^turnstile_receipt_[0-9]+$";
+/// The state table.
+const STATE: &str = "^turnstile_state$";
+
 /// The slot being written filled with 20,000 receipts that nothing analyzes; then the receipts
-/// read so far ([`settled_receipts_read`]).
+/// read so far ([`settled_rows_read`]).
 async fn slot_filled_unanalyzed(admin: &tokio_postgres::Client) -> (i64, i64) {
     admin
         .batch_execute(
@@ -314,7 +321,7 @@ async fn slot_filled_unanalyzed(admin: &tokio_postgres::Client) -> (i64, i64) {
         )
         .await
         .unwrap();
-    settled_receipts_read(admin).await
+    settled_rows_read(admin, SLOTS).await
 }
 
 /// A receipt is looked up by its key's index however small its slot was when the plans were
@@ -366,7 +373,7 @@ async fn receipts_by_index_after_an_empty_analyze(statements: Statements) {
     }
     turns_at_once(&app, 8, 15, "count: 2").await;
     app.stop().await.unwrap();
-    let after = settled_receipts_read(&admin).await;
+    let after = settled_rows_read(&admin, SLOTS).await;
     // A probe returns at most the receipt it looks for (a turn's own, when its commit is sent
     // again, or a dead entry that a rolled-back batch left in the index): a few in all. A whole
     // read returns 20,000.
@@ -406,31 +413,15 @@ async fn a_batch_updates_its_rows_by_key_after_the_state_table_was_analyzed_empt
         )
         .await
         .unwrap();
-    let before = settled_state_entries_read(&admin).await;
+    let before = settled_rows_read(&admin, STATE).await.1;
     // The same conversations' next turns, cached by the server: commits of updates alone.
     turns_at_once(&app, 8, 15, "count: 2").await;
     app.stop().await.unwrap();
-    let read = settled_state_entries_read(&admin).await - before;
+    let read = settled_rows_read(&admin, STATE).await.1 - before;
     assert!(
         read < 10 * 120,
         "120 updates in batches read {read} entries of the state table's index"
     );
-}
-
-/// The entries the state table's indexes have returned so far, once the statistics settled.
-async fn settled_state_entries_read(admin: &tokio_postgres::Client) -> i64 {
-    settled(|| async {
-        admin
-            .query_one(
-                "SELECT coalesce(sum(idx_tup_read), 0)::int8 FROM pg_stat_user_indexes \
-                  WHERE relname = 'turnstile_state'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get::<_, i64>(0)
-    })
-    .await
 }
 
 /// The same for a held turn's statements, which look up the receipts of the messages waiting
@@ -454,12 +445,7 @@ async fn a_held_turn_looks_waiting_receipts_up_by_index_after_their_slot_was_ana
     // each: the plans then kept.
     let app = TestApp::on(&url)
         .bots(bots)
-        .config(|mut c| {
-            if let turnstile::config::StoreConfig::Postgres { pool_size, .. } = &mut c.store {
-                *pool_size = 2;
-            }
-            c
-        })
+        .config(|c| with_pool(c, 2))
         .spawn()
         .await;
     let turn = |text: &str| send(&app, &message("held", "ada", text));
@@ -491,7 +477,7 @@ async fn a_held_turn_looks_waiting_receipts_up_by_index_after_their_slot_was_ana
         assert!(texts(&answered).len() <= 1, "{answered:?}");
     }
     app.stop().await.unwrap();
-    let after = settled_receipts_read(&admin).await;
+    let after = settled_rows_read(&admin, SLOTS).await;
     let read = (after.0 - before.0) + (after.1 - before.1);
     assert!(
         read < 100,
