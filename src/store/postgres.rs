@@ -698,6 +698,24 @@ pub enum DatabaseError {
         /// How long this one waited.
         waited: Duration,
     },
+    /// The sessions' `search_path` does not reach the schema that holds Turnstile's tables:
+    /// sessions through a transaction-mode pooler, which carry no startup options, during a
+    /// rollout from 0.1.0 (`layout::settle` gives the role the path only after it).
+    #[error(
+        "Turnstile's tables are in schema {schema}, which this server's sessions do not reach \
+         (their search_path is {search_path}). Through a transaction-mode pooler a session gets \
+         its path from its role, which `turnstile migrate` sets only once no 0.1.0 replica can \
+         be serving (it would find the wrong tables): during a rollout from 0.1.0, connect \
+         without the pooler and with `--prepared-statements true`; after it, run `turnstile \
+         migrate --drop-compat` and have the pooler open its sessions again (PgBouncer: \
+         `RECONNECT`)"
+    )]
+    SchemaUnreached {
+        /// The schema holding the migration history.
+        schema: String,
+        /// The sessions' path.
+        search_path: String,
+    },
     /// A migration failed.
     #[error("applying the database migrations failed")]
     Migration(#[source] refinery::Error),
@@ -1046,13 +1064,20 @@ async fn apply(
 /// [`DatabaseError`]: the database cannot be reached, or a statement failed.
 pub async fn drop_compat(url: &DatabaseUrl) -> Result<(), DatabaseError> {
     let (client, connection) = url.connector(Statements::Prepared)?.connect().await?;
-    let dropped = client
-        .batch_execute(&layout::compat_removal())
-        .await
-        .map_err(|source| DatabaseError::Session {
+    let dropped = match client.batch_execute(&layout::compat_removal()).await {
+        Err(source) => Err(DatabaseError::Session {
             doing: "removing the views left for older replicas",
             source,
-        });
+        }),
+        // With no older replica left, sessions without startup options (through a
+        // transaction-mode pooler) now get the schema on their path from the role.
+        Ok(()) => layout::settle(&client, url.schema())
+            .await
+            .map_err(|source| DatabaseError::Session {
+                doing: "pointing the role's sessions at Turnstile's schema",
+                source,
+            }),
+    };
     drop(client);
     let _ = connection.await;
     dropped
@@ -1187,6 +1212,20 @@ impl PostgresStore {
                     doing: "reading the schema version",
                     source,
                 })?;
+        if found.is_none()
+            && let Some((schema, search_path)) =
+                schema::unreached(&client)
+                    .await
+                    .map_err(|source| DatabaseError::Session {
+                        doing: "looking for Turnstile's schema",
+                        source,
+                    })?
+        {
+            return Err(DatabaseError::SchemaUnreached {
+                schema,
+                search_path,
+            });
+        }
         let status = SchemaStatus::of(found);
         self.schema.record(status);
         Ok(status)

@@ -67,6 +67,15 @@ async fn a_database_laid_out_in_public_moves_with_every_row_and_keeps_serving_ol
     say(&mut app.client, "moving", "add olives").await;
     app.stop().await.unwrap();
     assert!(relations(&url, "public", "r").await > 1000);
+    // What an earlier build of this release left for the role: the schema first on its path.
+    support::pg::session(&url)
+        .await
+        .batch_execute(
+            "DO $$ BEGIN EXECUTE format('ALTER ROLE %I IN DATABASE %I \
+             SET search_path = turnstile, public', current_user, current_database()); END $$",
+        )
+        .await
+        .unwrap();
 
     // An older replica's long transaction (a leased conversation's) holds the receipts while the
     // migration starts. The migration waits for it between short attempts, and meanwhile the
@@ -119,11 +128,29 @@ async fn a_database_laid_out_in_public_moves_with_every_row_and_keeps_serving_ol
         "{next:?}"
     );
 
+    // An older replica's session opened now, as a pod restarted mid-rollout opens them, finds
+    // its names in public: the role gives it no path of its own (the one set before is taken
+    // back), so its statements go through the views. With the schema first they would reach
+    // the slots' table itself.
+    assert_eq!(
+        without_options(&url, "search_path").await,
+        "\"$user\", public"
+    );
+    let old = session_without_options(&url).await;
+    // This release through a transaction-mode pooler meanwhile: refused, saying why.
+    let pooled = postgres::PostgresStore::connect_with(
+        &DatabaseUrl::new(&url),
+        1,
+        postgres::Statements::Unprepared,
+    )
+    .unwrap();
+    let refused = pooled.check_schema().await.unwrap_err().to_string();
+    assert!(
+        refused.contains("schema turnstile") && refused.contains("--drop-compat"),
+        "{refused}"
+    );
+
     // The older release's statements, by their names in public, through the views.
-    let old = support::pg::session(&url).await;
-    old.batch_execute("SET search_path TO public")
-        .await
-        .unwrap();
     let key = "pizza/test/conversations/old-release";
     let created: i64 = old
         .query_one(
@@ -168,6 +195,21 @@ async fn a_database_laid_out_in_public_moves_with_every_row_and_keeps_serving_ol
         .await
         .unwrap();
     assert_eq!(relations(&url, "public", "v").await, 0);
+    assert_eq!(
+        without_options(&url, "search_path").await,
+        "turnstile, public"
+    );
+    // A pooler's sessions opened since (the role's settings apply as a session starts).
+    let pooled = postgres::PostgresStore::connect_with(
+        &DatabaseUrl::new(&url),
+        1,
+        postgres::Statements::Unprepared,
+    )
+    .unwrap();
+    assert!(
+        pooled.check_schema().await.unwrap().is_servable(),
+        "through the pooler, once no older replica is left"
+    );
     let functions: i64 = old
         .query_one(
             "SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
@@ -186,15 +228,21 @@ async fn a_database_laid_out_in_public_moves_with_every_row_and_keeps_serving_ol
 /// What a session of `url` opened without startup options (as through a transaction-mode
 /// pooler) gets for `setting`.
 async fn without_options(url: &str, setting: &str) -> String {
+    session_without_options(url)
+        .await
+        .query_one(&format!("SHOW {setting}"), &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// A session of `url` opened without startup options, as an older release's or a pooler's.
+async fn session_without_options(url: &str) -> tokio_postgres::Client {
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
         .unwrap();
     tokio::spawn(connection);
     client
-        .query_one(&format!("SHOW {setting}"), &[])
-        .await
-        .unwrap()
-        .get(0)
 }
 
 /// Sessions through a transaction-mode pooler carry no startup options: `migrate` sets for its

@@ -70,8 +70,9 @@ const NEW_ALONE: Duration = Duration::from_secs(3);
 
 /// The conversations of the redelivery probes, after the load's: `old→new` and `new→old`, each
 /// cold (the replica redelivered to never saw the conversation) and warm (it has its state in
-/// its cache).
-const PROBES: usize = 4;
+/// its cache); then both ways warm again with the old pod started after the migration, all of
+/// whose sessions were opened on the new schema.
+const PROBES: usize = 6;
 
 /// The `serialized` sample bot whose turns hold their conversation: the counter, a little slow.
 const HELD_BOT: &str = "slow";
@@ -661,12 +662,14 @@ async fn old_and_new_replicas_serving_together_through_a_rollout_lose_and_double
     let held_stop = Arc::new(AtomicBool::new(false));
     let held = tokio::spawn(held_load(servers.clone(), Arc::clone(&held_stop)));
     let mut probes = Record::default();
-    let (old_addr, new_addr) = (servers[0], servers[2]);
+    let (old_addr, new_addr, late_addr) = (servers[0], servers[2], servers[4]);
     for (k, (committer, to, warm)) in [
         (old_addr, new_addr, false),
         (new_addr, old_addr, false),
         (old_addr, new_addr, true),
         (new_addr, old_addr, true),
+        (late_addr, new_addr, true),
+        (new_addr, late_addr, true),
     ]
     .into_iter()
     .enumerate()

@@ -95,7 +95,8 @@ pub(super) async fn prepare(
 
 /// Once the migrations ran: the functions that read tables find them in `schema` whoever calls
 /// them (an older replica through `public`), and the role's sessions get without startup options
-/// what a pooled connection's carry.
+/// what a pooled connection's carry — the schema on their path only once no older replica may
+/// need `public` first ([`older_replicas_served`]). Run again by `--drop-compat`, which ends that.
 ///
 /// # Errors
 /// A statement failed.
@@ -114,10 +115,33 @@ pub(super) async fn settle(client: &Client, schema: &Schema) -> Result<(), tokio
     // statement does, and a plan it made while a slot was analyzed empty read the slot whole at
     // every commit.
     let search_path = format!("{schema}, public");
-    for (name, value) in [("search_path", search_path.as_str())]
-        .into_iter()
-        .chain(super::PLANS_BY_INDEX)
-    {
+    let older = older_replicas_served(client, schema).await?;
+    if older {
+        // An older replica's sessions get the role's settings too. With the schema first on its
+        // path, its `turnstile_receipt` is the slots' table, not its view: its receipts skip the
+        // check across the slots and the legacy table (a redelivery of an activity committed
+        // before the move would run again), and a race's loser fails on a slot's own index,
+        // which it answers INTERNAL for a turn that committed (seen: tests/third_party/
+        // upgrade.rs). So no path for the role while the views stand, and one an earlier build
+        // set then is taken back.
+        sql.push_str(&format!(
+            "DO $$ BEGIN
+               IF EXISTS (
+                   SELECT 1 FROM pg_db_role_setting s JOIN pg_roles r ON r.oid = s.setrole
+                     JOIN pg_database d ON d.oid = s.setdatabase
+                    WHERE r.rolname = current_user AND d.datname = current_database()
+                      AND 'search_path={search_path}' = ANY (s.setconfig))
+               THEN
+                   EXECUTE format('ALTER ROLE %I IN DATABASE %I RESET search_path',
+                                  current_user, current_database());
+               END IF;
+             END $$;\n"
+        ));
+    }
+    // In `public`, a session's default path reaches the tables already.
+    let path =
+        (!older && schema.as_str() != "public").then_some(("search_path", search_path.as_str()));
+    for (name, value) in path.into_iter().chain(super::PLANS_BY_INDEX) {
         sql.push_str(&format!(
             "DO $$ BEGIN
                IF NOT EXISTS (
@@ -133,6 +157,25 @@ pub(super) async fn settle(client: &Client, schema: &Schema) -> Result<(), tokio
         ));
     }
     client.batch_execute(&sql).await
+}
+
+/// Whether `public` still holds what [`adoption`] left there for an older release's replicas
+/// (its views), which may be serving: until `migrate --drop-compat` says none is left.
+async fn older_replicas_served(
+    client: &Client,
+    schema: &Schema,
+) -> Result<bool, tokio_postgres::Error> {
+    if schema.as_str() == "public" {
+        return Ok(false);
+    }
+    let row = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_views WHERE schemaname = 'public' \
+                              AND viewname = ANY ($1))",
+            &[&OLDER_RELEASE.as_slice()],
+        )
+        .await?;
+    Ok(row.get(0))
 }
 
 /// The statements that move an older release's objects from `public` into `schema` and leave

@@ -131,6 +131,32 @@ pub(super) async fn applied_version(
     Ok(version)
 }
 
+/// Where Turnstile's tables are when this session's `search_path` does not reach them: the
+/// schema holding a migration history that is not on the path, and the path. `None` when there is
+/// no such schema. One simple query, as [`applied_version`].
+///
+/// # Errors
+/// When the query fails.
+pub(super) async fn unreached(
+    client: &tokio_postgres::Client,
+) -> Result<Option<(String, String)>, tokio_postgres::Error> {
+    let rows = client
+        .simple_query(
+            "SELECT n.nspname, current_setting('search_path') \
+               FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+              WHERE c.relname = 'refinery_schema_history' \
+                AND n.nspname <> ALL (current_schemas(false)) \
+              ORDER BY n.nspname = 'turnstile' DESC, n.nspname LIMIT 1",
+        )
+        .await?;
+    Ok(rows.iter().find_map(|message| match message {
+        tokio_postgres::SimpleQueryMessage::Row(row) => {
+            Some((row.get(0)?.to_owned(), row.get(1)?.to_owned()))
+        }
+        _ => None,
+    }))
+}
+
 const OPEN: u8 = 0;
 const BEHIND: u8 = 1;
 const UNCHECKED: u8 = 2;
