@@ -9,6 +9,7 @@
 //! themselves — is `crate::grpc`'s.
 
 pub(crate) mod admission;
+mod coalesce;
 pub(crate) mod connection_age;
 pub(crate) mod drain;
 pub(crate) mod routes;
@@ -44,6 +45,7 @@ use crate::store::postgres::{self, PostgresStore};
 use crate::store::upkeep::Upkeep;
 use crate::telemetry::rpc::RpcTelemetryLayer;
 use admission::AdmissionLayer;
+use coalesce::Coalesced;
 use connection_age::Deadlined;
 use drain::Drain;
 use routes::Services;
@@ -435,7 +437,7 @@ async fn drain_on(shutdown: impl Future<Output = ()>, drained: Drained) {
 fn incoming(
     listener: TcpListener,
     config: &Config,
-) -> impl futures::Stream<Item = std::io::Result<Deadlined>> + use<> {
+) -> impl futures::Stream<Item = std::io::Result<Coalesced<Deadlined>>> + use<> {
     let connections = config.connections;
     // GOAWAY at the age by tonic, the hard end after the grace by the socket: see
     // `server::connection_age` for why not tonic's own grace.
@@ -445,7 +447,9 @@ fn incoming(
         .map(|(age, grace)| age.saturating_add(grace));
     TcpIncoming::from(listener)
         .with_nodelay(Some(true))
-        .map(move |accepted| accepted.map(|stream| Deadlined::new(stream, lifetime)))
+        .map(move |accepted| {
+            accepted.map(|stream| Coalesced::new(Deadlined::new(stream, lifetime)))
+        })
 }
 
 /// The gRPC server with this configuration's keepalives, connection age and TLS.

@@ -1,0 +1,216 @@
+//! An accepted connection's answers written together: the first write after a flush waits for
+//! the tasks already ready to run.
+//!
+//! A batch of turns commits at once (`store/postgres/group_commit.rs`), and its turns then finish
+//! one after another. Each finished turn wakes its HTTP/2 connection's task, and tokio runs a
+//! task just woken next (its LIFO slot), so the connection wrote each answer as soon as it was
+//! ready: one `sendto` an answer, and on the client one wake-up and one read an answer
+//! (`bench/RESULTS.md`, 2026-11-30: 0.84 `sendto` a turn with four connections, 0.22 with one).
+//! The system calls and wake-ups were the largest share of the server's CPU per turn.
+//!
+//! So the first write after a flush yields instead: the connection's task wakes itself and is
+//! put behind the tasks ready to run (tokio reschedules a task that woke itself at the back of
+//! its run queue), the batch's other turns finish meanwhile and add their answers to HTTP/2's
+//! buffer, and the next poll writes them all in one call. With nothing else ready, the task is
+//! polled again at once: a lone answer waits for one more poll of its connection, not for
+//! anything else. Reads are untouched.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tonic::transport::server::Connected;
+
+/// Where a connection is between two flushes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Writes {
+    /// Flushed: the next write yields first.
+    Flushed,
+    /// The write yielded once: the next goes through.
+    Yielded,
+    /// Writing, until the next flush.
+    Writing,
+}
+
+/// `inner`, whose first write after each flush yields once.
+#[derive(Debug)]
+pub struct Coalesced<T> {
+    inner: T,
+    writes: Writes,
+}
+
+impl<T> Coalesced<T> {
+    /// `inner`, its writes coalesced.
+    pub fn new(inner: T) -> Self {
+        Self {
+            inner,
+            writes: Writes::Flushed,
+        }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Coalesced<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> Coalesced<T> {
+    /// Pending once after a flush, with the task woken to come back; ready after that.
+    fn yielded(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        match self.writes {
+            Writes::Flushed => {
+                self.writes = Writes::Yielded;
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            }
+            Writes::Yielded | Writes::Writing => {
+                self.writes = Writes::Writing;
+                Poll::Ready(())
+            }
+        }
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Coalesced<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        std::task::ready!(self.yielded(cx));
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        std::task::ready!(self.yielded(cx));
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let flushed = Pin::new(&mut self.inner).poll_flush(cx);
+        if flushed.is_ready() {
+            self.writes = Writes::Flushed;
+        }
+        flushed
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+impl<T: Connected> Connected for Coalesced<T> {
+    type ConnectInfo = T::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{Wake, Waker};
+
+    /// Counts its wakes.
+    struct Counting(AtomicUsize);
+
+    impl Wake for Counting {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Records each write it is given.
+    #[derive(Default)]
+    struct Recorded(Vec<Vec<u8>>);
+
+    impl AsyncWrite for Recorded {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            self.0.push(buf.to_vec());
+            Poll::Ready(Ok(buf.len()))
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[test]
+    fn the_first_write_after_a_flush_yields_once_with_its_task_woken() {
+        let wakes = Arc::new(Counting(AtomicUsize::new(0)));
+        let waker = Waker::from(Arc::clone(&wakes));
+        let mut cx = Context::from_waker(&waker);
+        let mut conn = Coalesced::new(Recorded::default());
+        let mut write = |conn: &mut Coalesced<Recorded>, data: &[u8]| {
+            Pin::new(conn)
+                .poll_write(&mut cx, data)
+                .map(|n| n.expect("a recorded write"))
+        };
+
+        assert_eq!(write(&mut conn, b"one"), Poll::Pending);
+        assert_eq!(wakes.0.load(Ordering::Relaxed), 1, "woken to come back");
+        assert!(conn.inner.0.is_empty(), "nothing written yet");
+        // Back after the others ran: this write and the rest go through until a flush.
+        assert_eq!(write(&mut conn, b"one two"), Poll::Ready(7));
+        assert_eq!(write(&mut conn, b"three"), Poll::Ready(5));
+        let mut cx = Context::from_waker(&waker);
+        assert!(Pin::new(&mut conn).poll_flush(&mut cx).is_ready());
+        assert_eq!(wakes.0.load(Ordering::Relaxed), 1);
+
+        // The next write after the flush yields again.
+        assert!(
+            Pin::new(&mut conn)
+                .poll_write(&mut cx, b"four")
+                .is_pending()
+        );
+        assert_eq!(wakes.0.load(Ordering::Relaxed), 2);
+        assert_eq!(conn.inner.0, vec![b"one two".to_vec(), b"three".to_vec()]);
+    }
+
+    #[tokio::test]
+    async fn what_is_written_arrives_whole() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let (near, mut far) = tokio::io::duplex(64);
+        let mut conn = Coalesced::new(near);
+        let sent: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let writer = {
+            let sent = sent.clone();
+            tokio::spawn(async move {
+                for chunk in sent.chunks(100) {
+                    conn.write_all(chunk).await.expect("written");
+                    conn.flush().await.expect("flushed");
+                }
+                conn.shutdown().await.expect("shut down");
+            })
+        };
+        let mut got = Vec::new();
+        far.read_to_end(&mut got).await.expect("read");
+        writer.await.expect("the writer ran");
+        assert_eq!(got, sent);
+    }
+}
