@@ -14,6 +14,10 @@
 //! buffer, and the next poll writes them all in one call. With nothing else ready, the task is
 //! polled again at once: a lone answer waits for one more poll of its connection, not for
 //! anything else. Reads are untouched.
+//!
+//! Not with TLS: tonic's TLS wraps this connection, and tokio-rustls takes a write that had to
+//! wait as done, then writes again at its flush in the same poll, so a yield there would hold
+//! nothing back and cost a poll. With TLS the connection's writes go as they come.
 
 use std::io;
 use std::pin::Pin;
@@ -31,9 +35,11 @@ enum Writes {
     Yielded,
     /// Writing, until the next flush.
     Writing,
+    /// Never yielding.
+    Passing,
 }
 
-/// `inner`, whose first write after each flush yields once.
+/// `inner`, whose first write after each flush yields once, if it coalesces.
 #[derive(Debug)]
 pub struct Coalesced<T> {
     inner: T,
@@ -46,6 +52,14 @@ impl<T> Coalesced<T> {
         Self {
             inner,
             writes: Writes::Flushed,
+        }
+    }
+
+    /// `inner`, its writes going as they come (beneath TLS).
+    pub fn passing(inner: T) -> Self {
+        Self {
+            inner,
+            writes: Writes::Passing,
         }
     }
 }
@@ -73,6 +87,7 @@ impl<T: AsyncWrite + Unpin> Coalesced<T> {
                 self.writes = Writes::Writing;
                 Poll::Ready(())
             }
+            Writes::Passing => Poll::Ready(()),
         }
     }
 }
@@ -102,7 +117,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Coalesced<T> {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let flushed = Pin::new(&mut self.inner).poll_flush(cx);
-        if flushed.is_ready() {
+        if flushed.is_ready() && self.writes != Writes::Passing {
             self.writes = Writes::Flushed;
         }
         flushed
@@ -190,6 +205,20 @@ mod tests {
         );
         assert_eq!(wakes.0.load(Ordering::Relaxed), 2);
         assert_eq!(conn.inner.0, vec![b"one two".to_vec(), b"three".to_vec()]);
+    }
+
+    #[test]
+    fn a_passing_connection_never_yields() {
+        let wakes = Arc::new(Counting(AtomicUsize::new(0)));
+        let waker = Waker::from(Arc::clone(&wakes));
+        let mut cx = Context::from_waker(&waker);
+        let mut conn = Coalesced::passing(Recorded::default());
+        for _ in 0..2 {
+            assert!(Pin::new(&mut conn).poll_write(&mut cx, b"x").is_ready());
+            assert!(Pin::new(&mut conn).poll_flush(&mut cx).is_ready());
+        }
+        assert_eq!(wakes.0.load(Ordering::Relaxed), 0);
+        assert_eq!(conn.inner.0.len(), 2);
     }
 
     #[tokio::test]

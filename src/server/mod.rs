@@ -445,10 +445,19 @@ fn incoming(
         .max_age
         .zip(connections.max_age_grace)
         .map(|(age, grace)| age.saturating_add(grace));
+    // Answers written together (`server::coalesce`), but not beneath TLS.
+    let coalesced = config.tls.is_none();
     TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .map(move |accepted| {
-            accepted.map(|stream| Coalesced::new(Deadlined::new(stream, lifetime)))
+            accepted.map(|stream| {
+                let stream = Deadlined::new(stream, lifetime);
+                if coalesced {
+                    Coalesced::new(stream)
+                } else {
+                    Coalesced::passing(stream)
+                }
+            })
         })
 }
 
