@@ -15,6 +15,20 @@
 //! polled again at once: a lone answer waits for one more poll of its connection, not for
 //! anything else. Reads are untouched.
 //!
+//! A connection with one call in flight at a time (a client that opens a connection per caller,
+//! as k6 does) has nothing to gather, and each yield only costs a poll: 4,500 instructions a
+//! turn in the card's k6 count. So a connection judges its yields: one after which the write was
+//! no larger than the data waiting before it gathered nothing (a miss), one after which it was
+//! larger gathered (a hit). A hit earns [`HIT`] misses of credit, up to [`CREDIT`]; once a
+//! connection's misses outrun its credit by [`MISSES`], it writes at once for the next
+//! [`SKIPPED`] flushes, then tries again. So it goes on yielding while about one yield in five
+//! gathers something (a wasted yield costs a poll; a gathered write saves a system call here and
+//! a wake-up and a read in the client), and a connection with one call in flight yields at about
+//! one flush in fourteen.
+//! Misses are counted against hits, not in a row: a connection's control frames (window updates,
+//! pings) often go alone, and counted in a row they stopped the yields of the load generator's
+//! connections, whose answers gather (`bench/RESULTS.md`).
+//!
 //! Not with TLS: tonic's TLS wraps this connection, and tokio-rustls takes a write that had to
 //! wait as done, then writes again at its flush in the same poll, so a yield there would hold
 //! nothing back and cost a poll. With TLS the connection's writes go as they come.
@@ -25,6 +39,15 @@ use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tonic::transport::server::Connected;
+
+/// Misses beyond its credit after which a connection stops yielding for a while.
+const MISSES: i16 = 5;
+/// The credit a hit earns, in misses.
+const HIT: i16 = 4;
+/// The most credit a connection holds.
+const CREDIT: i16 = 32;
+/// How many flushes it then writes at once before it tries a yield again.
+const SKIPPED: u16 = 64;
 
 /// Where a connection is between two flushes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,22 +67,32 @@ enum Writes {
 pub struct Coalesced<T> {
     inner: T,
     writes: Writes,
+    /// The bytes waiting to be written when the last yield began.
+    waiting: usize,
+    /// Credit left, in misses: hits earn it, misses spend it.
+    credit: i16,
+    /// Flushes still to write at once before the next yield.
+    skipping: u16,
 }
 
 impl<T> Coalesced<T> {
     /// `inner`, its writes coalesced.
     pub fn new(inner: T) -> Self {
-        Self {
-            inner,
-            writes: Writes::Flushed,
-        }
+        Self::in_state(inner, Writes::Flushed)
     }
 
     /// `inner`, its writes going as they come (beneath TLS).
     pub fn passing(inner: T) -> Self {
+        Self::in_state(inner, Writes::Passing)
+    }
+
+    fn in_state(inner: T, writes: Writes) -> Self {
         Self {
             inner,
-            writes: Writes::Passing,
+            writes,
+            waiting: 0,
+            credit: 0,
+            skipping: 0,
         }
     }
 }
@@ -75,20 +108,35 @@ impl<T: AsyncRead + Unpin> AsyncRead for Coalesced<T> {
 }
 
 impl<T: AsyncWrite + Unpin> Coalesced<T> {
-    /// Pending once after a flush, with the task woken to come back; ready after that.
-    fn yielded(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+    /// Pending once after a flush, with the task woken to come back; ready after that. `len`:
+    /// the bytes waiting to be written.
+    fn yielded(&mut self, cx: &mut Context<'_>, len: usize) -> Poll<()> {
         match self.writes {
+            Writes::Flushed if self.skipping > 0 => {
+                self.skipping -= 1;
+                self.writes = Writes::Writing;
+            }
             Writes::Flushed => {
                 self.writes = Writes::Yielded;
+                self.waiting = len;
                 cx.waker().wake_by_ref();
-                Poll::Pending
+                return Poll::Pending;
             }
-            Writes::Yielded | Writes::Writing => {
+            Writes::Yielded => {
+                if len > self.waiting {
+                    self.credit = (self.credit + HIT).min(CREDIT);
+                } else {
+                    self.credit -= 1;
+                    if self.credit <= -MISSES {
+                        self.credit = 0;
+                        self.skipping = SKIPPED;
+                    }
+                }
                 self.writes = Writes::Writing;
-                Poll::Ready(())
             }
-            Writes::Passing => Poll::Ready(()),
+            Writes::Writing | Writes::Passing => {}
         }
+        Poll::Ready(())
     }
 }
 
@@ -98,7 +146,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Coalesced<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        std::task::ready!(self.yielded(cx));
+        std::task::ready!(self.yielded(cx, buf.len()));
         Pin::new(&mut self.inner).poll_write(cx, buf)
     }
 
@@ -107,7 +155,8 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Coalesced<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        std::task::ready!(self.yielded(cx));
+        let len = bufs.iter().map(|b| b.len()).sum();
+        std::task::ready!(self.yielded(cx, len));
         Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
     }
 
@@ -205,6 +254,57 @@ mod tests {
         );
         assert_eq!(wakes.0.load(Ordering::Relaxed), 2);
         assert_eq!(conn.inner.0, vec![b"one two".to_vec(), b"three".to_vec()]);
+    }
+
+    #[test]
+    fn yields_that_gather_nothing_stop_for_a_while_then_are_tried_again() {
+        let wakes = Arc::new(Counting(AtomicUsize::new(0)));
+        let waker = Waker::from(Arc::clone(&wakes));
+        let mut cx = Context::from_waker(&waker);
+        let mut conn = Coalesced::new(Recorded::default());
+        let mut flush_cycle = |conn: &mut Coalesced<Recorded>| {
+            let mut polls = 0;
+            loop {
+                polls += 1;
+                // The same one answer each time: nothing joins it.
+                if Pin::new(&mut *conn)
+                    .poll_write(&mut cx, b"answer")
+                    .is_ready()
+                {
+                    break;
+                }
+            }
+            assert!(Pin::new(&mut *conn).poll_flush(&mut cx).is_ready());
+            polls
+        };
+        for _ in 0..MISSES {
+            assert_eq!(flush_cycle(&mut conn), 2, "a yield, then the write");
+        }
+        for _ in 0..SKIPPED {
+            assert_eq!(flush_cycle(&mut conn), 1, "written at once");
+        }
+        assert_eq!(flush_cycle(&mut conn), 2, "tried again");
+        assert_eq!(
+            wakes.0.load(Ordering::Relaxed),
+            usize::try_from(MISSES).expect("small") + 1
+        );
+    }
+
+    #[test]
+    fn a_hit_in_five_keeps_a_connection_yielding() {
+        let waker = Waker::from(Arc::new(Counting(AtomicUsize::new(0))));
+        let mut cx = Context::from_waker(&waker);
+        let mut conn = Coalesced::new(Recorded::default());
+        for cycle in 0..200 {
+            // Pending first, then the write: larger (another answer joined) one time in five.
+            assert!(
+                Pin::new(&mut conn).poll_write(&mut cx, b"a").is_pending(),
+                "{cycle}"
+            );
+            let joined: &[u8] = if cycle % 5 == 0 { b"a b" } else { b"a" };
+            assert!(Pin::new(&mut conn).poll_write(&mut cx, joined).is_ready());
+            assert!(Pin::new(&mut conn).poll_flush(&mut cx).is_ready());
+        }
     }
 
     #[test]
