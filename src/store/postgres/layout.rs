@@ -126,16 +126,13 @@ pub(super) async fn settle(client: &Client, schema: &Schema) -> Result<(), tokio
         // set then is taken back.
         sql.push_str(&format!(
             "DO $$ BEGIN
-               IF EXISTS (
-                   SELECT 1 FROM pg_db_role_setting s JOIN pg_roles r ON r.oid = s.setrole
-                     JOIN pg_database d ON d.oid = s.setdatabase
-                    WHERE r.rolname = current_user AND d.datname = current_database()
-                      AND 'search_path={search_path}' = ANY (s.setconfig))
+               IF {}
                THEN
                    EXECUTE format('ALTER ROLE %I IN DATABASE %I RESET search_path',
                                   current_user, current_database());
                END IF;
-             END $$;\n"
+             END $$;\n",
+            role_has(&format!("'search_path={search_path}' = ANY (s.setconfig)"))
         ));
     }
     // In `public`, a session's default path reaches the tables already.
@@ -144,19 +141,29 @@ pub(super) async fn settle(client: &Client, schema: &Schema) -> Result<(), tokio
     for (name, value) in path.into_iter().chain(super::PLANS_BY_INDEX) {
         sql.push_str(&format!(
             "DO $$ BEGIN
-               IF NOT EXISTS (
-                   SELECT 1 FROM pg_db_role_setting s JOIN pg_roles r ON r.oid = s.setrole
-                     JOIN pg_database d ON d.oid = s.setdatabase
-                    WHERE r.rolname = current_user AND d.datname = current_database()
-                      AND EXISTS (SELECT 1 FROM unnest(s.setconfig) c WHERE c LIKE '{name}=%'))
+               IF NOT {}
                THEN
                    EXECUTE format('ALTER ROLE %I IN DATABASE %I SET {name} = {value}',
                                   current_user, current_database());
                END IF;
-             END $$;\n"
+             END $$;\n",
+            role_has(&format!(
+                "EXISTS (SELECT 1 FROM unnest(s.setconfig) c WHERE c LIKE '{name}=%')"
+            ))
         ));
     }
     client.batch_execute(&sql).await
+}
+
+/// SQL: whether the session's role has, in this database, settings for which `condition` (on
+/// `s.setconfig`) holds.
+fn role_has(condition: &str) -> String {
+    format!(
+        "EXISTS (SELECT 1 FROM pg_db_role_setting s JOIN pg_roles r ON r.oid = s.setrole
+                   JOIN pg_database d ON d.oid = s.setdatabase
+                  WHERE r.rolname = current_user AND d.datname = current_database()
+                    AND {condition})"
+    )
 }
 
 /// Whether `public` still holds what [`adoption`] left there for an older release's replicas
