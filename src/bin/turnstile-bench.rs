@@ -18,6 +18,7 @@ use rand::Rng as _;
 use serde_json::json;
 use tokio::sync::Mutex;
 use tonic::transport::{Channel, Endpoint};
+use turnstile::grpc::client;
 use turnstile::grpc::convert::json_to_proto_value;
 use turnstile::grpc::pb;
 use turnstile::grpc::pb::turn_service_client::TurnServiceClient;
@@ -439,10 +440,9 @@ async fn connect(args: &Args) -> anyhow::Result<Vec<Channel>> {
             format!("http://{target}")
         };
         for _ in 0..args.connections.max(1) {
-            let channel = Endpoint::from_shared(uri.clone())
-                .with_context(|| format!("bad target {target}"))?
-                .tcp_nodelay(true)
-                .connect()
+            let endpoint = Endpoint::from_shared(uri.clone())
+                .with_context(|| format!("bad target {target}"))?;
+            let channel = client::connect(&endpoint)
                 .await
                 .with_context(|| format!("connecting to {target}"))?;
             channels.push(channel);

@@ -219,9 +219,8 @@ impl RemoteBots {
         for spec in &self.bots {
             let endpoint = client::endpoint_to(&spec.url, &self.tls_for(spec)?)
                 .map_err(|e| RemoteBotsError::from_client(&spec.name, e))?
-                .connect_timeout(CONNECT_TIMEOUT)
-                .tcp_nodelay(true);
-            let bot = RemoteBot::new(spec.name.clone(), endpoint.connect_lazy())
+                .connect_timeout(CONNECT_TIMEOUT);
+            let bot = RemoteBot::new(spec.name.clone(), client::channel(&endpoint))
                 .with_authorization(authorization.clone());
             tracing::info!(bot = %spec.name, worker = %spec.url, "hosting a remote bot");
             bots = bots.with(spec.name.clone(), bot);

@@ -75,14 +75,13 @@ impl Turns {
     /// # Errors
     /// [`TurnsError`] when the URL or the token is unusable.
     pub fn new(config: &GatewayConfig) -> Result<Self, TurnsError> {
-        let endpoint =
-            client::endpoint(&config.turnstile_url, &config.turnstile_tls)?.tcp_nodelay(true);
+        let endpoint = client::endpoint(&config.turnstile_url, &config.turnstile_tls)?;
         let authorization = match &config.turnstile_token {
             Some(token) => Some(bearer(token).ok_or(TurnsError::Token)?),
             None => None,
         };
         Ok(Self {
-            client: TurnServiceClient::new(endpoint.connect_lazy()),
+            client: TurnServiceClient::new(client::channel(&endpoint)),
             bot: config.bot.clone(),
             authorization,
             timeout: config.turn_timeout,

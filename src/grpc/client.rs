@@ -10,11 +10,24 @@
 //! remote bot's connections to its worker are made here too ([`endpoint_to`], for the URL it
 //! parsed at start), so that every client reads its certificate files, and refuses TLS settings
 //! on a plaintext address, the same way.
+//!
+//! A client with many calls in flight on one connection (the gateway's turns, a remote bot's)
+//! opens it with [`channel`]: its connections write the calls that become ready together in one
+//! system call, as the server writes its answers ([`crate::grpc::coalesce`]), and not one each.
 
+use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
 use tonic::codegen::http::Uri;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+use tower::Service;
+
+use crate::grpc::coalesce::Coalesced;
 
 /// TLS settings of a client; unused for `http://` addresses.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -121,6 +134,59 @@ fn secured(endpoint: Endpoint, address: &str, tls: &ClientTls) -> Result<Endpoin
         })
 }
 
+/// A channel to `endpoint`, connecting on first use, whose connections write the calls ready
+/// together ([`crate::grpc::coalesce`]; not beneath TLS, as on the server). TCP_NODELAY is on,
+/// the endpoint's connect timeout applies.
+pub fn channel(endpoint: &Endpoint) -> Channel {
+    endpoint.connect_with_connector_lazy(Connector::new())
+}
+
+/// The same, connected now.
+///
+/// # Errors
+/// When the connection cannot be made.
+pub async fn connect(endpoint: &Endpoint) -> Result<Channel, tonic::transport::Error> {
+    endpoint.connect_with_connector(Connector::new()).await
+}
+
+/// TCP connections, coalesced for `http://` and passing beneath `https://`'s TLS, which tonic
+/// adds around them.
+#[derive(Clone)]
+struct Connector(HttpConnector);
+
+impl Connector {
+    fn new() -> Self {
+        let mut http = HttpConnector::new();
+        // `https://` reaches it too: tonic adds TLS around the connection it makes.
+        http.enforce_http(false);
+        http.set_nodelay(true);
+        Self(http)
+    }
+}
+
+impl Service<Uri> for Connector {
+    type Response = TokioIo<Coalesced<TcpStream>>;
+    type Error = <HttpConnector as Service<Uri>>::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let tls = uri.scheme_str() == Some("https");
+        let connecting = self.0.call(uri);
+        Box::pin(async move {
+            let stream = connecting.await?.into_inner();
+            Ok(TokioIo::new(if tls {
+                Coalesced::passing(stream)
+            } else {
+                Coalesced::new(stream)
+            }))
+        })
+    }
+}
+
 fn read(path: &Path) -> Result<Vec<u8>, ClientError> {
     std::fs::read(path).map_err(|source| ClientError::File {
         path: path.to_owned(),
@@ -139,6 +205,24 @@ mod tests {
             ca_cert: Some(path.into()),
             ..ClientTls::default()
         }
+    }
+
+    /// What `Connector` makes of a connection to `scheme://` a listener here.
+    async fn connected(scheme: &str) -> TokioIo<Coalesced<TcpStream>> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let uri: Uri = format!("{scheme}://{}", listener.local_addr().unwrap())
+            .parse()
+            .unwrap();
+        let connection = Connector::new().call(uri).await.unwrap();
+        assert!(connection.inner().inner().nodelay().unwrap());
+        connection
+    }
+
+    #[tokio::test]
+    async fn plaintext_connections_coalesce_and_tls_ones_pass() {
+        assert!(connected("http").await.inner().coalesces());
+        // tonic's TLS wraps the connection, and writes again at its flush in the same poll.
+        assert!(!connected("https").await.inner().coalesces());
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub(crate) mod admin;
 pub mod affinity;
 pub mod auth;
 pub mod client;
+pub mod coalesce;
 pub(crate) mod codec;
 pub mod convert;
 pub mod error;

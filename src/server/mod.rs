@@ -9,7 +9,6 @@
 //! themselves — is `crate::grpc`'s.
 
 pub(crate) mod admission;
-mod coalesce;
 pub(crate) mod connection_age;
 pub(crate) mod drain;
 pub(crate) mod routes;
@@ -34,6 +33,7 @@ use crate::config::{Config, StoreConfig, TlsFiles};
 use crate::engine::Engine;
 use crate::grpc::admin::AdminApi;
 use crate::grpc::auth::{self, Authenticate};
+use crate::grpc::coalesce::Coalesced;
 use crate::grpc::pb;
 use crate::grpc::pb::admin_service_server::AdminServiceServer;
 use crate::grpc::pb::turn_service_server::TurnServiceServer;
@@ -45,7 +45,6 @@ use crate::store::postgres::{self, PostgresStore};
 use crate::store::upkeep::Upkeep;
 use crate::telemetry::rpc::RpcTelemetryLayer;
 use admission::AdmissionLayer;
-use coalesce::Coalesced;
 use connection_age::Deadlined;
 use drain::Drain;
 use routes::Services;
@@ -445,7 +444,7 @@ fn incoming(
         .max_age
         .zip(connections.max_age_grace)
         .map(|(age, grace)| age.saturating_add(grace));
-    // Answers written together (`server::coalesce`), but not beneath TLS.
+    // Answers written together (`grpc::coalesce`), but not beneath TLS.
     let coalesced = config.tls.is_none();
     TcpIncoming::from(listener)
         .with_nodelay(Some(true))
