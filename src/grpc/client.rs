@@ -178,11 +178,7 @@ impl Service<Uri> for Connector {
         let connecting = self.0.call(uri);
         Box::pin(async move {
             let stream = connecting.await?.into_inner();
-            Ok(TokioIo::new(if tls {
-                Coalesced::passing(stream)
-            } else {
-                Coalesced::new(stream)
-            }))
+            Ok(TokioIo::new(Coalesced::unless_tls(stream, tls)))
         })
     }
 }

@@ -92,6 +92,15 @@ impl<T> Coalesced<T> {
         Self::in_state(inner, Writes::Passing)
     }
 
+    /// `inner`, coalesced unless TLS is to wrap it, when its writes go as they come.
+    pub fn unless_tls(inner: T, tls: bool) -> Self {
+        if tls {
+            Self::passing(inner)
+        } else {
+            Self::new(inner)
+        }
+    }
+
     /// Whether its writes are coalesced (not [`Coalesced::passing`]).
     pub fn coalesces(&self) -> bool {
         self.writes != Writes::Passing

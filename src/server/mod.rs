@@ -445,18 +445,11 @@ fn incoming(
         .zip(connections.max_age_grace)
         .map(|(age, grace)| age.saturating_add(grace));
     // Answers written together (`grpc::coalesce`), but not beneath TLS.
-    let coalesced = config.tls.is_none();
+    let tls = config.tls.is_some();
     TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .map(move |accepted| {
-            accepted.map(|stream| {
-                let stream = Deadlined::new(stream, lifetime);
-                if coalesced {
-                    Coalesced::new(stream)
-                } else {
-                    Coalesced::passing(stream)
-                }
-            })
+            accepted.map(|stream| Coalesced::unless_tls(Deadlined::new(stream, lifetime), tls))
         })
 }
 
