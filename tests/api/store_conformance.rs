@@ -1270,6 +1270,13 @@ async fn group_load_gives_each_load_its_own_snapshot() {
         after.largest >= 8,
         "the queued loads went together: {before:?} -> {after:?}"
     );
+    // The first loads took the free slots and went alone; every load that found them all taken
+    // waited for one and went with the others, as one statement.
+    assert_eq!(
+        after.statements - before.statements,
+        postgres::LOADS_IN_FLIGHT as u64 + 1,
+        "{before:?} -> {after:?}"
+    );
     for (i, snapshot) in snapshots.iter().take(10).enumerate() {
         let own = snapshot.get(&convs[i]).expect("its conversation's row");
         let (n, version) = match i {
